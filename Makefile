@@ -1,0 +1,44 @@
+# Each target creates .venv and installs what it needs, so both work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# The pinned torch resolves to the local CPU build on these machines; an unpinned torch would
+# pull several GB of CUDA wheels.
+TORCH := torch==2.13.0
+
+.PHONY: test demo bench venv clean
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.torch: $(VENV)/bin/activate
+	$(PIP) install -q $(TORCH)
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e ".[demo]"
+	touch $@
+
+$(VENV)/.bench: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e ".[bench]" $(TORCH)
+	touch $@
+
+venv: $(VENV)/.dev
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: $(VENV)/.demo
+	$(VENV)/bin/psg-demo
+
+bench: $(VENV)/.bench
+	$(PY) -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""psg_client: Python client for the psg gradient service."""

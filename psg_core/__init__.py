@@ -1,0 +1,40 @@
+"""psg_core: per-sample gradients for PyTorch with augmentation multiplicity.
+
+>>> import torch
+>>> from torch import nn
+>>> import psg_core
+>>> model = psg_core.GradSampleModule(nn.Linear(3, 1))
+>>> model(torch.randn(5, 3)).sum().backward()
+>>> model.weight.grad_sample.shape
+torch.Size([5, 1, 3])
+"""
+
+from __future__ import annotations
+
+from psg_core.backends.base import AbstractGradSampleModule
+from psg_core.backends.hooks import GradSampleModule
+from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError,
+                             GradAccumulationError, NonFiniteInputError, PsgError,
+                             UnsupportedModuleError)
+from psg_core.grad_sample import GRAD_SAMPLERS, GradSamplerRegistry, register_grad_sampler
+from psg_core.modes import Clipping, GradSampleMode, LossReduction
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbstractGradSampleModule",
+    "BatchLayoutError",
+    "BudgetExhaustedError",
+    "Clipping",
+    "ConfigError",
+    "GRAD_SAMPLERS",
+    "GradAccumulationError",
+    "GradSampleMode",
+    "GradSampleModule",
+    "GradSamplerRegistry",
+    "LossReduction",
+    "NonFiniteInputError",
+    "PsgError",
+    "UnsupportedModuleError",
+    "register_grad_sampler",
+]

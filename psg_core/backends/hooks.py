@@ -1,0 +1,250 @@
+"""The hooks backend: forward hooks keep activations, gradient hooks call the grad samplers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from psg_core.backends.base import AbstractGradSampleModule, check_rows
+from psg_core.errors import GradAccumulationError, UnsupportedModuleError
+from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
+from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
+from psg_core.modes import LossReduction
+
+__all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST"]
+
+logger = logging.getLogger(__name__)
+
+#: Class attribute set (to True) by psg's own layers whose inputs are batch-first whatever the
+#: model's layout, e.g. the per-timestep cells inside the DP recurrent layers.
+ALWAYS_BATCH_FIRST = "_psg_always_batch_first"
+
+# Layers that mix samples within a batch, or fused layers whose kernels hooks cannot see into.
+_MIXING = (nn.modules.batchnorm._BatchNorm,)
+_FUSED = (nn.RNNBase, nn.MultiheadAttention)
+
+
+def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+class GradSampleModule(AbstractGradSampleModule):
+    """Hooks-based per-sample gradients, with augmentation multiplicity K.
+
+    The input batch holds ``N*K`` rows, sample-major (rows ``n*K .. n*K+K-1`` are the K copies of
+    sample n). After ``loss.backward()`` each trainable parameter ``p`` of the wrapped module has
+    ``p.grad_sample`` of shape ``(N, *p.shape)``: the gradient of sample n's loss, which is the
+    ``loss_reduction`` (mean or sum) of its K rows' losses. ``p.grad`` is computed as usual.
+
+    Args:
+        module: the model to wrap. Hook state lives in this wrapper, never on ``module``.
+        batch_first: whether the batch is dimension 0 (True) or 1 of every layer input.
+        loss_reduction: ``"mean"`` or ``"sum"``, the reduction of the batch loss over rows.
+        strict: raise :class:`~psg_core.errors.UnsupportedModuleError` at construction when a
+            module with trainable parameters has no grad sampler; otherwise such modules use the
+            per-layer ``torch.func`` fallback.
+        force_functorch: compute every layer with the ``torch.func`` fallback.
+        augmentation_multiplicity: K, the number of augmented copies per sample.
+
+    >>> model = GradSampleModule(nn.Linear(4, 2), augmentation_multiplicity=2)
+    >>> model(torch.randn(6, 4)).sum().backward()
+    >>> model.weight.grad_sample.shape
+    torch.Size([3, 2, 4])
+    """
+
+    def __init__(self, module: nn.Module, *, batch_first: bool = True,
+                 loss_reduction: str | LossReduction = "mean", strict: bool = True,
+                 force_functorch: bool = False, augmentation_multiplicity: int = 1) -> None:
+        super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
+                         augmentation_multiplicity=augmentation_multiplicity)
+        self.strict = bool(strict)
+        self.force_functorch = bool(force_functorch)
+        self.validate(module, strict=strict, force_functorch=force_functorch)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooks_enabled = True
+        self._capture_suspended = False
+        self._accumulation_allowed = False
+        self._forward_id = 0
+        # id(parameter) -> forward passes whose contributions p.grad_sample currently holds.
+        self._sources: dict[int, set[int]] = {}
+        self.add_hooks()
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def add_hooks(self) -> None:
+        """Installs the forward hooks (idempotent)."""
+        if self._handles:
+            return
+        for _, layer in self._module.named_modules():
+            if _own_trainable(layer) or (self.force_functorch and any(True for _ in layer.parameters(recurse=False))):
+                self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
+
+    def remove_hooks(self) -> None:
+        """Removes every hook this wrapper installed; the model is left exactly as it was."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def enable_hooks(self) -> None:
+        """Turns per-sample gradient capture back on (it is on by default)."""
+        self._hooks_enabled = True
+
+    def disable_hooks(self) -> None:
+        """Turns capture off without removing hooks: forward/backward behave like the bare model."""
+        self._hooks_enabled = False
+
+    def allow_grad_accumulation(self) -> None:
+        """Lets several backward passes add into ``p.grad_sample`` until it is cleared."""
+        self._accumulation_allowed = True
+
+    def forbid_grad_accumulation(self) -> None:
+        """A backward pass that would add to an uncleared ``p.grad_sample`` raises ValueError."""
+        self._accumulation_allowed = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._forward_id += 1
+        return self._module(*args, **kwargs)
+
+    # ----------------------------------------------------------------------------- validation
+    @classmethod
+    def is_supported(cls, module: nn.Module) -> bool:
+        """Whether this single module (not its children) can get per-sample gradients by hooks."""
+        if isinstance(module, _MIXING):
+            return False
+        return not _own_trainable(module) or GRAD_SAMPLERS.lookup(module) is not None
+
+    @classmethod
+    def validate(cls, module: nn.Module, *, strict: bool = False,
+                 force_functorch: bool = False) -> list[UnsupportedModuleError]:
+        """Checks that every trainable parameter of ``module`` can get a per-sample gradient.
+
+        Returns the list of problems, or raises the first one when ``strict``. Layers that mix
+        samples (BatchNorm in training or with trainable parameters) and fused recurrent and
+        attention layers are always reported; use :func:`psg_core.fix_model` for them.
+        """
+        errors: list[UnsupportedModuleError] = []
+        for path, layer in module.named_modules():
+            where = f"'{path or '<root>'}' ({type(layer).__qualname__})"
+            if isinstance(layer, _MIXING) and (layer.training or _own_trainable(layer)):
+                errors.append(UnsupportedModuleError(
+                    f"GradSampleModule: module {where} mixes samples of a batch, so per-sample "
+                    "gradients are undefined; replace it with GroupNorm (psg_core.fix_model does)"))
+            elif isinstance(layer, _FUSED) and _own_trainable(layer):
+                errors.append(UnsupportedModuleError(
+                    f"GradSampleModule: module {where} is a fused layer; swap it for its DP "
+                    "rewrite with psg_core.fix_model"))
+            elif _own_trainable(layer) and not force_functorch and GRAD_SAMPLERS.lookup(layer) is None:
+                errors.append(UnsupportedModuleError(
+                    f"GradSampleModule: module {where} has trainable parameters but no registered "
+                    f"grad sampler; register one with @register_grad_sampler({type(layer).__name__}), "
+                    "pass strict=False to use the torch.func fallback, or use mode='functorch'"))
+        if strict and errors:
+            raise errors[0]
+        # Fused and sample-mixing layers are wrong under any setting.
+        hard = [e for e in errors if "no registered grad sampler" not in str(e)]
+        if hard:
+            raise hard[0]
+        return errors
+
+    # ----------------------------------------------------------------------------- hooks
+    @contextlib.contextmanager
+    def _suspend_capture(self) -> Iterator[None]:
+        previous, self._capture_suspended = self._capture_suspended, True
+        try:
+            yield
+        finally:
+            self._capture_suspended = previous
+
+    def _layer_batch_dim(self, layer: nn.Module) -> int:
+        return 0 if getattr(type(layer), ALWAYS_BATCH_FIRST, False) else self.batch_dim
+
+    def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> None:
+        if not self._hooks_enabled or self._capture_suspended or not torch.is_grad_enabled():
+            return
+        trainable = _own_trainable(layer)
+        if not trainable:
+            return
+        outputs = [t for t in tree_flatten(output)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs:
+            return
+        batch_dim = self._layer_batch_dim(layer)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or first.dim() <= batch_dim:
+            raise UnsupportedModuleError(
+                f"GradSampleModule: {type(layer).__qualname__} was called without a batched "
+                "tensor as its first argument, so its rows cannot be attributed to samples")
+        rows = first.shape[batch_dim]
+        check_rows(rows, self.augmentation_multiplicity, where=f"GradSampleModule ({type(layer).__qualname__})")
+        detached_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        detached_kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        forward_id = self._forward_id
+
+        def on_grads(grads: Any) -> None:
+            self._on_backprops(layer, detached_args, detached_kwargs, list(grads), batch_dim, rows,
+                               forward_id)
+
+        register_multi_grad_hook(outputs, on_grads, mode="all")
+
+    def _on_backprops(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      backprops: list[torch.Tensor | None], batch_dim: int, rows: int,
+                      forward_id: int) -> None:
+        if not self._hooks_enabled:
+            return
+        K = self.augmentation_multiplicity
+        entry = None if self.force_functorch else GRAD_SAMPLERS.lookup(layer)
+        if entry is None or len(backprops) != 1 or backprops[0] is None:
+            with self._suspend_capture():
+                grad_samples = functorch_layer_grad_sample(layer, args, kwargs, backprops, K,
+                                                           batch_dim, rows)
+        else:
+            grad_samples = self._run_sampler(entry, layer, args, backprops[0], batch_dim)
+        n_samples = rows // K
+        scale = float(n_samples) if self.loss_reduction is LossReduction.MEAN else 1.0
+        for param, grad_sample in grad_samples.items():
+            if not param.requires_grad:
+                continue
+            if scale != 1.0:
+                grad_sample = grad_sample * scale
+            self._store(param, grad_sample, forward_id)
+
+    def _run_sampler(self, entry: GradSamplerEntry, layer: nn.Module, args: tuple[Any, ...],
+                     backprops: torch.Tensor, batch_dim: int) -> dict[nn.Parameter, torch.Tensor]:
+        K = self.augmentation_multiplicity
+        activations = [a.movedim(batch_dim, 0) if isinstance(a, torch.Tensor) and batch_dim else a
+                       for a in args]
+        if batch_dim:
+            backprops = backprops.movedim(batch_dim, 0)
+        if entry.k_aware:
+            return entry.fn(layer, activations, backprops, K)
+        # An Opacus-style sampler returns (N*K, ...) per row; fold it over the K copies.
+        per_row = entry.fn(layer, activations, backprops)
+        return {p: g.reshape(g.shape[0] // K, K, *g.shape[1:]).sum(1) for p, g in per_row.items()}
+
+    def _store(self, param: nn.Parameter, grad_sample: torch.Tensor, forward_id: int) -> None:
+        existing = getattr(param, "grad_sample", None)
+        key = id(param)
+        if existing is None:
+            param.grad_sample = grad_sample.to(param.dtype)
+            self._sources[key] = {forward_id}
+            return
+        sources = self._sources.setdefault(key, set())
+        if forward_id not in sources and not self._accumulation_allowed:
+            raise GradAccumulationError(
+                "GradSampleModule: a second backward pass would add to p.grad_sample, which "
+                "still holds the previous pass; clear it (model.zero_grad()) before the next "
+                "backward, or call allow_grad_accumulation()")
+        if existing.shape != grad_sample.shape:
+            raise GradAccumulationError(
+                f"GradSampleModule: cannot accumulate per-sample gradients of {existing.shape[0]} "
+                f"and {grad_sample.shape[0]} samples; clear p.grad_sample between batches of "
+                "different sizes")
+        param.grad_sample = existing + grad_sample
+        sources.add(forward_id)

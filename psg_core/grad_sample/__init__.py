@@ -1,0 +1,9 @@
+"""Grad samplers, one module per layer family; importing this package registers them all."""
+
+from __future__ import annotations
+
+from psg_core.grad_sample import linear as _linear  # noqa: F401  (registers)
+from psg_core.grad_sample.registry import (GRAD_SAMPLERS, GradSampler, GradSamplerRegistry,
+                                           register_grad_sampler)
+
+__all__ = ["GRAD_SAMPLERS", "GradSampler", "GradSamplerRegistry", "register_grad_sampler"]

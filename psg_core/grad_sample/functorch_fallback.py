@@ -1,0 +1,71 @@
+"""Per-layer ``torch.func`` fallback: per-sample gradients of one module's own parameters.
+
+Used by the hooks backend for modules without a registered sampler (``strict=False``) and for
+every module under ``force_functorch=True``. One vmapped item is one sample's K rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["functorch_layer_grad_sample"]
+
+
+def _is_batched(value: Any, batch_dim: int, rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > batch_dim and value.shape[batch_dim] == rows
+
+
+def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                                backprops: list[torch.Tensor | None], augmentation_multiplicity: int,
+                                batch_dim: int, rows: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``layer``'s own trainable parameters (not its submodules').
+
+    Args:
+        layer: the module, as called in the forward pass.
+        args, kwargs: its inputs (detached), in the model's layout.
+        backprops: gradient of the loss w.r.t. each tensor the layer returned (flattened with
+            pytree), or None for outputs the loss does not depend on.
+        augmentation_multiplicity: K.
+        batch_dim: 0 (batch first) or 1.
+        rows: N*K, the number of rows in the batch.
+
+    Returns:
+        ``{parameter: (N, *parameter.shape)}``, gradients of each sample's summed row losses.
+    """
+    K = augmentation_multiplicity
+    n_samples = rows // K
+    params = {name: p.detach() for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
+    if not params:
+        return {}
+
+    def to_samples(t: torch.Tensor) -> torch.Tensor:
+        t = t.movedim(batch_dim, 0)  # (N*K, ...)
+        return t.reshape(n_samples, K, *t.shape[1:])  # (N, K, ...)
+
+    flat_inputs, input_spec = tree_flatten((args, kwargs))
+    in_dims = [0 if _is_batched(v, batch_dim, rows) else None for v in flat_inputs]
+    batched_inputs = [to_samples(v) if d == 0 else v for v, d in zip(flat_inputs, in_dims)]
+    bp_dims = [0 if b is not None else None for b in backprops]
+    batched_bps = [to_samples(b) if b is not None else None for b in backprops]
+
+    def sample_loss(sample_params: dict[str, torch.Tensor], inputs: list[Any],
+                    bps: list[torch.Tensor | None]) -> torch.Tensor:
+        restored = [v.movedim(0, batch_dim) if d == 0 else v for v, d in zip(inputs, in_dims)]
+        call_args, call_kwargs = tree_unflatten(restored, input_spec)
+        outputs = [o for o in tree_flatten(functional_call(layer, sample_params, call_args, call_kwargs))[0]
+                   if isinstance(o, torch.Tensor)]
+        total = torch.zeros((), dtype=torch.float32, device=next(iter(sample_params.values())).device)
+        for out, bp in zip(outputs, bps):
+            if bp is not None:
+                total = total + (out * bp.movedim(0, batch_dim)).sum()
+        return total
+
+    per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
+                      randomness="different")(params, batched_inputs, batched_bps)
+    named = dict(layer.named_parameters(recurse=False))
+    return {named[name]: g for name, g in per_sample.items()}

@@ -1,0 +1,133 @@
+"""The grad-sampler registry: which function computes per-sample gradients for which layer type."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from psg_core.errors import ConfigError
+
+__all__ = ["GradSampler", "GradSamplerEntry", "GradSamplerRegistry", "GRAD_SAMPLERS",
+           "register_grad_sampler"]
+
+#: ``fn(layer, activations, backprops, K) -> {parameter: (N, *parameter.shape)}``; the K argument
+#: may be absent (an Opacus-style sampler), in which case it returns ``(N*K, *shape)`` and the
+#: wrapper folds it over K.
+GradSampler = Callable[..., dict[nn.Parameter, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class GradSamplerEntry:
+    """A registered sampler and whether it contracts over K itself."""
+
+    fn: GradSampler
+    k_aware: bool
+    layer_type: type[nn.Module]
+
+
+def _takes_k(fn: GradSampler) -> bool:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature: assume the classic form
+        return False
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 4 or any(p.name == "K" for p in params)
+
+
+class GradSamplerRegistry:
+    """Maps layer types to grad samplers; lookup walks the class MRO.
+
+    >>> registry = GradSamplerRegistry()
+    >>> @registry.register(nn.Linear)
+    ... def my_linear(layer, activations, backprops, K):
+    ...     return {}
+    >>> registry.lookup(nn.modules.linear.NonDynamicallyQuantizableLinear).fn is my_linear
+    True
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[type[nn.Module], GradSamplerEntry] = {}
+
+    def register(self, *layer_types: type[nn.Module], replace: bool = False
+                 ) -> Callable[[GradSampler], GradSampler]:
+        """Decorator registering ``fn`` for every type in ``layer_types``.
+
+        Registering a type that already has a sampler raises :class:`ConfigError` unless
+        ``replace=True``.
+        """
+        if not layer_types:
+            raise ConfigError("register_grad_sampler: give at least one layer type")
+        for layer_type in layer_types:
+            if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+                raise ConfigError(
+                    f"register_grad_sampler: expected nn.Module subclasses, got {layer_type!r}")
+
+        def decorator(fn: GradSampler) -> GradSampler:
+            for layer_type in layer_types:
+                if layer_type in self._entries and not replace:
+                    raise ConfigError(
+                        f"register_grad_sampler: {layer_type.__qualname__} already has a grad "
+                        f"sampler ({self._entries[layer_type].fn.__qualname__}); pass replace=True "
+                        "to override it")
+            for layer_type in layer_types:
+                self._entries[layer_type] = GradSamplerEntry(fn, _takes_k(fn), layer_type)
+            return fn
+
+        return decorator
+
+    def unregister(self, layer_type: type[nn.Module]) -> None:
+        """Removes the sampler registered for exactly ``layer_type`` (KeyError if none)."""
+        del self._entries[layer_type]
+
+    def lookup(self, layer: nn.Module | type[nn.Module]) -> GradSamplerEntry | None:
+        """The sampler for ``layer`` (instance or type): its own type first, then its bases."""
+        layer_type = layer if isinstance(layer, type) else type(layer)
+        for klass in layer_type.__mro__:
+            entry = self._entries.get(klass)
+            if entry is not None:
+                return entry
+        return None
+
+    def __contains__(self, layer: object) -> bool:
+        return isinstance(layer, (nn.Module, type)) and self.lookup(layer) is not None  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[type[nn.Module]]:
+        return iter(sorted(self._entries, key=lambda t: t.__qualname__))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+#: The process-wide registry used by the hooks and ghost backends.
+GRAD_SAMPLERS = GradSamplerRegistry()
+
+
+def register_grad_sampler(*layer_types: type[nn.Module], replace: bool = False
+                          ) -> Callable[[GradSampler], GradSampler]:
+    """Registers a per-sample gradient function for ``layer_types`` in the global registry.
+
+    The function receives ``(layer, activations, backprops, K)`` with activations and backprops
+    batch-first and ``N*K`` rows (sample-major), and returns ``{parameter: (N, *shape)}`` holding
+    the gradient of each sample's *summed* loss over its K rows. A function without ``K`` (the
+    Opacus signature) may return ``(N*K, *shape)``; the wrapper then sums over K.
+
+    >>> class Scale(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.weight = nn.Parameter(torch.ones(3))
+    ...     def forward(self, x):
+    ...         return x * self.weight
+    >>> @register_grad_sampler(Scale)
+    ... def scale_grad_sample(layer, activations, backprops, K):
+    ...     x = activations[0].reshape(-1, K, 3)
+    ...     return {layer.weight: (x * backprops.reshape(-1, K, 3)).sum(1)}
+    >>> GRAD_SAMPLERS.unregister(Scale)
+    """
+    return GRAD_SAMPLERS.register(*layer_types, replace=replace)

@@ -1,0 +1,55 @@
+"""Loss handling shared by every backend.
+
+A psg ``loss_fn(outputs, targets)`` returns the *unreduced* loss: one value per element, with the
+batch on the model's batch dimension (e.g. ``nn.CrossEntropyLoss(reduction="none")``). psg reduces
+it itself, per batch (``loss_reduction``) and per sample (over the sample's K rows), so that every
+backend agrees on what "sample n's loss" is. For convenience a torch loss module
+(``nn.MSELoss()``, ...) is accepted whatever its ``reduction``: psg uses a copy with
+``reduction="none"``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from psg_core.errors import ConfigError
+from psg_core.modes import LossReduction
+
+__all__ = ["LossFn", "as_unreduced", "reduce_loss", "per_sample_loss"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def as_unreduced(loss_fn: LossFn | nn.Module) -> LossFn:
+    """Returns a loss function producing per-element losses (see module docstring)."""
+    if isinstance(loss_fn, nn.modules.loss._Loss):
+        if loss_fn.reduction != "none":
+            loss_fn = copy.copy(loss_fn)
+            loss_fn.reduction = "none"
+        return loss_fn
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+    return loss_fn
+
+
+def reduce_loss(per_element: torch.Tensor, reduction: LossReduction) -> torch.Tensor:
+    """The batch loss: mean or sum over every element of the unreduced loss."""
+    return per_element.mean() if reduction is LossReduction.MEAN else per_element.sum()
+
+
+def per_sample_loss(per_element: torch.Tensor, *, num_samples: int, batch_dim: int,
+                    reduction: LossReduction) -> torch.Tensor:
+    """``(N,)``: each sample's loss, the reduction over its K rows (and their other elements)."""
+    if per_element.dim() == 0:
+        raise ConfigError("loss_fn: returned a scalar; it must return the unreduced loss "
+                          "(e.g. nn.CrossEntropyLoss(reduction='none'))")
+    rows_first = per_element.movedim(batch_dim, 0)  # (N*K, ...)
+    if num_samples == 0:
+        return rows_first.new_zeros(0)
+    grouped = rows_first.reshape(num_samples, -1)  # (N, K * elements)
+    return grouped.mean(1) if reduction is LossReduction.MEAN else grouped.sum(1)

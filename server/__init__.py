@@ -1,0 +1,1 @@
+"""psg_server: gRPC frontend and Ray worker pool of the psg gradient service."""
