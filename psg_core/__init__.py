@@ -11,8 +11,10 @@ torch.Size([5, 1, 3])
 
 from __future__ import annotations
 
+from psg_core.api import per_sample_gradients
 from psg_core.backends.base import AbstractGradSampleModule
 from psg_core.backends.hooks import GradSampleModule
+from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError,
                              GradAccumulationError, NonFiniteInputError, PsgError,
                              UnsupportedModuleError)
@@ -27,6 +29,8 @@ __all__ = [
     "BudgetExhaustedError",
     "Clipping",
     "ConfigError",
+    "DPConfig",
+    "DPGradient",
     "GRAD_SAMPLERS",
     "GradAccumulationError",
     "GradSampleMode",
@@ -36,5 +40,6 @@ __all__ = [
     "NonFiniteInputError",
     "PsgError",
     "UnsupportedModuleError",
+    "per_sample_gradients",
     "register_grad_sampler",
 ]
