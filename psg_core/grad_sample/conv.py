@@ -1,0 +1,258 @@
+"""Per-sample gradients of the convolution family: ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d``.
+
+A convolution is a matrix product over unfolded patches (im2col). For one input row the weight
+gradient of a convolution is ``sum_l g[:, l] u[:, l]^T``, where ``u[:, l]`` is the patch of the
+(padded) input that produced output position ``l`` and ``g[:, l]`` is the output gradient there;
+with groups, each group is its own product. A transposed convolution is the adjoint of a
+convolution that maps its *output* space to its *input* space, so the same identity holds with the
+roles swapped: the patches come from the output gradient and the per-position factor is the
+input.
+
+Both cases are expressed as a pair of factors (see :func:`conv_weight_factors`)::
+
+    patches:      (rows, G, I, L)    I = channels per group of the unfolded tensor * prod(kernel)
+    output_grads: (rows, G, O, L)    O = channels per group of the other tensor
+
+and the per-sample gradient is one contraction over the K copies and the L positions. The ghost
+clipping backend reuses the same factors to get per-sample norms from Gram matrices over L.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from opt_einsum import contract
+from torch import nn
+
+from psg_core.errors import BatchLayoutError, ConfigError
+from psg_core.grad_sample._utils import split_k, wants_grad
+from psg_core.grad_sample.registry import register_grad_sampler
+
+__all__ = ["ConvFactors", "conv_unfold", "conv_weight_factors", "conv_grad_sample",
+           "conv_transpose_grad_sample"]
+
+_ConvLayer = nn.Conv1d | nn.Conv2d | nn.Conv3d
+_ConvTransposeLayer = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
+
+
+class ConvFactors(NamedTuple):
+    """The two factors whose product over positions is a convolution's per-row weight gradient.
+
+    ``grad_weight[r] = einsum("rgil,rgol->rgoi", patches, output_grads)``, reshaped to
+    ``(G * O, *weight.shape[1:])``, which is ``weight.shape``.
+    """
+
+    #: ``(rows, G, I, L)``: unfolded patches (I = per-group channels * prod(kernel)).
+    patches: torch.Tensor
+    #: ``(rows, G, O, L)``: the factor each patch is multiplied with (O = weight.shape[0] / G).
+    output_grads: torch.Tensor
+
+
+def _spatial_dims(layer: nn.modules.conv._ConvNd) -> int:
+    return len(layer.kernel_size)
+
+
+def _check_batched(where: str, layer: nn.Module, tensor: torch.Tensor, dims: int,
+                   what: str) -> None:
+    if tensor.dim() != dims + 2:
+        raise BatchLayoutError(
+            f"{where}: {type(layer).__name__} needs a batched {what} of {dims + 2} dims "
+            f"(rows, channels, *spatial), got shape {tuple(tensor.shape)}; unbatched inputs "
+            "cannot be attributed to samples")
+
+
+def _padding_pairs(layer: _ConvLayer) -> list[tuple[int, int]]:
+    """``(before, after)`` padding per spatial dim, as the layer's forward applies it.
+
+    ``padding="same"`` puts the odd unit of an uneven total on the trailing side, as torch does.
+    """
+    dims = _spatial_dims(layer)
+    if layer.padding == "valid":
+        return [(0, 0)] * dims
+    if layer.padding == "same":
+        pairs = []
+        for kernel, dilation in zip(layer.kernel_size, layer.dilation):
+            total = dilation * (kernel - 1)
+            pairs.append((total // 2, total - total // 2))
+        return pairs
+    return [(int(p), int(p)) for p in layer.padding]  # type: ignore[union-attr]
+
+
+def _pad(x: torch.Tensor, pairs: list[tuple[int, int]], padding_mode: str) -> torch.Tensor:
+    """Pads the trailing spatial dims of ``x`` with ``pairs`` in the conv's padding mode."""
+    if not any(before or after for before, after in pairs):
+        return x
+    flat = [amount for pair in reversed(pairs) for amount in pair]  # F.pad: last dim first
+    mode = "constant" if padding_mode == "zeros" else padding_mode
+    return F.pad(x, flat, mode=mode)
+
+
+def _im2col(padded: torch.Tensor, *, kernel_size: tuple[int, ...], stride: tuple[int, ...],
+            dilation: tuple[int, ...], groups: int, out_spatial: tuple[int, ...],
+            where: str) -> torch.Tensor:
+    """``(B, C, *P)`` already padded -> ``(B, G, C/G * prod(kernel), prod(out_spatial))``.
+
+    One strided view of every patch, then one copy into matrix layout; works for any number of
+    spatial dims. ``out_spatial`` may be smaller than the number of positions that fit (a
+    transposed conv with ``output_padding`` only needs the first ones), never larger.
+    """
+    rows, channels, *padded_spatial = padded.shape
+    for axis, (size, k, s, d, out) in enumerate(zip(padded_spatial, kernel_size, stride, dilation,
+                                                    out_spatial)):
+        needed = (out - 1) * s + d * (k - 1) + 1
+        if out < 1 or needed > size:
+            raise BatchLayoutError(
+                f"{where}: spatial axis {axis} of size {size} (after padding) cannot hold {out} "
+                f"positions of a kernel {k} with stride {s} and dilation {d}")
+    padded = padded.contiguous()
+    row_stride, channel_stride, *spatial_strides = padded.stride()
+    sizes = (rows, channels, *kernel_size, *out_spatial)
+    strides = (row_stride, channel_stride,
+               *(st * d for st, d in zip(spatial_strides, dilation)),
+               *(st * s for st, s in zip(spatial_strides, stride)))
+    windows = padded.as_strided(sizes, strides)  # (B, C, *kernel, *out_spatial), a view
+    return windows.reshape(rows, groups, channels // groups * math.prod(kernel_size),
+                           math.prod(out_spatial))  # (B, G, C/G*prod(k), L)
+
+
+def _conv_out_spatial(layer: _ConvLayer, padded_spatial: list[int]) -> tuple[int, ...]:
+    return tuple((size - d * (k - 1) - 1) // s + 1 for size, k, s, d in
+                 zip(padded_spatial, layer.kernel_size, layer.stride, layer.dilation))
+
+
+def conv_unfold(layer: _ConvLayer, x: torch.Tensor) -> torch.Tensor:
+    """The im2col matrix of a convolution's input: every patch its weight is applied to.
+
+    Applies the layer's own padding first (integer, tuple, ``"same"``, ``"valid"``, and every
+    ``padding_mode``), so ``x`` is the tensor the layer was called with.
+
+    Args:
+        layer: an ``nn.Conv1d``, ``nn.Conv2d`` or ``nn.Conv3d``.
+        x: ``(rows, C_in, *spatial)`` the layer's input.
+
+    Returns:
+        ``(rows, G, C_in/G * prod(kernel_size), L)`` with ``G = layer.groups`` and ``L`` the
+        number of output positions; the patch axis is ordered like ``weight[o].flatten()``, so
+        ``weight.view(G, C_out/G, -1) @ conv_unfold(layer, x)`` is the output without bias.
+
+    >>> conv = nn.Conv2d(4, 6, 3, padding=1, groups=2)
+    >>> conv_unfold(conv, torch.randn(5, 4, 8, 8)).shape
+    torch.Size([5, 2, 18, 64])
+    """
+    if not isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        raise ConfigError(
+            f"conv_unfold: expected nn.Conv1d/2d/3d, got {type(layer).__qualname__}; use "
+            "conv_weight_factors for transposed convolutions")
+    _check_batched("conv_unfold", layer, x, _spatial_dims(layer), "input")
+    padded = _pad(x, _padding_pairs(layer), layer.padding_mode)  # (B, C_in, *P)
+    out_spatial = _conv_out_spatial(layer, list(padded.shape[2:]))
+    return _im2col(padded, kernel_size=layer.kernel_size, stride=layer.stride,
+                   dilation=layer.dilation, groups=layer.groups, out_spatial=out_spatial,
+                   where="conv_unfold")
+
+
+def conv_weight_factors(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                        backprop: torch.Tensor) -> ConvFactors:
+    """Factors ``(patches, output_grads)`` of a (transposed) convolution's per-row weight gradient.
+
+    For ``nn.ConvNd`` the patches are :func:`conv_unfold` of the input and the other factor is the
+    output gradient. For ``nn.ConvTransposeNd`` (the adjoint of a convolution from its output
+    space to its input space) the patches are the unfolded output gradient, padded by
+    ``layer.padding``, and the other factor is the input; ``output_padding`` and an explicit
+    ``output_size`` need no special case because only the positions that meet an input are used.
+
+    Args:
+        layer: the convolution.
+        activation: ``(rows, C_in, *in_spatial)`` its input.
+        backprop: ``(rows, C_out, *out_spatial)`` the gradient of the loss w.r.t. its output.
+
+    Returns:
+        :class:`ConvFactors`; ``contract("rgil,rgol->rgoi", *factors)`` reshaped to
+        ``(rows, *weight.shape)`` is each row's weight gradient.
+
+    >>> deconv = nn.ConvTranspose1d(4, 6, 3, stride=2, groups=2)
+    >>> x = torch.randn(3, 4, 5)
+    >>> factors = conv_weight_factors(deconv, x, torch.randn_like(deconv(x)))
+    >>> factors.patches.shape, factors.output_grads.shape
+    (torch.Size([3, 2, 9, 5]), torch.Size([3, 2, 2, 5]))
+    """
+    dims = _spatial_dims(layer)
+    _check_batched("conv_weight_factors", layer, activation, dims, "input")
+    _check_batched("conv_weight_factors", layer, backprop, dims, "output gradient")
+    rows, groups = activation.shape[0], layer.groups
+    if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        patches = conv_unfold(layer, activation)  # (B, G, C_in/G*prod(k), L_out)
+        if patches.shape[-1] != math.prod(backprop.shape[2:]):
+            raise BatchLayoutError(
+                f"conv_weight_factors: {type(layer).__name__} unfolds to {patches.shape[-1]} "
+                f"positions but its output gradient has spatial shape {tuple(backprop.shape[2:])}")
+        grads = backprop.reshape(rows, groups, -1, patches.shape[-1])  # (B, G, C_out/G, L_out)
+        return ConvFactors(patches, grads)
+    if isinstance(layer, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        if layer.padding_mode != "zeros":
+            raise ConfigError(f"conv_weight_factors: {type(layer).__name__} only supports "
+                              f"padding_mode='zeros', got {layer.padding_mode!r}")
+        pairs = [(int(p), int(p)) for p in layer.padding]  # type: ignore[union-attr]
+        padded = _pad(backprop, pairs, "zeros")  # (B, C_out, *P)
+        in_spatial = tuple(activation.shape[2:])
+        patches = _im2col(padded, kernel_size=layer.kernel_size, stride=layer.stride,
+                          dilation=layer.dilation, groups=groups, out_spatial=in_spatial,
+                          where="conv_weight_factors")  # (B, G, C_out/G*prod(k), L_in)
+        inputs = activation.reshape(rows, groups, -1, patches.shape[-1])  # (B, G, C_in/G, L_in)
+        return ConvFactors(patches, inputs)
+    raise ConfigError(f"conv_weight_factors: expected a convolution layer, got "
+                      f"{type(layer).__qualname__}")
+
+
+def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                     backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+    out: dict[nn.Parameter, torch.Tensor] = {}
+    if wants_grad(layer.weight):
+        patches, other = conv_weight_factors(layer, activation, backprops)
+        patches = split_k(patches, K)  # (N, K, G, I, L)
+        other = split_k(other, K)  # (N, K, G, O, L)
+        grad = contract("nkgil,nkgol->ngoi", patches, other)  # (N, G, O, I)
+        out[layer.weight] = grad.reshape(grad.shape[0], *layer.weight.shape)  # (N, *weight)
+    if wants_grad(layer.bias):
+        g = split_k(backprops.flatten(2), K)  # (N, K, C_out, L_out)
+        out[layer.bias] = contract("nkol->no", g)  # (N, C_out)
+    return out
+
+
+@register_grad_sampler(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+def conv_grad_sample(layer: _ConvLayer, activations: list[torch.Tensor], backprops: torch.Tensor,
+                     K: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``nn.Conv1d/2d/3d``, summed over each sample's K rows.
+
+    Handles stride, dilation, groups (depthwise included), integer/tuple/``"same"``/``"valid"``
+    padding and every ``padding_mode``; the weight gradient is one contraction of the im2col
+    patches with the output gradient over the K copies and the output positions.
+
+    >>> conv = nn.Conv2d(2, 3, 3, padding="same", padding_mode="reflect")
+    >>> x = torch.randn(4, 2, 5, 5)  # N=2 samples, K=2 copies each
+    >>> grads = conv_grad_sample(conv, [x], torch.randn(4, 3, 5, 5), K=2)
+    >>> grads[conv.weight].shape, grads[conv.bias].shape
+    (torch.Size([2, 3, 2, 3, 3]), torch.Size([2, 3]))
+    """
+    return _weight_and_bias(layer, activations[0], backprops, K)
+
+
+@register_grad_sampler(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+def conv_transpose_grad_sample(layer: _ConvTransposeLayer, activations: list[torch.Tensor],
+                               backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``nn.ConvTranspose1d/2d/3d``, summed over each sample's K rows.
+
+    Handles stride, padding, ``output_padding`` (or ``output_size`` at call time), dilation and
+    groups: the output gradient is unfolded as a convolution's input and contracted with the
+    layer's input over the K copies and the input positions.
+
+    >>> deconv = nn.ConvTranspose2d(2, 4, 3, stride=2, output_padding=1)
+    >>> x = torch.randn(6, 2, 4, 4)  # N=3 samples, K=2 copies each
+    >>> grads = conv_transpose_grad_sample(deconv, [x], torch.randn(6, 4, 10, 10), K=2)
+    >>> grads[deconv.weight].shape
+    torch.Size([3, 2, 4, 3, 3])
+    """
+    return _weight_and_bias(layer, activations[0], backprops, K)
