@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +27,25 @@ logger = logging.getLogger(__name__)
 #: Class attribute set (to True) by psg's own layers whose inputs are batch-first whatever the
 #: model's layout, e.g. the per-timestep cells inside the DP recurrent layers.
 ALWAYS_BATCH_FIRST = "_psg_always_batch_first"
+
+# A registered sampler function may describe how torch calls its layer, for torch layers that
+# cannot carry ALWAYS_BATCH_FIRST themselves:
+#   fn.always_batch_first = True: torch fixes the layer's batch at dim 0 (EmbeddingBag, GroupNorm).
+#   fn.batch_rows(layer, args, kwargs) -> int | None: the call's N*K rows when they are not the
+#       first tensor argument's batch size (EmbeddingBag with offsets: one row per bag).
+#   a keyword-only ``kwargs`` parameter: the sampler also receives the call's keyword arguments.
+_SAMPLER_BATCH_FIRST = "always_batch_first"
+_SAMPLER_ROWS = "batch_rows"
+
+
+@functools.cache
+def _takes_kwargs(fn: Any) -> bool:
+    try:
+        param = inspect.signature(fn).parameters.get("kwargs")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
+
 
 # Layers that mix samples within a batch, or fused layers whose kernels hooks cannot see into.
 _MIXING = (nn.modules.batchnorm._BatchNorm,)
@@ -161,8 +182,12 @@ class GradSampleModule(AbstractGradSampleModule):
         finally:
             self._capture_suspended = previous
 
-    def _layer_batch_dim(self, layer: nn.Module) -> int:
-        return 0 if getattr(type(layer), ALWAYS_BATCH_FIRST, False) else self.batch_dim
+    def _layer_batch_dim(self, layer: nn.Module, entry: GradSamplerEntry | None) -> int:
+        if getattr(type(layer), ALWAYS_BATCH_FIRST, False):
+            return 0
+        if entry is not None and getattr(entry.fn, _SAMPLER_BATCH_FIRST, False):
+            return 0
+        return self.batch_dim
 
     def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
@@ -175,13 +200,16 @@ class GradSampleModule(AbstractGradSampleModule):
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outputs:
             return
-        batch_dim = self._layer_batch_dim(layer)
+        entry = GRAD_SAMPLERS.lookup(layer)
+        batch_dim = self._layer_batch_dim(layer, entry)
+        count_rows = getattr(entry.fn, _SAMPLER_ROWS, None) if entry is not None else None
+        custom_rows = count_rows(layer, args, kwargs) if count_rows is not None else None
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None or first.dim() <= batch_dim:
+        if custom_rows is None and (first is None or first.dim() <= batch_dim):
             raise UnsupportedModuleError(
                 f"GradSampleModule: {type(layer).__qualname__} was called without a batched "
                 "tensor as its first argument, so its rows cannot be attributed to samples")
-        rows = first.shape[batch_dim]
+        rows = first.shape[batch_dim] if custom_rows is None else custom_rows
         check_rows(rows, self.augmentation_multiplicity, where=f"GradSampleModule ({type(layer).__qualname__})")
         detached_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         detached_kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -189,23 +217,30 @@ class GradSampleModule(AbstractGradSampleModule):
 
         def on_grads(grads: Any) -> None:
             self._on_backprops(layer, detached_args, detached_kwargs, list(grads), batch_dim, rows,
-                               forward_id)
+                               forward_id, custom_rows is not None)
 
         register_multi_grad_hook(outputs, on_grads, mode="all")
 
     def _on_backprops(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       backprops: list[torch.Tensor | None], batch_dim: int, rows: int,
-                      forward_id: int) -> None:
+                      forward_id: int, custom_rows: bool = False) -> None:
         if not self._hooks_enabled:
             return
         K = self.augmentation_multiplicity
         entry = None if self.force_functorch else GRAD_SAMPLERS.lookup(layer)
         if entry is None or len(backprops) != 1 or backprops[0] is None:
+            if custom_rows:
+                # torch.func splits inputs along the batch dim, which this call's rows are not.
+                raise UnsupportedModuleError(
+                    f"GradSampleModule: {type(layer).__qualname__} was called with rows that are "
+                    "not its first input's batch dimension (e.g. EmbeddingBag with offsets); the "
+                    "torch.func fallback cannot split it, so use its grad sampler "
+                    "(force_functorch=False)")
             with self._suspend_capture():
                 grad_samples = functorch_layer_grad_sample(layer, args, kwargs, backprops, K,
                                                            batch_dim, rows)
         else:
-            grad_samples = self._run_sampler(entry, layer, args, backprops[0], batch_dim)
+            grad_samples = self._run_sampler(entry, layer, args, kwargs, backprops[0], batch_dim)
         n_samples = rows // K
         scale = float(n_samples) if self.loss_reduction is LossReduction.MEAN else 1.0
         for param, grad_sample in grad_samples.items():
@@ -216,13 +251,16 @@ class GradSampleModule(AbstractGradSampleModule):
             self._store(param, grad_sample, forward_id)
 
     def _run_sampler(self, entry: GradSamplerEntry, layer: nn.Module, args: tuple[Any, ...],
-                     backprops: torch.Tensor, batch_dim: int) -> dict[nn.Parameter, torch.Tensor]:
+                     kwargs: dict[str, Any], backprops: torch.Tensor,
+                     batch_dim: int) -> dict[nn.Parameter, torch.Tensor]:
         K = self.augmentation_multiplicity
         activations = [a.movedim(batch_dim, 0) if isinstance(a, torch.Tensor) and batch_dim else a
                        for a in args]
         if batch_dim:
             backprops = backprops.movedim(batch_dim, 0)
         if entry.k_aware:
+            if _takes_kwargs(entry.fn):  # keyword arguments arrive as given, in the model's layout
+                return entry.fn(layer, activations, backprops, K, kwargs=kwargs)
             return entry.fn(layer, activations, backprops, K)
         # An Opacus-style sampler returns (N*K, ...) per row; fold it over the K copies.
         per_row = entry.fn(layer, activations, backprops)

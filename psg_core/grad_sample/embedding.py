@@ -1,0 +1,184 @@
+"""Per-sample gradients of ``nn.Embedding`` and ``nn.EmbeddingBag``.
+
+A lookup table's gradient is a scatter of output gradients into the rows that were looked up.
+Per sample, every looked-up token of row ``r = n*K + k`` adds into sample n's own
+``(num_embeddings, dim)`` slice, so one ``index_add_`` on an ``(N*num_embeddings, dim)`` buffer at
+index ``n * num_embeddings + token`` sums over the K copies and every sequence position at once,
+without an ``(N*K, num_embeddings, dim)`` intermediate.
+
+``EmbeddingBag`` is batch-first whatever the model's layout (torch fixes its bags at dim 0). Called
+with a 1-D input and ``offsets``, its rows are its bags (``len(offsets)``, minus one with
+``include_last_offset``), sample-major like every other layer's rows; ``offsets`` and
+``per_sample_weights`` may be passed positionally or by keyword.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from psg_core.errors import UnsupportedModuleError
+from psg_core.grad_sample._utils import wants_grad
+from psg_core.grad_sample.registry import register_grad_sampler
+
+__all__ = ["embedding_grad_sample", "embedding_bag_grad_sample"]
+
+
+def _per_sample_scatter(tokens: torch.Tensor, sample_of_token: torch.Tensor, values: torch.Tensor,
+                        n_samples: int, num_embeddings: int) -> torch.Tensor:
+    """Sums ``values[i]`` into row ``tokens[i]`` of sample ``sample_of_token[i]``'s table."""
+    dim = values.shape[-1]
+    out = values.new_zeros(n_samples * num_embeddings, dim)  # (N*V, d)
+    out.index_add_(0, sample_of_token * num_embeddings + tokens, values)
+    return out.view(n_samples, num_embeddings, dim)  # (N, V, d)
+
+
+def _reject_batch_mixing(layer: nn.Embedding | nn.EmbeddingBag, where: str) -> None:
+    # scale_grad_by_freq divides by token counts over the whole batch, so one sample's gradient
+    # depends on the other samples: there is no per-sample gradient to compute.
+    if layer.scale_grad_by_freq:
+        raise UnsupportedModuleError(
+            f"{where}: scale_grad_by_freq=True scales gradients by token frequencies over the whole "
+            "batch, which mixes samples; per-sample gradients are undefined for it")
+
+
+@register_grad_sampler(nn.Embedding)
+def embedding_grad_sample(layer: nn.Embedding, activations: list[torch.Tensor],
+                          backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradient of ``nn.Embedding.weight``: ``(N, num_embeddings, embedding_dim)``.
+
+    ``activations[0]`` holds token ids ``(N*K, *)``; ``backprops`` is ``(N*K, *, dim)``. The row
+    of ``padding_idx`` gets no gradient, as in torch. ``max_norm`` is fine (it renormalises the
+    table in the forward pass, which does not change how gradients scatter).
+
+    >>> layer = nn.Embedding(10, 3, padding_idx=0)
+    >>> grads = embedding_grad_sample(layer, [torch.tensor([[1, 0], [1, 2]])], torch.ones(2, 2, 3), 2)
+    >>> grads[layer.weight].shape, grads[layer.weight][0, 1].tolist()
+    (torch.Size([1, 10, 3]), [2.0, 2.0, 2.0])
+    """
+    if not wants_grad(layer.weight):
+        return {}
+    _reject_batch_mixing(layer, "embedding_grad_sample")
+    tokens = activations[0]  # (N*K, *)
+    rows, dim = tokens.shape[0], layer.embedding_dim
+    n_samples = rows // K
+    per_row = tokens.reshape(rows, -1)  # (N*K, T)
+    sample_of_row = torch.arange(rows, device=tokens.device) // K  # (N*K,)
+    sample_of_token = sample_of_row[:, None].expand_as(per_row).reshape(-1)  # (N*K*T,)
+    values = backprops.reshape(-1, dim)  # (N*K*T, d)
+    grad = _per_sample_scatter(per_row.reshape(-1), sample_of_token, values, n_samples,
+                               layer.num_embeddings)  # (N, V, d)
+    if layer.padding_idx is not None:
+        grad[:, layer.padding_idx] = 0
+    return {layer.weight: grad}
+
+
+def _bag_call(activations: list[Any], kwargs: dict[str, Any]
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(input, offsets, per_sample_weights)`` of an EmbeddingBag call, positional or keyword."""
+    named = ("input", "offsets", "per_sample_weights")
+    values: list[Any] = [activations[i] if i < len(activations) else kwargs.get(name)
+                         for i, name in enumerate(named)]
+    return values[0], values[1], values[2]
+
+
+def _bag_rows(layer: nn.EmbeddingBag, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """Number of bags of a 1-D-input call (``None`` for 2-D input: its rows are dim 0)."""
+    inputs, offsets, _ = _bag_call(list(args), kwargs)
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 1 or offsets is None:
+        return None
+    return offsets.numel() - int(layer.include_last_offset)
+
+
+def _bag_of_token(inputs: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Flat token ids, the bag each belongs to (-1: after the last offset, unused), bag count."""
+    if inputs.dim() == 2:
+        bags, length = inputs.shape
+        bag = torch.arange(bags, device=inputs.device)[:, None].expand(bags, length)  # (B, L)
+        return inputs.reshape(-1), bag.reshape(-1), bags
+    if offsets is None:
+        raise UnsupportedModuleError(
+            f"embedding_bag_grad_sample: a {inputs.dim()}-D input needs offsets (got None)")
+    bags = offsets.numel() - int(include_last_offset)
+    position = torch.arange(inputs.numel(), device=inputs.device)  # (M,)
+    bag = torch.searchsorted(offsets[:bags], position, right=True) - 1  # (M,)
+    if include_last_offset:
+        # torch documents the extra last offset as the input's length; tokens past it are left out
+        # (torch itself treats them inconsistently, depending on padding_idx).
+        bag = torch.where(position < offsets[bags], bag, -1)
+    return inputs, bag, bags
+
+
+def _max_grad_sample(layer: nn.EmbeddingBag, tokens: torch.Tensor, bag: torch.Tensor,
+                     counted: torch.Tensor, backprops: torch.Tensor, bags: int,
+                     K: int) -> torch.Tensor:
+    """mode="max": each (bag, feature) sends its gradient to the one table row that won the max."""
+    sizes = torch.bincount(bag[counted], minlength=bags)  # (B,)
+    kept = tokens[counted]  # (M',), still grouped by bag
+    offsets = torch.cumsum(sizes, 0) - sizes  # (B,)
+    with torch.no_grad():
+        # torch.embedding_bag is what F.embedding_bag calls; its 4th output holds the argmax rows.
+        _, _, _, winners = torch.embedding_bag(layer.weight, kept, offsets, False, 2, False, None,
+                                               False, None)  # winners: (B, d)
+    n_samples, dim = bags // K, layer.embedding_dim
+    sample = (torch.arange(bags, device=tokens.device) // K)[:, None]  # (B, 1)
+    index = (sample * layer.num_embeddings + winners.clamp(min=0)).expand(bags, dim)  # (B, d)
+    values = backprops * (sizes > 0)[:, None]  # (B, d); empty bags have no winner
+    out = backprops.new_zeros(n_samples * layer.num_embeddings, dim)  # (N*V, d)
+    out.scatter_add_(0, index, values)
+    return out.view(n_samples, layer.num_embeddings, dim)  # (N, V, d)
+
+
+@register_grad_sampler(nn.EmbeddingBag)
+def embedding_bag_grad_sample(layer: nn.EmbeddingBag, activations: list[Any],
+                              backprops: torch.Tensor, K: int, *,
+                              kwargs: dict[str, Any]) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradient of ``nn.EmbeddingBag.weight``: ``(N, num_embeddings, embedding_dim)``.
+
+    Handles ``mode`` "sum", "mean" and "max", 2-D input ``(N*K, L)`` or 1-D input with
+    ``offsets`` (``N*K`` bags, ``include_last_offset`` either way), ``per_sample_weights`` (mode
+    "sum") and ``padding_idx`` (those entries are left out of their bag, as in torch). Sample n
+    owns bags ``n*K .. n*K+K-1``; ``backprops`` is ``(N*K, dim)``.
+
+    >>> layer = nn.EmbeddingBag(10, 3, mode="mean")
+    >>> bags = [torch.tensor([1, 2, 2, 3, 4]), torch.tensor([0, 4])]  # bags [1, 2, 2, 3] and [4]
+    >>> grads = embedding_bag_grad_sample(layer, bags, torch.ones(2, 3), 1, kwargs={})
+    >>> grads[layer.weight][0, 2].tolist(), grads[layer.weight].shape
+    ([0.5, 0.5, 0.5], torch.Size([2, 10, 3]))
+    """
+    if not wants_grad(layer.weight):
+        return {}
+    _reject_batch_mixing(layer, "embedding_bag_grad_sample")
+    inputs, offsets, per_sample_weights = _bag_call(activations, kwargs)
+    if inputs.is_nested:
+        raise UnsupportedModuleError("embedding_bag_grad_sample: nested-tensor input is not "
+                                     "supported; pass a flat input with offsets")
+    tokens, bag, bags = _bag_of_token(inputs, offsets, layer.include_last_offset)  # (M,), (M,)
+    counted = bag >= 0  # (M,)
+    if layer.padding_idx is not None:
+        counted = counted & (tokens != layer.padding_idx)
+    if layer.mode == "max":
+        return {layer.weight: _max_grad_sample(layer, tokens, bag, counted, backprops, bags, K)}
+    weight = counted.to(backprops.dtype)  # (M,)
+    if per_sample_weights is not None:
+        weight = weight * per_sample_weights.reshape(-1).to(backprops.dtype)
+    if layer.mode == "mean":
+        sizes = torch.bincount(bag[counted], minlength=bags).clamp(min=1)  # (B,)
+        weight = weight / sizes[bag.clamp(min=0)].to(backprops.dtype)
+    elif layer.mode != "sum":
+        raise UnsupportedModuleError(
+            f"embedding_bag_grad_sample: unknown EmbeddingBag mode {layer.mode!r}")
+    keep = counted.nonzero().squeeze(1)  # (M',)
+    values = backprops[bag[keep]] * weight[keep, None]  # (M', d)
+    grad = _per_sample_scatter(tokens[keep], bag[keep] // K, values, bags // K,
+                               layer.num_embeddings)  # (N, V, d)
+    return {layer.weight: grad}
+
+
+# How the hooks backend reads EmbeddingBag calls (psg_core/backends/hooks.py): bags are always
+# dim 0, and a 1-D input's row count is its number of bags.
+setattr(embedding_bag_grad_sample, "always_batch_first", True)
+setattr(embedding_bag_grad_sample, "batch_rows", _bag_rows)
