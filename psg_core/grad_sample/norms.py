@@ -1,0 +1,150 @@
+"""Per-sample gradients of the normalisation layers that do not mix samples.
+
+Each layer computes ``y = x_hat * weight + bias`` where ``x_hat`` is its input normalised with
+statistics of that row alone, so ``weight`` gets ``sum g * x_hat`` and ``bias`` gets ``sum g``,
+summed over the K copies and every axis that is not a feature axis. ``x_hat`` is recomputed from
+the stored activation with torch's own functional op and the layer's ``eps``, so it is the
+normalisation the forward pass used.
+
+GroupNorm and InstanceNorm take ``(N*K, C, *)`` inputs whatever the model's layout (torch fixes
+their batch at dim 0); LayerNorm and RMSNorm follow the model's ``batch_first``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from opt_einsum import contract
+from torch import nn
+
+from psg_core.errors import UnsupportedModuleError
+from psg_core.grad_sample._utils import split_k, wants_grad
+from psg_core.grad_sample.registry import register_grad_sampler
+
+__all__ = ["layer_norm_grad_sample", "rms_norm_grad_sample", "group_norm_grad_sample",
+           "instance_norm_grad_sample"]
+
+
+def _trailing_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | None,
+                           x_hat: torch.Tensor, backprops: torch.Tensor, feature_shape: tuple[int, ...],
+                           K: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Grads of an affine map over the trailing ``feature_shape`` dims (LayerNorm, RMSNorm)."""
+    features = math.prod(feature_shape)
+    g = split_k(backprops, K)  # (N, K, *, *S)
+    n_samples = g.shape[0]
+    g = g.reshape(n_samples, K, -1, features)  # (N, K, T, P)
+    out: dict[nn.Parameter, torch.Tensor] = {}
+    if wants_grad(weight):
+        x = split_k(x_hat, K).reshape(n_samples, K, -1, features)  # (N, K, T, P)
+        out[weight] = contract("nktp,nktp->np", g, x).reshape(n_samples, *feature_shape)  # (N, *S)
+    if wants_grad(bias):
+        out[bias] = contract("nktp->np", g).reshape(n_samples, *feature_shape)  # (N, *S)
+    return out
+
+
+def _channel_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | None,
+                          x_hat: torch.Tensor, backprops: torch.Tensor,
+                          K: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Grads of a per-channel affine map on ``(N*K, C, *)`` (GroupNorm, InstanceNorm)."""
+    g = split_k(backprops, K)  # (N, K, C, *)
+    n_samples, channels = g.shape[0], g.shape[2]
+    g = g.reshape(n_samples, K, channels, -1)  # (N, K, C, S)
+    out: dict[nn.Parameter, torch.Tensor] = {}
+    if wants_grad(weight):
+        x = split_k(x_hat, K).reshape(n_samples, K, channels, -1)  # (N, K, C, S)
+        out[weight] = contract("nkcs,nkcs->nc", g, x)  # (N, C)
+    if wants_grad(bias):
+        out[bias] = contract("nkcs->nc", g)  # (N, C)
+    return out
+
+
+@register_grad_sampler(nn.LayerNorm)
+def layer_norm_grad_sample(layer: nn.LayerNorm, activations: list[torch.Tensor],
+                           backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``nn.LayerNorm`` (weight and, unless ``bias=False``, bias).
+
+    ``activations[0]`` is ``(N*K, *, *normalized_shape)``; results are ``(N, *normalized_shape)``.
+
+    >>> layer = nn.LayerNorm([2, 3])
+    >>> grads = layer_norm_grad_sample(layer, [torch.randn(6, 5, 2, 3)], torch.ones(6, 5, 2, 3), 3)
+    >>> grads[layer.weight].shape, grads[layer.bias][0, 0, 0].item()
+    (torch.Size([2, 2, 3]), 15.0)
+    """
+    shape = tuple(layer.normalized_shape)
+    x_hat = F.layer_norm(activations[0], shape, eps=layer.eps)  # (N*K, *, *S)
+    return _trailing_affine_grads(layer.weight, layer.bias, x_hat, backprops, shape, K)
+
+
+@register_grad_sampler(nn.RMSNorm)
+def rms_norm_grad_sample(layer: nn.RMSNorm, activations: list[torch.Tensor],
+                         backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradient of ``nn.RMSNorm.weight``: ``(N, *normalized_shape)``.
+
+    ``eps=None`` means ``torch.finfo(input.dtype).eps``, as in torch.
+
+    >>> layer = nn.RMSNorm(4, eps=None)
+    >>> x = torch.full((2, 4), 3.0)
+    >>> layer_grad = rms_norm_grad_sample(layer, [x], torch.ones(2, 4), 1)[layer.weight]
+    >>> torch.allclose(layer_grad, torch.ones(2, 4))
+    True
+    """
+    shape = tuple(layer.normalized_shape)
+    x_hat = F.rms_norm(activations[0], shape, eps=layer.eps)  # (N*K, *, *S)
+    return _trailing_affine_grads(layer.weight, None, x_hat, backprops, shape, K)
+
+
+@register_grad_sampler(nn.GroupNorm)
+def group_norm_grad_sample(layer: nn.GroupNorm, activations: list[torch.Tensor],
+                           backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``nn.GroupNorm``: weight and bias ``(N, C)``.
+
+    ``activations[0]`` is ``(N*K, C, *)``.
+
+    >>> layer = nn.GroupNorm(2, 4)
+    >>> grads = group_norm_grad_sample(layer, [torch.randn(4, 4, 3)], torch.ones(4, 4, 3), 2)
+    >>> grads[layer.bias].tolist()
+    [[6.0, 6.0, 6.0, 6.0], [6.0, 6.0, 6.0, 6.0]]
+    """
+    x_hat = F.group_norm(activations[0], layer.num_groups, eps=layer.eps)  # (N*K, C, *)
+    return _channel_affine_grads(layer.weight, layer.bias, x_hat, backprops, K)
+
+
+# Inputs InstanceNorm{1,2,3}d accept with a batch dimension; one fewer is an unbatched call.
+_INSTANCE_NORM_DIMS: dict[type[nn.Module], int] = {nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4,
+                                                   nn.InstanceNorm3d: 5}
+
+
+@register_grad_sampler(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def instance_norm_grad_sample(layer: nn.InstanceNorm1d | nn.InstanceNorm2d | nn.InstanceNorm3d,
+                              activations: list[torch.Tensor], backprops: torch.Tensor,
+                              K: int) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``nn.InstanceNorm{1,2,3}d(affine=True)``: weight and bias ``(N, C)``.
+
+    Normalises with the row's own statistics in training mode or without
+    ``track_running_stats``, and with the running statistics otherwise, as torch does.
+
+    >>> layer = nn.InstanceNorm1d(3, affine=True)
+    >>> grads = instance_norm_grad_sample(layer, [torch.randn(2, 3, 5)], torch.ones(2, 3, 5), 1)
+    >>> grads[layer.weight].abs().max().item() < 1e-5, grads[layer.bias].shape
+    (True, torch.Size([2, 3]))
+    """
+    x = activations[0]  # (N*K, C, *)
+    expected = next((d for t, d in _INSTANCE_NORM_DIMS.items() if isinstance(layer, t)), None)
+    if expected is not None and x.dim() != expected:
+        raise UnsupportedModuleError(
+            f"instance_norm_grad_sample: {type(layer).__name__} got a {x.dim()}-D input; per-sample "
+            f"gradients need the batched {expected}-D form (N*K, C, ...)")
+    if layer.training or not layer.track_running_stats:
+        # Running statistics (if tracked) were already updated by the forward pass.
+        x_hat = F.instance_norm(x, eps=layer.eps)  # (N*K, C, *)
+    else:
+        x_hat = F.instance_norm(x, layer.running_mean, layer.running_var, use_input_stats=False,
+                                eps=layer.eps)  # (N*K, C, *)
+    return _channel_affine_grads(layer.weight, layer.bias, x_hat, backprops, K)
+
+
+# Torch fixes the batch of these layers at dim 0 (psg_core/backends/hooks.py reads this).
+setattr(group_norm_grad_sample, "always_batch_first", True)
+setattr(instance_norm_grad_sample, "always_batch_first", True)
