@@ -256,3 +256,7 @@ def conv_transpose_grad_sample(layer: _ConvTransposeLayer, activations: list[tor
     torch.Size([3, 2, 4, 3, 3])
     """
     return _weight_and_bias(layer, activations[0], backprops, K)
+
+# torch fixes a convolution's batch at dim 0 whatever the model's layout (see hooks.py).
+setattr(conv_grad_sample, "always_batch_first", True)
+setattr(conv_transpose_grad_sample, "always_batch_first", True)
