@@ -1,0 +1,278 @@
+from psg_client._proto import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("id", "device")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    device: str
+    def __init__(self, id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_batch_rows", "max_message_bytes", "max_tensor_bytes", "max_request_bytes", "chunk_bytes", "max_model_bytes")
+    MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_batch_rows: int
+    max_message_bytes: int
+    max_tensor_bytes: int
+    max_request_bytes: int
+    chunk_bytes: int
+    max_model_bytes: int
+    def __init__(self, max_batch_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_model_bytes: _Optional[int] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "backends", "workers", "limits", "losses")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    limits: Limits
+    losses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., losses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelArgument(_message.Message):
+    __slots__ = ("name", "type", "default_json", "required")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    default_json: str
+    required: bool
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., default_json: _Optional[str] = ..., required: _Optional[bool] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "description", "arguments", "origin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    arguments: _containers.RepeatedCompositeFieldContainer[ModelArgument]
+    origin: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., arguments: _Optional[_Iterable[_Union[ModelArgument, _Mapping]]] = ..., origin: _Optional[str] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class DPSettings(_message.Message):
+    __slots__ = ("mode", "augmentation_multiplicity", "loss_reduction", "batch_first", "max_grad_norm", "clipping", "noise_multiplier", "per_layer_max_grad_norms")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    AUGMENTATION_MULTIPLICITY_FIELD_NUMBER: _ClassVar[int]
+    LOSS_REDUCTION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIRST_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    CLIPPING_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    PER_LAYER_MAX_GRAD_NORMS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    augmentation_multiplicity: int
+    loss_reduction: str
+    batch_first: bool
+    max_grad_norm: float
+    clipping: str
+    noise_multiplier: float
+    per_layer_max_grad_norms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, mode: _Optional[str] = ..., augmentation_multiplicity: _Optional[int] = ..., loss_reduction: _Optional[str] = ..., batch_first: _Optional[bool] = ..., max_grad_norm: _Optional[float] = ..., clipping: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., per_layer_max_grad_norms: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PrivacySettings(_message.Message):
+    __slots__ = ("accountant", "sample_rate", "delta", "target_epsilon")
+    ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    accountant: str
+    sample_rate: float
+    delta: float
+    target_epsilon: float
+    def __init__(self, accountant: _Optional[str] = ..., sample_rate: _Optional[float] = ..., delta: _Optional[float] = ..., target_epsilon: _Optional[float] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("model", "model_kwargs_json", "loss", "dp", "expected_batch_size", "privacy", "seed", "secure_rng")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SECURE_RNG_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    model_kwargs_json: str
+    loss: str
+    dp: DPSettings
+    expected_batch_size: int
+    privacy: PrivacySettings
+    seed: int
+    secure_rng: bool
+    def __init__(self, model: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., expected_batch_size: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ..., seed: _Optional[int] = ..., secure_rng: _Optional[bool] = ...) -> None: ...
+
+class ParameterSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "requires_grad")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    requires_grad: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
+
+class CreateSessionResponse(_message.Message):
+    __slots__ = ("session_id", "parameters")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    def __init__(self, session_id: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    steps: int
+    param_version: int
+    epsilon_spent: float
+    budget_left: float
+    delta: float
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PushParametersHeader(_message.Message):
+    __slots__ = ("session_id", "version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    version: int
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PushParametersRequest(_message.Message):
+    __slots__ = ("header", "tensor", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushParametersHeader
+    tensor: _tensor_pb2.TensorHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[PushParametersHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class PushParametersResponse(_message.Message):
+    __slots__ = ("version", "num_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    num_bytes: int
+    def __init__(self, version: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class ComputeGradientsHeader(_message.Message):
+    __slots__ = ("session_id", "param_version", "step_seed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_SEED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    param_version: int
+    step_seed: int
+    def __init__(self, session_id: _Optional[str] = ..., param_version: _Optional[int] = ..., step_seed: _Optional[int] = ...) -> None: ...
+
+class ComputeGradientsRequest(_message.Message):
+    __slots__ = ("header", "tensor", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ComputeGradientsHeader
+    tensor: _tensor_pb2.TensorHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[ComputeGradientsHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class NormQuantile(_message.Message):
+    __slots__ = ("quantile", "value")
+    QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    quantile: float
+    value: float
+    def __init__(self, quantile: _Optional[float] = ..., value: _Optional[float] = ...) -> None: ...
+
+class StepStats(_message.Message):
+    __slots__ = ("step", "param_version", "samples", "mean_loss", "norm_quantiles", "fraction_clipped", "epsilon_spent", "budget_left", "server_seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    NORM_QUANTILES_FIELD_NUMBER: _ClassVar[int]
+    FRACTION_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    param_version: int
+    samples: int
+    mean_loss: float
+    norm_quantiles: _containers.RepeatedCompositeFieldContainer[NormQuantile]
+    fraction_clipped: float
+    epsilon_spent: float
+    budget_left: float
+    server_seconds: float
+    def __init__(self, step: _Optional[int] = ..., param_version: _Optional[int] = ..., samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., norm_quantiles: _Optional[_Iterable[_Union[NormQuantile, _Mapping]]] = ..., fraction_clipped: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., server_seconds: _Optional[float] = ...) -> None: ...
+
+class ComputeGradientsResponse(_message.Message):
+    __slots__ = ("stats", "tensor", "chunk")
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    stats: StepStats
+    tensor: _tensor_pb2.TensorHeader
+    chunk: bytes
+    def __init__(self, stats: _Optional[_Union[StepStats, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...

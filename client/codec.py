@@ -1,0 +1,276 @@
+"""Tensor wire codec: ``{name, dtype, shape, raw little-endian bytes}`` as a header plus chunks.
+
+No pickle is involved anywhere: a tensor is its dtype name, its shape and its raw bytes. Encoding
+yields a :class:`~psg_client._proto.tensor_pb2.TensorHeader` followed by ``bytes`` chunks of at
+most ``chunk_bytes``; decoding (:class:`TensorDecoder`) checks the dtype against :data:`DTYPES`,
+``num_bytes == prod(shape) * itemsize`` and the declared sizes against :class:`CodecLimits`
+*before* it allocates, then copies each chunk once into the tensor's buffer.
+
+>>> import torch
+>>> frames = list(encode_tensors([("w", torch.arange(6.0).reshape(2, 3))], chunk_bytes=8))
+>>> decoder = TensorDecoder(CodecLimits())
+>>> for frame in frames:
+...     decoder.add(frame)
+>>> decoder.finish()["w"]
+tensor([[0., 1., 2.],
+        [3., 4., 5.]])
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from psg_client._proto.tensor_pb2 import TensorHeader
+from psg_core.errors import PsgError
+
+__all__ = [
+    "DTYPES",
+    "DEFAULT_CHUNK_BYTES",
+    "CodecError",
+    "CodecLimits",
+    "TensorLimitError",
+    "TensorDecoder",
+    "dtype_name",
+    "encode_tensor",
+    "encode_tensors",
+]
+
+#: The dtypes that may cross the wire, by their torch name without the ``torch.`` prefix.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+#: Chunk size used unless the caller asks for another (well under gRPC's 4 MiB default).
+DEFAULT_CHUNK_BYTES = 1 << 20
+_MAX_NAME_CHARS = 512
+_MAX_DIMS = 16
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+#: A frame of an encoded tensor stream: a header, or a chunk of the current tensor's bytes.
+Frame = TensorHeader | bytes
+
+
+class CodecError(PsgError, ValueError):
+    """Malformed tensor data: unknown dtype, byte count that does not match the shape, truncated
+    or excess bytes, duplicate names, frames out of order."""
+
+
+class TensorLimitError(PsgError, ValueError):
+    """A declared tensor (or the request as a whole) is larger than the receiver's limits."""
+
+
+@dataclass(frozen=True)
+class CodecLimits:
+    """What a :class:`TensorDecoder` accepts; checked against headers before allocating."""
+
+    #: Largest single tensor, in bytes.
+    max_tensor_bytes: int = 1 << 34
+    #: Largest sum of tensor bytes in one stream.
+    max_total_bytes: int = 1 << 36
+    #: Most tensors in one stream.
+    max_tensors: int = 100_000
+    #: Largest chunk accepted (a sender may use smaller ones).
+    max_chunk_bytes: int = 64 << 20
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a torch dtype, or :class:`CodecError` when it may not cross the wire.
+
+    >>> dtype_name(torch.bfloat16)
+    'bfloat16'
+    """
+    name = _NAMES.get(dtype)
+    if name is None:
+        raise CodecError(f"dtype_name: dtype {dtype} cannot be sent; supported: {', '.join(DTYPES)}")
+    return name
+
+
+def _swap_bytes(buffer: bytearray, itemsize: int) -> bytearray:
+    """Reverses the byte order of every ``itemsize``-byte element (big-endian hosts only)."""
+    if itemsize == 1:
+        return buffer
+    swapped = bytearray(len(buffer))
+    for i in range(itemsize):
+        swapped[i::itemsize] = buffer[itemsize - 1 - i::itemsize]
+    return swapped
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in little-endian row-major order; no copy for a contiguous CPU tensor."""
+    flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)  # (numel,)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    data = memoryview(flat.view(torch.uint8).numpy())  # (numel * itemsize,)
+    if not _LITTLE_ENDIAN:
+        data = memoryview(_swap_bytes(bytearray(data), tensor.element_size()))
+    return data
+
+
+def encode_tensor(name: str, tensor: torch.Tensor, *,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Frame]:
+    """Yields the header of ``tensor`` and then its bytes in chunks of at most ``chunk_bytes``.
+
+    A tensor with no elements is a header alone.
+
+    >>> [type(f).__name__ for f in encode_tensor("b", torch.zeros(3), chunk_bytes=8)]
+    ['TensorHeader', 'bytes', 'bytes']
+    """
+    if chunk_bytes < 1:
+        raise CodecError(f"encode_tensor: chunk_bytes must be >= 1, got {chunk_bytes}")
+    if not isinstance(tensor, torch.Tensor):
+        raise CodecError(f"encode_tensor: {name!r} is a {type(tensor).__name__}, not a tensor")
+    data = _raw_bytes(tensor)
+    yield TensorHeader(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
+                       num_bytes=len(data))
+    for start in range(0, len(data), chunk_bytes):
+        yield bytes(data[start:start + chunk_bytes])
+
+
+def encode_tensors(named: Iterable[tuple[str, torch.Tensor]], *,
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Frame]:
+    """:func:`encode_tensor` for each ``(name, tensor)`` in turn."""
+    for name, tensor in named:
+        yield from encode_tensor(name, tensor, chunk_bytes=chunk_bytes)
+
+
+#: Called with (name, dtype, shape) after the codec's own checks and before allocation; raises to
+#: refuse a tensor (e.g. a parameter whose shape does not fit the model).
+HeaderCheck = Callable[[str, torch.dtype, tuple[int, ...]], None]
+
+
+class TensorDecoder:
+    """Reassembles a stream of frames (headers and chunks) into named tensors.
+
+    Args:
+        limits: sizes refused with :class:`TensorLimitError` before any allocation.
+        check_header: optional extra validation of each header, run before allocation.
+
+    Frames arrive through :meth:`add` (a header or chunk) or :meth:`add_message` (a proto message
+    whose ``frame`` oneof is ``tensor`` or ``chunk``); :meth:`finish` returns the tensors in
+    arrival order.
+    """
+
+    def __init__(self, limits: CodecLimits, *, check_header: HeaderCheck | None = None) -> None:
+        self._limits = limits
+        self._check_header = check_header
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._total_bytes = 0
+        # The tensor being filled: its header fields, its buffer and how much has arrived.
+        self._name = ""
+        self._dtype = torch.uint8
+        self._shape: tuple[int, ...] = ()
+        self._buffer = bytearray()
+        self._filled = 0
+        self._open = False
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes declared by the headers seen so far."""
+        return self._total_bytes
+
+    def add_message(self, message: object) -> None:
+        """Feeds a message whose ``frame`` oneof holds ``tensor`` or ``chunk``."""
+        kind = message.WhichOneof("frame")  # type: ignore[attr-defined]
+        if kind == "tensor":
+            self.add(message.tensor)  # type: ignore[attr-defined]
+        elif kind == "chunk":
+            self.add(message.chunk)  # type: ignore[attr-defined]
+        else:
+            raise CodecError(f"TensorDecoder: expected a tensor header or chunk frame, got {kind!r}")
+
+    def add(self, frame: Frame) -> None:
+        """Feeds one header or one chunk."""
+        if isinstance(frame, TensorHeader):
+            self._start(frame)
+        elif isinstance(frame, (bytes, bytearray, memoryview)):
+            self._fill(frame)
+        else:
+            raise CodecError(f"TensorDecoder: unexpected frame of type {type(frame).__name__}")
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Completes the stream; raises :class:`CodecError` when the last tensor is truncated."""
+        self._close_current()
+        return self._tensors
+
+    # ------------------------------------------------------------------------------- internals
+    def _start(self, header: TensorHeader) -> None:
+        self._close_current()
+        name = header.name
+        if not name or len(name) > _MAX_NAME_CHARS:
+            raise CodecError(f"TensorDecoder: tensor name must have 1..{_MAX_NAME_CHARS} characters, "
+                             f"got {len(name)}")
+        if name in self._tensors:
+            raise CodecError(f"TensorDecoder: tensor {name!r} appears twice")
+        dtype = DTYPES.get(header.dtype)
+        if dtype is None:
+            raise CodecError(f"TensorDecoder: tensor {name!r} has unknown dtype {header.dtype[:40]!r}; "
+                             f"supported: {', '.join(DTYPES)}")
+        shape = tuple(int(d) for d in header.shape)
+        if len(shape) > _MAX_DIMS or any(d < 0 for d in shape):
+            raise CodecError(f"TensorDecoder: tensor {name!r} has invalid shape {list(shape)[:_MAX_DIMS + 1]}")
+        expected = math.prod(shape) * dtype.itemsize  # Python ints: no overflow however large the shape
+        if header.num_bytes != expected:
+            raise CodecError(f"TensorDecoder: tensor {name!r} declares {header.num_bytes} bytes but "
+                             f"{header.dtype}{list(shape)} needs {expected}")
+        limits = self._limits
+        if expected > limits.max_tensor_bytes:
+            raise TensorLimitError(f"TensorDecoder: tensor {name!r} has {expected} bytes, more than "
+                                   f"the limit of {limits.max_tensor_bytes}")
+        if self._total_bytes + expected > limits.max_total_bytes:
+            raise TensorLimitError(f"TensorDecoder: the tensors add up to more than the limit of "
+                                   f"{limits.max_total_bytes} bytes (at {name!r})")
+        if len(self._tensors) + 1 > limits.max_tensors:
+            raise TensorLimitError(f"TensorDecoder: more than {limits.max_tensors} tensors")
+        if self._check_header is not None:
+            self._check_header(name, dtype, shape)
+        self._total_bytes += expected
+        self._name, self._dtype, self._shape = name, dtype, shape
+        self._buffer = bytearray(expected)
+        self._filled = 0
+        self._open = True
+
+    def _fill(self, chunk: bytes | bytearray | memoryview) -> None:
+        if not self._open:
+            raise CodecError("TensorDecoder: a chunk arrived before any tensor header")
+        size = len(chunk)
+        if size > self._limits.max_chunk_bytes:
+            raise TensorLimitError(f"TensorDecoder: chunk of {size} bytes exceeds the limit of "
+                                   f"{self._limits.max_chunk_bytes}")
+        end = self._filled + size
+        if end > len(self._buffer):
+            raise CodecError(f"TensorDecoder: tensor {self._name!r} received {end} bytes, more than "
+                             f"the {len(self._buffer)} declared")
+        self._buffer[self._filled:end] = chunk
+        self._filled = end
+
+    def _close_current(self) -> None:
+        if not self._open:
+            return
+        if self._filled != len(self._buffer):
+            raise CodecError(f"TensorDecoder: tensor {self._name!r} is truncated: {self._filled} of "
+                             f"{len(self._buffer)} bytes arrived")
+        self._open = False
+        if not self._buffer:
+            tensor = torch.empty(self._shape, dtype=self._dtype)
+        else:
+            itemsize = len(self._buffer) // math.prod(self._shape)
+            buffer = self._buffer if _LITTLE_ENDIAN else _swap_bytes(self._buffer, itemsize)
+            # frombuffer shares the bytearray's memory: the chunks were copied exactly once.
+            tensor = torch.frombuffer(buffer, dtype=torch.uint8).view(self._dtype).reshape(self._shape)
+        self._tensors[self._name] = tensor
+        self._buffer = bytearray()

@@ -1,0 +1,166 @@
+"""The tensor wire codec: exact round trips, and refusal of malformed or oversized data before
+anything is allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from psg_client._proto.tensor_pb2 import TensorHeader
+from psg_client.codec import (DTYPES, CodecError, CodecLimits, TensorDecoder, TensorLimitError, _swap_bytes,
+                              dtype_name, encode_tensor, encode_tensors)
+
+
+def roundtrip(named: list[tuple[str, torch.Tensor]], *, chunk_bytes: int = 7,
+              limits: CodecLimits = CodecLimits()) -> dict[str, torch.Tensor]:
+    decoder = TensorDecoder(limits)
+    for frame in encode_tensors(named, chunk_bytes=chunk_bytes):
+        decoder.add(frame)
+    return decoder.finish()
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_every_whitelisted_dtype_round_trips_bit_exactly(dtype: torch.dtype) -> None:
+    tensor = sample(dtype, (3, 5))
+    out = roundtrip([("t", tensor)])["t"]
+    assert out.dtype == dtype and out.shape == tensor.shape
+    assert torch.equal(out.view(torch.uint8) if dtype != torch.bool else out,
+                       tensor.view(torch.uint8) if dtype != torch.bool else tensor)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(0, 4), min_size=0, max_size=4), chunk=st.integers(1, 64),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8]))
+def test_round_trip_for_any_shape_and_chunk_size(shape: list[int], chunk: int, dtype: torch.dtype) -> None:
+    tensor = sample(dtype, tuple(shape))
+    out = roundtrip([("a", tensor), ("b", tensor + 1 if dtype != torch.bool else tensor)], chunk_bytes=chunk)
+    assert list(out) == ["a", "b"]
+    assert out["a"].shape == tensor.shape and torch.equal(out["a"], tensor)
+
+
+def test_non_contiguous_and_grad_tensors_are_sent_as_their_values() -> None:
+    base = torch.randn(4, 6, requires_grad=True)
+    view = base.t()[1:, ::2]  # non-contiguous view of a tensor that requires grad
+    out = roundtrip([("v", view)])["v"]
+    assert torch.equal(out, view.detach()) and not out.requires_grad
+
+
+def test_chunks_respect_the_size_and_carry_exactly_num_bytes() -> None:
+    frames = list(encode_tensor("w", torch.zeros(10, dtype=torch.float64), chunk_bytes=16))
+    header, chunks = frames[0], frames[1:]
+    assert isinstance(header, TensorHeader) and header.num_bytes == 80
+    assert [len(c) for c in chunks] == [16] * 5
+    assert list(encode_tensor("e", torch.zeros(0, 3))) == [TensorHeader(name="e", dtype="float32", shape=[0, 3])]
+
+
+def test_unsupported_dtypes_are_refused_on_both_sides() -> None:
+    with pytest.raises(CodecError, match="cannot be sent"):
+        list(encode_tensor("c", torch.zeros(2, dtype=torch.complex64)))
+    with pytest.raises(CodecError, match="unknown dtype 'complex64'"):
+        TensorDecoder(CodecLimits()).add(TensorHeader(name="c", dtype="complex64", shape=[2], num_bytes=16))
+    assert dtype_name(torch.int16) == "int16"
+
+
+@pytest.mark.parametrize("header, message", [
+    (TensorHeader(name="x", dtype="float32", shape=[3], num_bytes=11), "declares 11 bytes but float32\\[3\\] needs 12"),
+    (TensorHeader(name="x", dtype="float32", shape=[-1, 4], num_bytes=0), "invalid shape"),
+    (TensorHeader(name="", dtype="float32", shape=[1], num_bytes=4), "name must have"),
+    (TensorHeader(name="x", dtype="float32", shape=[1] * 17, num_bytes=4), "invalid shape"),
+])
+def test_malformed_headers_are_refused(header: TensorHeader, message: str) -> None:
+    with pytest.raises(CodecError, match=message):
+        TensorDecoder(CodecLimits()).add(header)
+
+
+def test_truncated_excess_and_orphan_bytes_are_refused() -> None:
+    header = TensorHeader(name="x", dtype="int32", shape=[2], num_bytes=8)
+    truncated = TensorDecoder(CodecLimits())
+    truncated.add(header)
+    truncated.add(b"\x00" * 5)
+    with pytest.raises(CodecError, match="truncated: 5 of 8 bytes"):
+        truncated.finish()
+    interrupted = TensorDecoder(CodecLimits())
+    interrupted.add(header)
+    with pytest.raises(CodecError, match="truncated"):
+        interrupted.add(TensorHeader(name="y", dtype="int32", shape=[0], num_bytes=0))
+    excess = TensorDecoder(CodecLimits())
+    excess.add(header)
+    with pytest.raises(CodecError, match="received 9 bytes, more than the 8 declared"):
+        excess.add(b"\x00" * 9)
+    with pytest.raises(CodecError, match="before any tensor header"):
+        TensorDecoder(CodecLimits()).add(b"\x00")
+
+
+def test_duplicate_names_are_refused() -> None:
+    decoder = TensorDecoder(CodecLimits())
+    decoder.add(TensorHeader(name="x", dtype="bool", shape=[0], num_bytes=0))
+    with pytest.raises(CodecError, match="appears twice"):
+        decoder.add(TensorHeader(name="x", dtype="bool", shape=[0], num_bytes=0))
+
+
+def test_limits_are_checked_before_allocating() -> None:
+    # 2**62 bytes could never be allocated: refusing it proves the check runs first.
+    huge = TensorHeader(name="h", dtype="float32", shape=[1 << 60], num_bytes=1 << 62)
+    with pytest.raises(TensorLimitError, match="more than the limit of 1024"):
+        TensorDecoder(CodecLimits(max_tensor_bytes=1024)).add(huge)
+    decoder = TensorDecoder(CodecLimits(max_total_bytes=100))
+    decoder.add(TensorHeader(name="a", dtype="uint8", shape=[60], num_bytes=60))
+    decoder.add(b"\x01" * 60)
+    with pytest.raises(TensorLimitError, match="add up to more than the limit of 100"):
+        decoder.add(TensorHeader(name="b", dtype="uint8", shape=[60], num_bytes=60))
+    few = TensorDecoder(CodecLimits(max_tensors=1))
+    few.add(TensorHeader(name="a", dtype="uint8", shape=[0], num_bytes=0))
+    with pytest.raises(TensorLimitError, match="more than 1 tensors"):
+        few.add(TensorHeader(name="b", dtype="uint8", shape=[0], num_bytes=0))
+    big_chunk = TensorDecoder(CodecLimits(max_chunk_bytes=4))
+    big_chunk.add(TensorHeader(name="a", dtype="uint8", shape=[8], num_bytes=8))
+    with pytest.raises(TensorLimitError, match="chunk of 8 bytes"):
+        big_chunk.add(b"\x00" * 8)
+
+
+def test_header_check_runs_before_allocation_and_can_refuse() -> None:
+    seen = []
+
+    def check(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        seen.append((name, dtype, shape))
+        raise CodecError(f"no {name}")
+
+    decoder = TensorDecoder(CodecLimits(max_tensor_bytes=1 << 50, max_total_bytes=1 << 50), check_header=check)
+    with pytest.raises(CodecError, match="no w"):
+        decoder.add(TensorHeader(name="w", dtype="float16", shape=[1 << 40], num_bytes=1 << 41))
+    assert seen == [("w", torch.float16, (1 << 40,))]
+
+
+def test_decoded_tensors_own_writable_memory() -> None:
+    out = roundtrip([("w", torch.arange(4.0))])["w"]
+    out += 1  # frombuffer over a bytearray: writable, no warning
+    assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_swap_bytes_reverses_each_element_and_is_its_own_inverse() -> None:
+    data = bytearray(range(8))
+    assert _swap_bytes(data, 4) == bytearray([3, 2, 1, 0, 7, 6, 5, 4])
+    assert _swap_bytes(_swap_bytes(data, 2), 2) == data
+    assert _swap_bytes(data, 1) is data
+
+
+def test_message_frames_must_be_tensor_or_chunk() -> None:
+    from psg_client._proto import gradient_service_pb2 as pb
+
+    decoder = TensorDecoder(CodecLimits())
+    decoder.add_message(pb.PushParametersRequest(tensor=TensorHeader(name="z", dtype="int8", shape=[1], num_bytes=1)))
+    decoder.add_message(pb.PushParametersRequest(chunk=b"\x05"))
+    with pytest.raises(CodecError, match="got 'header'"):
+        decoder.add_message(pb.PushParametersRequest(header=pb.PushParametersHeader(session_id="s")))
+    assert decoder.finish()["z"].tolist() == [5]
