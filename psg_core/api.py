@@ -139,3 +139,8 @@ def per_sample_gradients(module: nn.Module, inputs: Any, targets: torch.Tensor, 
     return compute_per_sample(module, inputs, targets, loss_fn=loss_fn, mode=mode,
                               augmentation_multiplicity=augmentation_multiplicity,
                               loss_reduction=loss_reduction, batch_first=batch_first).grads
+
+
+# Backend modules register themselves in _BACKENDS on import (they import this module, hence last).
+from psg_core.backends import functorch as _functorch  # noqa: E402,F401
+from psg_core.backends import ew as _ew  # noqa: E402,F401

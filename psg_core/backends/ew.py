@@ -1,0 +1,384 @@
+"""The ew backend: torch's ExpandedWeights over the ``N*K`` rows, folded over K afterwards.
+
+ExpandedWeights (``torch.nn.utils._expanded_weights``) swaps every trainable parameter for a
+tensor subclass whose ops compute per-*row* gradients during the ordinary backward pass. psg runs
+it with batch size ``N*K`` and ``loss_reduction="sum"`` and then sums each sample's K rows, so the
+result matches the oracle semantics for both reductions. It works at the level of torch functions
+(``F.linear``, ``F.conv2d``, ``F.embedding``, the norms, and torch's decompositions of
+``nn.RNN``/``nn.GRU``), so a custom module built from those works without a grad sampler; anything
+else raises :class:`~psg_core.errors.UnsupportedModuleError` naming the layer. Note that the
+per-row gradients are ``(N*K, *param.shape)`` before folding: this backend pays K in memory.
+
+Parameters are never replaced on the user's model: each call works on detached aliases of them
+(same storage), so ``p.grad_sample`` only ever holds the folded ``(N, ...)`` result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+from torch.nn.utils._expanded_weights.expanded_weights_impl import (HANDLED_FUNCTIONS, ExpandedWeight,
+                                                                    expanded_weights_rnn_decomps)
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from psg_core.api import PerSampleOutput, batch_rows, register_backend
+from psg_core.backends.base import AbstractGradSampleModule, check_rows, trainable_parameters
+from psg_core.backends.functorch import reject_batch_mixing
+from psg_core.backends.hooks import ALWAYS_BATCH_FIRST
+from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
+from psg_core.losses import LossFn, per_sample_loss
+from psg_core.modes import GradSampleMode, LossReduction
+
+__all__ = ["ExpandedWeightsGradSampleModule", "ew_per_sample", "ew_supported_functions"]
+
+logger = logging.getLogger(__name__)
+
+_WHERE = "per_sample_gradients(mode='ew')"
+# torch's own ExpandedWeights errors all name the feature; anything else is the model's own error.
+_EW_ERROR = re.compile(r"Expanded ?Weights?", re.IGNORECASE)
+
+
+def ew_supported_functions() -> list[str]:
+    """Names of the torch functions ExpandedWeights computes per-sample gradients for (this torch).
+
+    >>> "linear" in ew_supported_functions()
+    True
+    """
+    funcs = list(HANDLED_FUNCTIONS) + list(expanded_weights_rnn_decomps)
+    return sorted({getattr(f, "__name__", str(f)) for f in funcs})
+
+
+class _ModuleTracker:
+    """Knows which submodule's forward is running, so torch's errors can name the layer."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._stack: list[tuple[str, nn.Module]] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        for path, layer in module.named_modules():
+            label = f"'{path or '<root>'}' ({type(layer).__qualname__})"
+            self._handles.append(layer.register_forward_pre_hook(self._push(label)))
+            self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+
+    def _push(self, label: str) -> Any:
+        def hook(layer: nn.Module, _args: Any) -> None:
+            self._stack.append((label, layer))
+        return hook
+
+    def _pop(self, _layer: nn.Module, _args: Any, _output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    @property
+    def current(self) -> str | None:
+        """The innermost module whose forward is running (path and type), or None."""
+        return self._stack[-1][0] if self._stack else None
+
+    @property
+    def current_module(self) -> nn.Module | None:
+        return self._stack[-1][1] if self._stack else None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class _ExpandedWeightsMode(TorchFunctionMode):
+    """Watches the ops that receive ExpandedWeights during one forward pass.
+
+    * With the batch on dim 1, only ``F.linear`` honours it inside ExpandedWeights; other
+      per-sample ops would silently treat dim 0 as the batch, so they are refused. Linear layers
+      that are batch-first whatever the model's layout (``ALWAYS_BATCH_FIRST``, e.g. the cells of
+      psg's recurrent layers) get their batch on dim 0 for the call.
+    * torch's per-sample embedding gradient ignores ``padding_idx`` (its rows get gradient), so
+      the ops each parameter meets are recorded: a parameter used only by embeddings with one
+      ``padding_idx`` gets that row zeroed afterwards; a mix is refused. ``scale_grad_by_freq``
+      mixes samples and is refused.
+    """
+
+    _BATCH_FIRST_ONLY = (set(HANDLED_FUNCTIONS) | set(expanded_weights_rnn_decomps)) - {F.linear}
+
+    def __init__(self, tracker: _ModuleTracker, *, batch_first: bool, where: str) -> None:
+        super().__init__()
+        self._tracker = tracker
+        self._batch_first = batch_first
+        self._where = where
+        #: id(ExpandedWeight) -> the padding_idx of every op that used it (None for other ops).
+        self.uses: dict[int, list[int | None]] = {}
+
+    def _refuse(self, func: Any, why: str) -> UnsupportedModuleError:
+        return UnsupportedModuleError(
+            f"{self._where}: module {self._tracker.current or '<unknown>'} calls "
+            f"{getattr(func, '__name__', func)} {why}. Use mode='hooks' or 'functorch'")
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        expanded = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, ExpandedWeight)]
+        if not expanded or not (func in HANDLED_FUNCTIONS or func in expanded_weights_rnn_decomps):
+            return func(*args, **kwargs)
+        padding_idx = None
+        if func is F.embedding:
+            padding_idx = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
+            if kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False):
+                raise self._refuse(func, "with scale_grad_by_freq=True, which scales gradients by token "
+                                   "counts over the whole batch (samples mix)")
+            if padding_idx is not None and padding_idx < 0:
+                padding_idx += expanded[0].shape[0]
+        for ew in expanded:
+            self.uses.setdefault(id(ew), []).append(padding_idx)
+        if self._batch_first:
+            return func(*args, **kwargs)
+        if func is F.linear and getattr(type(self._tracker.current_module), ALWAYS_BATCH_FIRST, False):
+            for ew in expanded:
+                ew.set_batch_first(True)  # read once, in the op's forward
+            try:
+                return func(*args, **kwargs)
+            finally:
+                for ew in expanded:
+                    ew.set_batch_first(False)
+        if func in self._BATCH_FIRST_ONLY:
+            raise self._refuse(func, "with batch_first=False; torch's ExpandedWeights only honours a batch "
+                               "on dimension 1 for linear layers (or use batch-first inputs)")
+        return func(*args, **kwargs)
+
+    def padding_rows(self, expanded: dict[str, ExpandedWeight]) -> dict[str, int]:
+        """``{name: padding_idx}`` for parameters used only by embeddings with that padding_idx."""
+        rows = {}
+        for name, ew in expanded.items():
+            uses = self.uses.get(id(ew), [])
+            padding = {u for u in uses if u is not None}
+            if not padding:
+                continue
+            if len(padding) > 1 or None in uses:
+                raise UnsupportedModuleError(
+                    f"{self._where}: parameter {name!r} is used by an embedding with padding_idx and by other "
+                    "ops; torch's ExpandedWeights cannot leave its padding row out. Use mode='hooks' or "
+                    "'functorch'")
+            rows[name] = padding.pop()
+        return rows
+
+
+@contextlib.contextmanager
+def _expanded_forward(module: nn.Module, *, batch_first: bool, where: str) -> Iterator[_ExpandedWeightsMode]:
+    """Runs a forward with ExpandedWeights: torch's errors become psg errors naming the layer."""
+    tracker = _ModuleTracker(module)
+    mode = _ExpandedWeightsMode(tracker, batch_first=batch_first, where=where)
+    try:
+        with mode:
+            yield mode
+    except RuntimeError as err:
+        if not _EW_ERROR.search(str(err)):
+            raise
+        layer = tracker.current or "<unknown>"
+        raise UnsupportedModuleError(
+            f"{where}: module {layer} is not supported by torch's ExpandedWeights ({err}); it handles "
+            f"{', '.join(ew_supported_functions())}. Use mode='hooks' (with a registered grad sampler) "
+            "or mode='functorch'") from err
+    finally:
+        tracker.remove()
+
+
+def _expand(params: dict[str, nn.Parameter], rows: int, batch_first: bool
+            ) -> tuple[dict[str, torch.Tensor], dict[str, ExpandedWeight]]:
+    """Detached aliases of the parameters (they receive ``grad_sample``) and their ExpandedWeights."""
+    aliases = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+    expanded = {name: ExpandedWeight(alias, rows, "sum") for name, alias in aliases.items()}
+    if not batch_first:
+        for ew in expanded.values():
+            ew.set_batch_first(False)
+    return aliases, expanded
+
+
+def _take_per_row(alias: torch.Tensor, padding_row: int | None) -> torch.Tensor | None:
+    """Pops the ``(N*K, ...)`` per-row gradients ExpandedWeights left on ``alias``."""
+    per_row = getattr(alias, "grad_sample", None)
+    alias.grad_sample = None
+    if per_row is not None and padding_row is not None:
+        per_row[:, padding_row] = 0
+    return per_row
+
+
+def _fold(per_row: torch.Tensor, K: int) -> torch.Tensor:
+    """``(N*K, ...)`` per-row gradients -> ``(N, ...)`` per-sample sums over the K copies."""
+    return per_row.reshape(per_row.shape[0] // K, K, *per_row.shape[1:]).sum(1)
+
+
+def ew_per_sample(module: nn.Module, args: tuple[Any, ...], targets: Any, loss_fn: LossFn, *,
+                  K: int, reduction: LossReduction, batch_first: bool) -> PerSampleOutput:
+    """Per-sample gradients and losses of ``module`` with torch's ExpandedWeights.
+
+    Same arguments and result as :func:`psg_core.backends.functorch.functorch_per_sample`; the
+    model is not modified (``p.grad`` and ``p.grad_sample`` are untouched).
+
+    >>> out = ew_per_sample(nn.Linear(3, 1), (torch.randn(6, 3),), torch.randn(6, 1),
+    ...                     lambda o, t: (o - t) ** 2, K=3, reduction=LossReduction.SUM,
+    ...                     batch_first=True)
+    >>> out.grads["bias"].shape
+    torch.Size([2, 1])
+    """
+    batch_dim = 0 if batch_first else 1
+    reject_batch_mixing(module, where=_WHERE)
+    rows = batch_rows(args, batch_dim, where=_WHERE)
+    num_samples = check_rows(rows, K, where=_WHERE)
+    params = trainable_parameters(module)
+    if num_samples == 0:
+        grads = {name: torch.zeros(0, *p.shape, dtype=p.dtype, device=p.device) for name, p in params.items()}
+        return PerSampleOutput(grads=grads, per_sample_losses=torch.zeros(0), num_samples=0)
+    aliases, expanded = _expand(params, rows, batch_first)
+    with _expanded_forward(module, batch_first=batch_first, where=_WHERE) as watcher:
+        outputs = functional_call(module, expanded, args)
+    padding_rows = watcher.padding_rows(expanded)
+    per_element = loss_fn(outputs, targets)
+    if per_element.dim() <= batch_dim or per_element.shape[batch_dim] != rows:
+        raise BatchLayoutError(f"{_WHERE}: loss_fn must return the unreduced loss with {rows} rows on "
+                               f"dimension {batch_dim}, got shape {tuple(per_element.shape)}")
+    losses = per_sample_loss(per_element, num_samples=num_samples, batch_dim=batch_dim,
+                             reduction=reduction)  # (N,)
+    if expanded:
+        # Backward of sum_n loss_n: each row's gradient is already weighted as its sample's loss
+        # needs, so folding over K gives d loss_n / d theta for both reductions. The subclass'
+        # __torch_function__ would refuse autograd.grad itself, hence the guard.
+        with torch._C.DisableTorchFunctionSubclass():
+            torch.autograd.grad(losses.sum(), list(expanded.values()), allow_unused=True)
+    grads = {}
+    for name, alias in aliases.items():
+        per_row = _take_per_row(alias, padding_rows.get(name))
+        param = params[name]
+        grads[name] = (_fold(per_row, K) if per_row is not None
+                       else torch.zeros(num_samples, *param.shape, dtype=param.dtype, device=param.device))
+    return PerSampleOutput(grads=grads, per_sample_losses=losses.detach(), num_samples=num_samples)
+
+
+@register_backend(GradSampleMode.EW)
+def _ew_backend(module: nn.Module, args: tuple[Any, ...], targets: Any, loss_fn: LossFn, *,
+                K: int, reduction: LossReduction, batch_first: bool) -> PerSampleOutput:
+    return ew_per_sample(module, args, targets, loss_fn, K=K, reduction=reduction, batch_first=batch_first)
+
+
+def _first_rows(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> int | None:
+    for value in tree_flatten((args, kwargs))[0]:
+        if isinstance(value, torch.Tensor) and value.dim() > batch_dim:
+            return int(value.shape[batch_dim])
+    return None
+
+
+class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
+    """ExpandedWeights-based wrapper: after ``loss.backward()`` every trainable ``p`` has
+    ``p.grad_sample`` of shape ``(N, *p.shape)`` (folded over the K copies) and ``p.grad`` as usual.
+
+    The contract is the one of :class:`~psg_core.GradSampleModule`: the loss must be the mean
+    (``loss_reduction="mean"``) or sum of the unreduced losses of all ``N*K`` rows. Each forward
+    runs the model through ``functional_call`` with ExpandedWeights standing in for the trainable
+    parameters; the per-row gradients are folded when the backward pass ends.
+
+    Args:
+        module: the model; it is not modified.
+        batch_first: batch on dimension 0 (True) or 1 (only linear layers support 1, as in torch).
+        loss_reduction: ``"mean"`` or ``"sum"``.
+        augmentation_multiplicity: K.
+
+    >>> model = ExpandedWeightsGradSampleModule(nn.Linear(4, 2), augmentation_multiplicity=2)
+    >>> model(torch.randn(6, 4)).sum().backward()
+    >>> model.weight.grad_sample.shape
+    torch.Size([3, 2, 4])
+    """
+
+    def __init__(self, module: nn.Module, *, batch_first: bool = True,
+                 loss_reduction: str | LossReduction = "mean", augmentation_multiplicity: int = 1) -> None:
+        super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
+                         augmentation_multiplicity=augmentation_multiplicity)
+        reject_batch_mixing(module, where=type(self).__name__)
+        self._accumulation_allowed = False
+        # Forwards whose outputs received gradients in the running backward:
+        # (num_samples, aliases, embedding padding rows).
+        self._pending: list[tuple[int, dict[str, torch.Tensor], dict[str, int]]] = []
+        self._callback_queued = False
+
+    def allow_grad_accumulation(self) -> None:
+        """Lets several backward passes add into ``p.grad_sample`` until it is cleared."""
+        self._accumulation_allowed = True
+
+    def forbid_grad_accumulation(self) -> None:
+        """A backward pass that would add to an uncleared ``p.grad_sample`` raises ValueError."""
+        self._accumulation_allowed = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        params = trainable_parameters(self._module)
+        if not torch.is_grad_enabled() or not params:
+            return self._module(*args, **kwargs)
+        where = type(self).__name__
+        rows = _first_rows(args, kwargs, self.batch_dim)
+        if rows is None:
+            raise BatchLayoutError(f"{where}: the inputs hold no tensor with a batch dimension {self.batch_dim}")
+        num_samples = check_rows(rows, self.augmentation_multiplicity, where=where)
+        if num_samples == 0:
+            return self._module(*args, **kwargs)
+        aliases, expanded = _expand(params, rows, self.batch_first)
+        with _expanded_forward(self._module, batch_first=self.batch_first, where=where) as watcher:
+            output = functional_call(self._module, expanded, args, kwargs)
+        entry = (num_samples, aliases, watcher.padding_rows(expanded))
+
+        def on_output_grad(grad: torch.Tensor) -> None:
+            if not any(item is entry for item in self._pending):
+                self._pending.append(entry)
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._collect)
+
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(on_output_grad)
+        return output
+
+    def _collect(self) -> None:
+        """End of a backward pass: fold the per-row gradients into ``p.grad_sample`` and ``p.grad``."""
+        pending, self._pending, self._callback_queued = self._pending, [], False
+        K = self.augmentation_multiplicity
+        params = trainable_parameters(self._module)
+        folded: dict[str, torch.Tensor] = {}
+        for num_samples, aliases, padding_rows in pending:
+            scale = float(num_samples) if self.loss_reduction is LossReduction.MEAN else 1.0
+            for name, alias in aliases.items():
+                per_row = _take_per_row(alias, padding_rows.get(name))  # (N*K, *shape)
+                if per_row is None:
+                    continue
+                param = params[name]
+                # Per-row gradients are exact (reduction "sum"), so their sum is the batch gradient.
+                batch_grad = per_row.sum(0).to(param.dtype)
+                param.grad = batch_grad if param.grad is None else param.grad + batch_grad
+                sample = _fold(per_row, K) * scale  # (N, *shape)
+                if name in folded:
+                    if folded[name].shape != sample.shape:
+                        raise GradAccumulationError(
+                            f"{type(self).__name__}: one backward pass covers forwards of "
+                            f"{folded[name].shape[0]} and {sample.shape[0]} samples; per-sample "
+                            "gradients of different batches cannot be added")
+                    sample = folded[name] + sample
+                folded[name] = sample
+        for name, sample in folded.items():
+            self._store(params[name], sample.to(params[name].dtype))
+
+    def _store(self, param: nn.Parameter, grad_sample: torch.Tensor) -> None:
+        existing = getattr(param, "grad_sample", None)
+        if existing is None:
+            param.grad_sample = grad_sample
+            return
+        if not self._accumulation_allowed:
+            raise GradAccumulationError(
+                f"{type(self).__name__}: a second backward pass would add to p.grad_sample, which still "
+                "holds the previous pass; clear it (model.zero_grad()) before the next backward, or call "
+                "allow_grad_accumulation()")
+        if existing.shape != grad_sample.shape:
+            raise GradAccumulationError(
+                f"{type(self).__name__}: cannot accumulate per-sample gradients of {existing.shape[0]} and "
+                f"{grad_sample.shape[0]} samples; clear p.grad_sample between batches of different sizes")
+        param.grad_sample = existing + grad_sample

@@ -1,0 +1,601 @@
+"""The ghost backend: per-sample gradient norms without per-sample gradients, then the clipped sum.
+
+Pass 1 backpropagates ``sum_n loss_n`` (sample n's loss over its K rows) with hooks that turn each
+layer's activations ``a`` and output gradients ``g`` into per-sample squared norms:
+
+* ``nn.Linear`` (and ``nn.Conv*`` through their im2col patches, per group): sample n's weight
+  gradient is ``sum_t g_t a_t^T`` over its ``T = K * positions`` rows, and
+  ``||sum_t g_t a_t^T||^2 = sum_{s,t} (a_s . a_t)(g_s . g_t)``, two ``(T, T)`` Gram matrices
+  instead of the ``(d_out, d_in)`` gradient ("ghost norm", Li et al. 2022);
+* ``nn.Embedding``: the same with ``a_s . a_t`` replaced by ``[token_s == token_t]``;
+* per layer, whichever is cheaper: the Gram pair (``2 * G * T^2`` numbers) or the materialised
+  per-sample gradient (``weight.numel()`` numbers per sample);
+* every other layer (norms, attention biases, custom modules) materialises its small per-sample
+  gradient through its registered grad sampler, or the per-layer ``torch.func`` fallback.
+
+A module called several times (a recurrent cell, a shared block) concatenates its calls along the
+T axis, so its norm is the norm of the summed gradient. Pass 1 asks autograd only for the
+gradients of the earliest hooked layer outputs: parameter gradients are not computed in it.
+
+Pass 2 gives the clipped sum ``sum_n c_n grad(loss_n)``:
+
+* ``flat`` and ``automatic`` clipping: one re-weighted backward of ``sum_n c_n loss_n``;
+* ``per_layer`` clipping: each parameter has its own factors ``c_{n,i}``, which no single loss
+  weighting can express, so pass 2 backpropagates ``sum_n loss_n`` once more and each hooked layer
+  turns its output gradients, scaled row-wise by its parameters' factors, into the weighted sum
+  with a vector-Jacobian product of that layer alone (recomputing only its own forward).
+
+Per-sample gradients are never returned: ``per_sample_gradients(mode="ghost")`` raises; use
+:func:`ghost_dp_gradient` (or :func:`psg_core.dp_gradient` with ``DPConfig(mode="ghost")``).
+Parameters must be used through their own module's ``forward`` (as for the hooks backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import inspect
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge, register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from psg_core.api import as_inputs, batch_rows
+from psg_core.backends.base import AbstractGradSampleModule, check_rows, trainable_parameters
+from psg_core.backends.functorch import reject_batch_mixing
+from psg_core.backends.hooks import ALWAYS_BATCH_FIRST
+from psg_core.clipping import AUTOMATIC_STABILITY, FLAT_EPSILON
+from psg_core.config import DPConfig, DPGradient
+from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
+from psg_core.grad_sample.conv import conv_weight_factors
+from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
+from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
+from psg_core.losses import LossFn, as_unreduced, per_sample_loss
+from psg_core.modes import Clipping, GradSampleMode, LossReduction
+
+__all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
+
+_WHERE = "ghost_dp_gradient"
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_FUSED = (nn.RNNBase, nn.MultiheadAttention)
+
+
+def ghost_norm_layers() -> tuple[type[nn.Module], ...]:
+    """Layer types whose weight norm the ghost backend can get from Gram matrices."""
+    return (nn.Linear, nn.Embedding, *_CONV)
+
+
+# ------------------------------------------------------------------------------ weight factors
+@dataclass
+class _Factors:
+    """One call's factors of sample n's weight gradient, with the K rows folded into T.
+
+    ``dot``: ``grad[n, g] = right[n, g]^T @ left[n, g]`` with left ``(N, G, T, I)``, right
+    ``(N, G, T, O)``. ``index``: an embedding, left ``(N, T)`` token ids and right ``(N, T, d)``.
+    """
+
+    kind: str
+    left: torch.Tensor
+    right: torch.Tensor
+
+    def positions(self) -> int:
+        return int(self.left.shape[2] if self.kind == "dot" else self.left.shape[1])
+
+
+def _fold_rows(t: torch.Tensor, K: int) -> torch.Tensor:
+    """``(N*K, ...)`` -> ``(N, K, ...)``."""
+    return t.reshape(t.shape[0] // K, K, *t.shape[1:])
+
+
+def _weight_factors(layer: nn.Module, a: torch.Tensor, g: torch.Tensor, K: int
+                    ) -> tuple[_Factors | None, torch.Tensor | None]:
+    """Weight factors and the (materialised, small) per-sample bias gradient of a ghost layer.
+
+    ``a`` and ``g`` are batch-first with ``N*K`` rows.
+    """
+    weight, bias = layer.weight, getattr(layer, "bias", None)
+    factors = bias_grad = None
+    if isinstance(layer, nn.Linear):
+        n = a.shape[0] // K
+        if weight.requires_grad:
+            left = a.reshape(n, 1, -1, a.shape[-1])  # (N, 1, K*T, d_in)
+            right = g.reshape(n, 1, -1, g.shape[-1])  # (N, 1, K*T, d_out)
+            factors = _Factors("dot", left, right)
+        if bias is not None and bias.requires_grad:
+            bias_grad = g.reshape(n, -1, g.shape[-1]).sum(1)  # (N, d_out)
+    elif isinstance(layer, nn.Embedding):
+        if layer.scale_grad_by_freq:
+            raise UnsupportedModuleError(
+                f"{_WHERE}: Embedding with scale_grad_by_freq=True scales gradients by token counts "
+                "over the whole batch, which mixes samples; per-sample gradients are undefined")
+        n = a.shape[0] // K
+        tokens = a.reshape(n, -1)  # (N, K*T)
+        right = g.reshape(n, tokens.shape[1], -1)  # (N, K*T, d)
+        if layer.padding_idx is not None:
+            right = right * (tokens != layer.padding_idx).unsqueeze(-1).to(right.dtype)
+        factors = _Factors("index", tokens, right)
+    else:  # convolutions
+        if weight.requires_grad:
+            patches, other = conv_weight_factors(layer, a, g)  # (B, G, I, L), (B, G, O, L)
+            left = _fold_rows(patches, K).permute(0, 2, 1, 4, 3)  # (N, G, K, L, I)
+            right = _fold_rows(other, K).permute(0, 2, 1, 4, 3)  # (N, G, K, L, O)
+            factors = _Factors("dot", left.flatten(2, 3), right.flatten(2, 3))  # (N, G, K*L, .)
+        if bias is not None and bias.requires_grad:
+            bias_grad = _fold_rows(g.flatten(2), K).sum((1, 3))  # (N, C_out)
+    return factors, bias_grad
+
+
+def _concat(parts: list[_Factors]) -> _Factors:
+    if len(parts) == 1:
+        return parts[0]
+    axis = 2 if parts[0].kind == "dot" else 1
+    return _Factors(parts[0].kind, torch.cat([p.left for p in parts], axis),
+                    torch.cat([p.right for p in parts], axis))
+
+
+def _ghost_sq_norm(f: _Factors, dtype: torch.dtype) -> torch.Tensor:
+    """``(N,)`` squared Frobenius norms of the per-sample weight gradients, from Gram matrices."""
+    right = f.right.to(dtype)
+    if f.kind == "dot":
+        left = f.left.to(dtype)
+        gram_left = left @ left.transpose(-1, -2)  # (N, G, T, T)
+        gram_right = right @ right.transpose(-1, -2)  # (N, G, T, T)
+        return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
+    same_token = f.left.unsqueeze(2) == f.left.unsqueeze(1)  # (N, T, T)
+    gram_right = right @ right.transpose(-1, -2)  # (N, T, T)
+    return (gram_right * same_token).sum((1, 2)).clamp_min(0)
+
+
+def _materialise(f: _Factors, weight: nn.Parameter) -> torch.Tensor:
+    """``(N, *weight.shape)`` per-sample weight gradients from the factors."""
+    if f.kind == "dot":
+        grad = f.right.transpose(-1, -2) @ f.left  # (N, G, O, I)
+        return grad.reshape(grad.shape[0], *weight.shape)
+    n, vocab = f.left.shape[0], weight.shape[0]
+    flat_ids = (f.left + vocab * torch.arange(n, device=f.left.device)[:, None]).reshape(-1)  # (N*T,)
+    out = f.right.new_zeros(n * vocab, f.right.shape[-1])  # (N*V, d)
+    out.index_add_(0, flat_ids, f.right.reshape(-1, f.right.shape[-1]))
+    return out.view(n, vocab, -1)  # (N, V, d)
+
+
+def _ghost_is_cheaper(layer: nn.Module, positions: int) -> bool:
+    """The 2T^2 vs p*d rule: two (T, T) Grams per group against one materialised weight."""
+    groups = getattr(layer, "groups", 1)
+    return 2 * groups * positions * positions <= layer.weight.numel()
+
+
+def _row_positions(layer: nn.Module, args: tuple[Any, ...], output: Any, batch_dim: int) -> int | None:
+    """Rows of the ghost factors one input row contributes (sequence length, conv positions)."""
+    if not isinstance(layer, ghost_norm_layers()) or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    if isinstance(layer, nn.Linear):
+        return x.numel() // max(1, x.shape[batch_dim] * x.shape[-1])
+    if isinstance(layer, nn.Embedding):
+        return x.numel() // max(1, x.shape[batch_dim])
+    if isinstance(layer, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        return math.prod(x.shape[2:])
+    return math.prod(output.shape[2:]) if isinstance(output, torch.Tensor) else None
+
+
+# ------------------------------------------------------------------------------ bookkeeping
+class _Phase(enum.Enum):
+    NORMS = "norms"  # pass 1: per-sample squared norms
+    WEIGHTED = "weighted"  # per_layer pass 2: per-parameter weighted sums
+    OFF = "off"
+
+
+@dataclass
+class _Call:
+    """One forward call of a hooked layer."""
+
+    layer: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    batch_dim: int
+    custom_rows: bool
+    #: indices (in the flattened output) of the tensors whose gradients the hook receives.
+    output_index: list[int]
+    positions: int | None
+
+
+@dataclass
+class _LayerState:
+    calls: list[_Call] = field(default_factory=list)
+    arrived: int = 0
+    ghost: bool | None = None  # decided at the first backward of the layer
+    buffer: list[_Factors] = field(default_factory=list)
+    done: bool = False
+
+
+@functools.cache
+def _takes_kwargs(fn: Any) -> bool:
+    try:
+        param = inspect.signature(fn).parameters.get("kwargs")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def _earliest(edges: list[GradientEdge]) -> list[GradientEdge]:
+    """The edges that no other edge's node lies below: asking autograd for their gradients makes
+    it run through every hooked output (and compute no parameter gradient)."""
+    hooked = {e.node for e in edges}
+    below: dict[Any, bool] = {}
+    for edge in edges:
+        stack = [(edge.node, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in below:
+                continue
+            children = [child for child, _ in node.next_functions if child is not None]
+            if expanded:
+                below[node] = any(child in hooked or below[child] for child in children)
+                continue
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if child not in below)
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for edge in edges:
+        key = (id(edge.node), edge.output_nr)
+        if not below[edge.node] and key not in seen:
+            seen.add(key)
+            out.append(edge)
+    return out
+
+
+class _GhostPasses:
+    """Forward hooks on every module with trainable parameters, and the two backward passes."""
+
+    def __init__(self, module: nn.Module, *, K: int, rows: int, batch_first: bool) -> None:
+        self.K, self.rows, self.num_samples = K, rows, rows // K
+        self.batch_dim = 0 if batch_first else 1
+        self.phase = _Phase.OFF
+        self._suspended = False
+        self._names = {id(m): f"'{p or '<root>'}' ({type(m).__qualname__})" for p, m in module.named_modules()}
+        self._layers: dict[nn.Module, _LayerState] = {}
+        self._owners_left: dict[nn.Parameter, int] = {}  # counts down as owning layers finish
+        self._handles = []
+        for _, layer in module.named_modules():
+            own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+            if own:
+                self._layers[layer] = _LayerState()
+                for p in own:
+                    self._owners_left[p] = self._owners_left.get(p, 0) + 1
+                self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
+        self._owners = dict(self._owners_left)
+        self.edges: list[GradientEdge] = []
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._owners_left), torch.float32)
+        self.norm_dtype = dtype
+        self.sq_norms = {p: torch.zeros(self.num_samples, dtype=dtype, device=p.device)
+                         for p in self._owners_left}  # (N,) each
+        self._materialised: dict[nn.Parameter, torch.Tensor] = {}  # (N, *shape) until complete
+        # per_layer pass 2: per-parameter (N,) factors in, weighted sums out.
+        self.factors: dict[nn.Parameter, torch.Tensor] = {}
+        self.weighted: dict[nn.Parameter, torch.Tensor] = {}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def _suspend(self) -> Iterator[None]:
+        previous, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = previous
+
+    # ---------------------------------------------------------------------------- forward
+    def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self._suspended or not torch.is_grad_enabled():
+            return
+        flat = tree_flatten(output)[0]
+        index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not index:
+            return
+        entry = GRAD_SAMPLERS.lookup(layer)
+        batch_dim = self.batch_dim
+        if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or \
+                (entry is not None and getattr(entry.fn, "always_batch_first", False)):
+            batch_dim = 0
+        count_rows = getattr(entry.fn, "batch_rows", None) if entry is not None else None
+        custom = count_rows(layer, args, kwargs) if count_rows is not None else None
+        rows = custom
+        if rows is None:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            rows = first.shape[batch_dim] if first is not None and first.dim() > batch_dim else None
+        if rows != self.rows:
+            raise BatchLayoutError(
+                f"{_WHERE}: module {self._names[id(layer)]} was called with {rows} rows on its batch "
+                f"dimension {batch_dim}, but the batch has {self.rows} (N*K); the ghost backend needs every "
+                "layer with trainable parameters to see the batch's rows")
+        ghost_ok = isinstance(layer, ghost_norm_layers()) and custom is None and len(index) == 1
+        call = _Call(layer, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                     {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+                     batch_dim, custom is not None, index,
+                     _row_positions(layer, args, output, batch_dim) if ghost_ok else None)
+        self._layers[layer].calls.append(call)
+        outputs = [flat[i] for i in index]
+        self.edges.extend(get_gradient_edge(t) for t in outputs)
+        register_multi_grad_hook(outputs, functools.partial(self._on_grads, call), mode="all")
+
+    def _on_grads(self, call: _Call, grads: Any) -> None:
+        if self.phase is _Phase.NORMS:
+            self._norm_contribution(call, list(grads))
+        elif self.phase is _Phase.WEIGHTED:
+            self._weighted_contribution(call, list(grads))
+
+    # ---------------------------------------------------------------------------- pass 1
+    def _plan_ghost(self, layer: nn.Module, state: _LayerState) -> bool:
+        weight = getattr(layer, "weight", None)
+        if any(c.positions is None for c in state.calls) or not isinstance(weight, nn.Parameter) \
+                or not weight.requires_grad or self._owners.get(weight, 0) != 1:
+            return False  # not a ghost layer, or a weight shared with another module
+        return _ghost_is_cheaper(layer, self.K * sum(c.positions or 0 for c in state.calls))
+
+    def _norm_contribution(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
+        layer, state = call.layer, self._layers[call.layer]
+        if state.done:
+            raise ConfigError(f"{_WHERE}: module {self._names[id(layer)]} received gradients after its "
+                              "norms were computed; the model must be backpropagated once per pass")
+        state.arrived += 1
+        if state.ghost is None:
+            state.ghost = self._plan_ghost(layer, state)
+        if call.positions is not None and grads[0] is not None:
+            a = call.args[0].movedim(call.batch_dim, 0)  # (N*K, ...)
+            g = grads[0].movedim(call.batch_dim, 0)  # (N*K, ...)
+            factors, bias_grad = _weight_factors(layer, a, g, self.K)
+            if bias_grad is not None:
+                self._add(layer.bias, bias_grad)
+            if factors is not None:
+                if state.ghost:
+                    state.buffer.append(factors)
+                else:
+                    self._add(layer.weight, _materialise(factors, layer.weight))
+        else:
+            for param, grad_sample in self._sample_grads(call, grads).items():
+                if param.requires_grad:
+                    self._add(param, grad_sample)
+        if state.arrived == len(state.calls):
+            self.finish_layer(layer)
+
+    def _add(self, param: nn.Parameter, grad_sample: torch.Tensor) -> None:
+        current = self._materialised.get(param)
+        self._materialised[param] = grad_sample if current is None else current + grad_sample
+
+    def _sample_grads(self, call: _Call, grads: list[torch.Tensor | None]) -> dict[nn.Parameter, torch.Tensor]:
+        """Per-sample gradients of a layer's own parameters: its sampler, or torch.func."""
+        layer, K, bd = call.layer, self.K, call.batch_dim
+        entry: GradSamplerEntry | None = GRAD_SAMPLERS.lookup(layer)
+        if entry is None or len(grads) != 1 or grads[0] is None:
+            if call.custom_rows:
+                raise UnsupportedModuleError(
+                    f"{_WHERE}: module {self._names[id(layer)]} was called with rows that are not its "
+                    "first input's batch dimension; only its grad sampler can split them")
+            with self._suspend():
+                return functorch_layer_grad_sample(layer, call.args, call.kwargs, grads, K, bd, self.rows)
+        activations = [a.movedim(bd, 0) if isinstance(a, torch.Tensor) and bd else a for a in call.args]
+        backprops = grads[0].movedim(bd, 0) if bd else grads[0]
+        if entry.k_aware:
+            if _takes_kwargs(entry.fn):
+                return entry.fn(layer, activations, backprops, K, kwargs=call.kwargs)
+            return entry.fn(layer, activations, backprops, K)
+        per_row = entry.fn(layer, activations, backprops)  # an Opacus-style sampler: (N*K, ...)
+        return {p: _fold_rows(g, K).sum(1) for p, g in per_row.items()}
+
+    def finish_layer(self, layer: nn.Module) -> None:
+        """All of a layer's calls are in (or pass 1 is over): turn what it holds into norms."""
+        state = self._layers[layer]
+        if state.done:
+            return
+        state.done = True
+        if state.buffer:
+            factors, state.buffer = _concat(state.buffer), []
+            self.sq_norms[layer.weight] += _ghost_sq_norm(factors, self.norm_dtype)
+        for param in layer.parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            self._owners_left[param] -= 1
+            grad_sample = self._materialised.pop(param, None) if self._owners_left[param] == 0 else None
+            if grad_sample is not None:
+                flat = grad_sample.reshape(self.num_samples, -1).to(self.norm_dtype)  # (N, numel)
+                self.sq_norms[param] += flat.pow(2).sum(1)
+
+    def run_norm_pass(self, total_loss: torch.Tensor) -> None:
+        """Pass 1: backprop ``total_loss`` through the hooked outputs only; graph kept for pass 2."""
+        self.phase = _Phase.NORMS
+        try:
+            if self.edges:
+                torch.autograd.grad(total_loss, _earliest(self.edges), retain_graph=True, allow_unused=True)
+            for layer in self._layers:
+                self.finish_layer(layer)
+        finally:
+            self.phase = _Phase.OFF
+
+    # ---------------------------------------------------------------------------- per_layer pass 2
+    def _weighted_contribution(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
+        layer = call.layer
+        params = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+        with self._suspend(), torch.enable_grad():
+            flat = tree_flatten(layer(*call.args, **call.kwargs))[0]
+        pairs = [(flat[i], g) for i, g in zip(call.output_index, grads)
+                 if g is not None and isinstance(flat[i], torch.Tensor) and flat[i].requires_grad]
+        if not pairs:
+            return
+        outputs = [o for o, _ in pairs]
+        for index, param in enumerate(params):
+            row_factors = self.factors[param].repeat_interleave(self.K)  # (N*K,)
+            cotangents = [self._scale_rows(g, row_factors, call) for _, g in pairs]
+            (grad,) = torch.autograd.grad(outputs, [param], cotangents, allow_unused=True,
+                                          retain_graph=index < len(params) - 1)
+            if grad is not None:
+                grad = grad.to_dense() if grad.is_sparse else grad
+                current = self.weighted.get(param)
+                self.weighted[param] = grad if current is None else current + grad
+
+    def _scale_rows(self, grad: torch.Tensor, row_factors: torch.Tensor, call: _Call) -> torch.Tensor:
+        bd = call.batch_dim
+        if grad.dim() <= bd or grad.shape[bd] != self.rows:
+            raise UnsupportedModuleError(
+                f"{_WHERE}: clipping='per_layer' needs every output of module {self._names[id(call.layer)]} "
+                f"to have the batch's {self.rows} rows on dimension {bd}, got shape {tuple(grad.shape)}; "
+                "use clipping='flat'")
+        shape = [1] * grad.dim()
+        shape[bd] = self.rows
+        return grad * row_factors.view(shape).to(grad.dtype)
+
+    def run_weighted_pass(self, total_loss: torch.Tensor) -> None:
+        """per_layer pass 2: backprop ``total_loss`` again; each layer sums its own weighted grads."""
+        self.phase = _Phase.WEIGHTED
+        try:
+            if self.edges:
+                torch.autograd.grad(total_loss, _earliest(self.edges), allow_unused=True)
+        finally:
+            self.phase = _Phase.OFF
+
+
+# ------------------------------------------------------------------------------ entry point
+def _check_supported(module: nn.Module) -> None:
+    reject_batch_mixing(module, where=_WHERE)
+    for path, layer in module.named_modules():
+        if isinstance(layer, _FUSED) and any(p.requires_grad for p in layer.parameters(recurse=False)):
+            raise UnsupportedModuleError(
+                f"{_WHERE}: module '{path or '<root>'}' ({type(layer).__qualname__}) is a fused layer whose "
+                "kernel hooks cannot see into; swap it for its DP rewrite with psg_core.fix_model")
+
+
+def _clip_factors(passes: _GhostPasses, params: dict[str, nn.Parameter], config: DPConfig
+                  ) -> tuple[torch.Tensor, int]:
+    """Sets ``passes.factors`` from the norms; returns the ``(N,)`` total norms and the clip count."""
+    names = list(params)
+    layer_norms = torch.stack([passes.sq_norms[params[n]] for n in names], 1).sqrt()  # (N, P)
+    norms = layer_norms.pow(2).sum(1).sqrt()  # (N,)
+    C = config.max_grad_norm
+    if config.clipping is Clipping.PER_LAYER:
+        bounds_list = config.per_layer_max_grad_norms or (C / math.sqrt(len(names)),) * len(names)
+        if len(bounds_list) != len(names):
+            raise ConfigError(f"{_WHERE}: per_layer_max_grad_norms has {len(bounds_list)} bounds for "
+                              f"{len(names)} trainable parameters {names}")
+        bounds = torch.tensor(bounds_list, dtype=layer_norms.dtype, device=layer_norms.device)  # (P,)
+        factors = (bounds / (layer_norms + FLAT_EPSILON)).clamp(max=1.0)  # (N, P)
+        passes.factors = {params[n]: factors[:, i] for i, n in enumerate(names)}
+        return norms, int((layer_norms > bounds).any(1).sum().item())
+    if config.clipping is Clipping.FLAT:
+        factor = (C / (norms + FLAT_EPSILON)).clamp(max=1.0)  # (N,)
+        clipped = int((norms > C).sum().item())
+    else:
+        factor = C / (norms + AUTOMATIC_STABILITY)  # (N,)
+        clipped = int((factor < 1.0).sum().item())
+    passes.factors = {p: factor for p in params.values()}
+    return norms, clipped
+
+
+def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,
+                      config: DPConfig) -> DPGradient:
+    """Clipped sum of per-sample gradients by ghost clipping: norms first, then the sum.
+
+    Equal (up to floating point) to clipping the per-sample gradients of any other backend with
+    :func:`psg_core.clip_and_sum`, but it holds no ``(N, *param.shape)`` tensor for the layers
+    where the Gram matrices are cheaper. ``config.mode`` is not consulted; ``noise_multiplier``
+    is ignored (noise is added once per step, elsewhere).
+
+    Args:
+        module: the model; ``p.grad`` and ``p.grad_sample`` are left untouched.
+        inputs: a tensor or tuple of positional arguments with ``N*K`` rows, sample-major.
+        targets: ``N*K`` rows, same layout.
+        loss_fn: returns the unreduced loss (a torch loss module of any reduction is accepted).
+        config: K, reduction, batch_first, max_grad_norm and clipping rule.
+
+    Returns:
+        :class:`~psg_core.config.DPGradient` keyed by ``named_parameters()`` names.
+
+    >>> from psg_core.config import DPConfig
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    >>> out = ghost_dp_gradient(model, torch.randn(6, 4), torch.randn(6, 1), loss_fn=nn.MSELoss(),
+    ...                         config=DPConfig(mode="ghost", max_grad_norm=0.5, augmentation_multiplicity=2))
+    >>> out.num_samples, out.per_sample_norms.shape, out.grads["0.weight"].shape
+    (3, torch.Size([3]), torch.Size([8, 4]))
+    """
+    if not isinstance(config, DPConfig):
+        raise ConfigError(f"{_WHERE}: config must be a DPConfig, got {type(config).__name__}")
+    _check_supported(module)
+    loss_fn = as_unreduced(loss_fn)
+    K, batch_dim = config.augmentation_multiplicity, 0 if config.batch_first else 1
+    args = as_inputs(inputs)
+    rows = batch_rows(args, batch_dim, where=_WHERE)
+    num_samples = check_rows(rows, K, where=_WHERE)
+    params = trainable_parameters(module)
+    if num_samples == 0 or not params:
+        with torch.no_grad():
+            loss_sum = 0.0 if num_samples == 0 else float(per_sample_loss(
+                loss_fn(module(*args), targets), num_samples=num_samples, batch_dim=batch_dim,
+                reduction=config.loss_reduction).sum())
+        return DPGradient(grads={n: torch.zeros_like(p) for n, p in params.items()},
+                          per_sample_norms=torch.zeros(num_samples), loss_sum=loss_sum,
+                          num_samples=num_samples, num_clipped=0)
+    passes = _GhostPasses(module, K=K, rows=rows, batch_first=config.batch_first)
+    try:
+        per_element = loss_fn(module(*args), targets)
+        losses = per_sample_loss(per_element, num_samples=num_samples, batch_dim=batch_dim,
+                                 reduction=config.loss_reduction)  # (N,)
+        passes.run_norm_pass(losses.sum())
+        norms, num_clipped = _clip_factors(passes, params, config)
+        if config.clipping is Clipping.PER_LAYER:
+            passes.run_weighted_pass(losses.sum())
+            summed = [passes.weighted.get(p) for p in params.values()]
+        else:
+            factor = passes.factors[next(iter(params.values()))]  # (N,), shared by every parameter
+            summed = list(torch.autograd.grad((factor.detach().to(losses.dtype) * losses).sum(),
+                                              list(params.values()), allow_unused=True))
+    finally:
+        passes.remove()
+    grads = {}
+    for (name, p), grad in zip(params.items(), summed):
+        grad = torch.zeros_like(p) if grad is None else (grad.to_dense() if grad.is_sparse else grad)
+        grads[name] = grad.detach()
+    return DPGradient(grads=grads, per_sample_norms=norms.detach().to(torch.float32),
+                      loss_sum=float(losses.detach().sum()), num_samples=num_samples, num_clipped=num_clipped)
+
+
+class GhostClippingModule(AbstractGradSampleModule):
+    """Wrapper for ``mode="ghost"``: computes clipped sums of per-sample gradients, never the
+    per-sample gradients themselves (so ``p.grad_sample`` is never set).
+
+    Forward passes and ``loss.backward()`` behave as for the bare model (ordinary ``p.grad``).
+    :meth:`dp_gradient` runs the two ghost passes on one batch.
+
+    >>> model = GhostClippingModule(nn.Linear(3, 2), augmentation_multiplicity=2, max_grad_norm=0.1)
+    >>> out = model.dp_gradient(torch.randn(4, 3), torch.randn(4, 2), loss_fn=nn.MSELoss())
+    >>> bool(out.grads["weight"].norm() <= 2 * 0.1 + 1e-5)
+    True
+    """
+
+    def __init__(self, module: nn.Module, *, batch_first: bool = True,
+                 loss_reduction: str | LossReduction = "mean", augmentation_multiplicity: int = 1,
+                 max_grad_norm: float = 1.0, clipping: str | Clipping = Clipping.FLAT,
+                 per_layer_max_grad_norms: tuple[float, ...] | None = None) -> None:
+        super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
+                         augmentation_multiplicity=augmentation_multiplicity)
+        _check_supported(module)
+        self.config = DPConfig(mode=GradSampleMode.GHOST, augmentation_multiplicity=augmentation_multiplicity,
+                               loss_reduction=self.loss_reduction, batch_first=self.batch_first,
+                               max_grad_norm=max_grad_norm, clipping=clipping,  # type: ignore[arg-type]
+                               per_layer_max_grad_norms=per_layer_max_grad_norms)
+
+    def dp_gradient(self, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module) -> DPGradient:
+        """:func:`ghost_dp_gradient` of the wrapped model with this wrapper's configuration."""
+        return ghost_dp_gradient(self._module, inputs, targets, loss_fn=loss_fn, config=self.config)
+
+    def grad_samples(self) -> dict[str, torch.Tensor | None]:
+        """Not available: ghost clipping never materialises per-sample gradients."""
+        raise ConfigError("GhostClippingModule.grad_samples: mode 'ghost' never materialises per-sample "
+                          "gradients; call .dp_gradient(inputs, targets, loss_fn=...) for the clipped sum, "
+                          "or wrap with mode='hooks'/'functorch'/'ew'")
