@@ -6,6 +6,7 @@ from psg_core.grad_sample import conv as _conv  # noqa: F401
 from psg_core.grad_sample import embedding as _embedding  # noqa: F401
 from psg_core.grad_sample import linear as _linear  # noqa: F401  (registers)
 from psg_core.grad_sample import norms as _norms  # noqa: F401
+from psg_core.grad_sample import sequence_bias as _sequence_bias  # noqa: F401
 from psg_core.grad_sample.registry import (GRAD_SAMPLERS, GradSampler, GradSamplerRegistry,
                                            register_grad_sampler)
 
