@@ -1,0 +1,155 @@
+"""Per-sample clipping and summation (DESIGN.md §2 "Clipping").
+
+Three rules, all with bound ``C = max_grad_norm``:
+
+* ``flat``: one L2 norm over every parameter of a sample; the sample is scaled by
+  ``min(1, C / (norm + 1e-6))``.
+* ``per_layer``: parameter ``i`` of a sample is scaled by ``min(1, C_i / (norm_i + 1e-6))`` with its
+  own norm and bound; the default ``C_i = C / sqrt(P)`` for ``P`` parameters keeps the whole
+  clipped gradient within ``sqrt(sum_i C_i^2) = C``.
+* ``automatic``: every sample is scaled by ``C / (norm + 0.01)`` (Bu et al., 2022, "Automatic
+  clipping"), so each contribution has norm just below ``C`` whatever its size.
+
+Norms are computed in (at least) fp32 whatever the gradients' dtype, and reported in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from psg_core.errors import ConfigError
+from psg_core.modes import Clipping, parse_enum
+
+__all__ = ["ClipResult", "clip_and_sum", "FLAT_EPSILON", "AUTOMATIC_STABILITY"]
+
+#: Added to the norm in the flat and per-layer factors so that a zero gradient gives factor 1.
+FLAT_EPSILON = 1e-6
+#: The stability constant gamma of automatic clipping, ``C * g / (norm + gamma)``.
+AUTOMATIC_STABILITY = 0.01
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    """What :func:`clip_and_sum` returns."""
+
+    #: ``{name: (*shape)}``: the sum over samples of the clipped per-sample gradients, in the
+    #: dtype of the input gradients.
+    grads: dict[str, torch.Tensor]
+    #: ``(N,)`` fp32: each sample's L2 norm over all parameters, before clipping.
+    per_sample_norms: torch.Tensor
+    #: Number of clipped samples. flat: ``norm > C``; per_layer: ``norm_i > C_i`` for at least one
+    #: parameter i; automatic: the samples scaled *down* (``C / (norm + 0.01) < 1``, i.e.
+    #: ``norm > C - 0.01``); automatic clipping scales the others up.
+    num_clipped: int
+    #: ``(N,)`` fp32 for flat and automatic clipping: the factor each sample was multiplied by;
+    #: ``(N, P)`` for per_layer clipping, one column per parameter in ``grads`` order.
+    clip_factors: torch.Tensor
+
+
+def _norm_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    # fp32 at least; fp64 gradients keep fp64 norms so their factors stay exact.
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
+
+
+def _check_per_sample(per_sample: Mapping[str, torch.Tensor]) -> int:
+    if not isinstance(per_sample, Mapping) or not per_sample:
+        raise ConfigError("clip_and_sum: per_sample must be a non-empty dict {name: (N, *shape) tensor}, "
+                          f"got {type(per_sample).__name__} of length "
+                          f"{len(per_sample) if isinstance(per_sample, Mapping) else 'n/a'}")
+    sizes = set()
+    for name, grad in per_sample.items():
+        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or grad.dim() < 1:
+            raise ConfigError(f"clip_and_sum: per_sample[{name!r}] must be a floating tensor of shape "
+                              f"(N, *param.shape), got {type(grad).__name__} "
+                              f"{getattr(grad, 'dtype', '')} {tuple(getattr(grad, 'shape', ()))}")
+        sizes.add(int(grad.shape[0]))
+    if len(sizes) != 1:
+        raise ConfigError(f"clip_and_sum: per-sample gradients disagree on N: "
+                          f"{ {name: int(g.shape[0]) for name, g in per_sample.items()} }")
+    return sizes.pop()
+
+
+def _per_layer_bounds(names: Sequence[str], max_grad_norm: float,
+                      per_layer_max_grad_norms: Sequence[float] | None) -> list[float]:
+    if per_layer_max_grad_norms is None:
+        return [max_grad_norm / math.sqrt(len(names))] * len(names)
+    bounds = [float(c) for c in per_layer_max_grad_norms]
+    if len(bounds) != len(names):
+        raise ConfigError(f"clip_and_sum: per_layer_max_grad_norms has {len(bounds)} bounds for "
+                          f"{len(names)} trainable parameters {list(names)}")
+    if any(not math.isfinite(c) or c <= 0 for c in bounds):
+        raise ConfigError(f"clip_and_sum: per_layer_max_grad_norms must be positive finite numbers, "
+                          f"got {per_layer_max_grad_norms!r}")
+    return bounds
+
+
+def _weighted_sum(factors: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``sum_n factors[n] * grad[n]`` without materialising the scaled (N, ...) tensor."""
+    flat = grad.reshape(grad.shape[0], -1)  # (N, numel)
+    summed = factors.to(flat.dtype) @ flat  # (numel,)
+    return summed.reshape(grad.shape[1:])
+
+
+def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float,
+                 clipping: Clipping | str = Clipping.FLAT,
+                 per_layer_max_grad_norms: Sequence[float] | None = None) -> ClipResult:
+    """Clips every sample's gradient and sums over samples.
+
+    Args:
+        per_sample: ``{name: (N, *param.shape)}`` per-sample gradients (e.g. from
+            :func:`psg_core.per_sample_gradients`); all entries share N, which may be 0.
+        max_grad_norm: C > 0, the per-sample L2 bound.
+        clipping: ``"flat"``, ``"per_layer"`` or ``"automatic"`` (see the module docstring).
+        per_layer_max_grad_norms: per_layer only: one bound per entry of ``per_sample``, in order;
+            default ``C / sqrt(P)`` each.
+
+    Returns:
+        :class:`ClipResult` with the sums, the fp32 pre-clipping norms ``(N,)`` and the number of
+        samples scaled down.
+
+    >>> g = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}  # norms 5 and 0.5
+    >>> out = clip_and_sum(g, max_grad_norm=1.0)
+    >>> out.per_sample_norms, out.num_clipped
+    (tensor([5.0000, 0.5000]), 1)
+    >>> out.grads["w"]
+    tensor([0.9000, 1.2000])
+    """
+    rule = Clipping(parse_enum(Clipping, clipping, what="clip_and_sum: clipping"))
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+        raise ConfigError(f"clip_and_sum: max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
+    if per_layer_max_grad_norms is not None and rule is not Clipping.PER_LAYER:
+        raise ConfigError(f"clip_and_sum: per_layer_max_grad_norms only applies to clipping='per_layer', "
+                          f"got clipping={rule.value!r}")
+    num_samples = _check_per_sample(per_sample)
+    names = list(per_sample)
+    first = per_sample[names[0]]
+    norm_dtype = _norm_dtype(g.dtype for g in per_sample.values())
+
+    layer_norms = torch.stack([
+        torch.linalg.vector_norm(per_sample[name].reshape(num_samples, -1), dim=1, dtype=norm_dtype)
+        for name in names], dim=1) if num_samples else \
+        torch.zeros(0, len(names), dtype=norm_dtype, device=first.device)  # (N, P)
+    norms = torch.linalg.vector_norm(layer_norms, dim=1)  # (N,)
+
+    if rule is Clipping.PER_LAYER:
+        bounds = torch.tensor(_per_layer_bounds(names, float(max_grad_norm), per_layer_max_grad_norms),
+                              dtype=norm_dtype, device=first.device)  # (P,)
+        factors = (bounds / (layer_norms + FLAT_EPSILON)).clamp(max=1.0)  # (N, P)
+        clipped = (layer_norms > bounds).any(dim=1)  # (N,)
+        grads = {name: _weighted_sum(factors[:, i], per_sample[name]) for i, name in enumerate(names)}
+    else:
+        if rule is Clipping.FLAT:
+            factors = (max_grad_norm / (norms + FLAT_EPSILON)).clamp(max=1.0)  # (N,)
+            clipped = norms > max_grad_norm  # (N,)
+        else:
+            factors = max_grad_norm / (norms + AUTOMATIC_STABILITY)  # (N,)
+            clipped = factors < 1.0  # (N,)
+        grads = {name: _weighted_sum(factors, per_sample[name]) for name in names}
+    return ClipResult(grads=grads, per_sample_norms=norms.to(torch.float32),
+                      num_clipped=int(clipped.sum().item()), clip_factors=factors.to(torch.float32))

@@ -1,0 +1,121 @@
+"""The one call a worker makes: per-sample gradients -> norms -> clip -> sum (no noise)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from psg_core.api import as_inputs, batch_rows, compute_per_sample
+from psg_core.backends.base import check_rows, trainable_parameters
+from psg_core.clipping import clip_and_sum
+from psg_core.config import DPConfig, DPGradient
+from psg_core.errors import ConfigError, NonFiniteInputError
+from psg_core.losses import LossFn
+from psg_core.modes import Clipping, GradSampleMode
+
+__all__ = ["dp_gradient", "l2_sensitivity"]
+
+
+def _check_finite(args: tuple[Any, ...], targets: torch.Tensor) -> None:
+    leaves, _ = tree_flatten(args)
+    for what, tensors in (("inputs", leaves), ("targets", [targets])):
+        for leaf in tensors:
+            if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+                bad = int((~torch.isfinite(leaf)).sum().item())
+                if bad:
+                    raise NonFiniteInputError(
+                        f"dp_gradient: {what} contain NaN or infinity ({bad} of {leaf.numel()} values "
+                        f"in a tensor of shape {tuple(leaf.shape)})")
+
+
+def l2_sensitivity(config: DPConfig) -> float:
+    """The L2 bound on one sample's clipped contribution, which the noise std multiplies.
+
+    ``max_grad_norm`` for flat and automatic clipping and for per_layer clipping with the default
+    bounds; ``sqrt(sum_i C_i^2)`` for per_layer clipping with explicit bounds ``C_i``.
+
+    >>> l2_sensitivity(DPConfig(clipping="per_layer", per_layer_max_grad_norms=(3.0, 4.0)))
+    5.0
+    """
+    if config.clipping is Clipping.PER_LAYER and config.per_layer_max_grad_norms is not None:
+        return math.sqrt(sum(c * c for c in config.per_layer_max_grad_norms))
+    return config.max_grad_norm
+
+
+def _empty(params: dict[str, nn.Parameter]) -> DPGradient:
+    device = next(iter(params.values())).device
+    return DPGradient(grads={name: torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+                             for name, p in params.items()},
+                      per_sample_norms=torch.zeros(0, dtype=torch.float32, device=device),
+                      loss_sum=0.0, num_samples=0, num_clipped=0)
+
+
+def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_fn: LossFn | nn.Module,
+                config: DPConfig) -> DPGradient:
+    """Sum over samples of clipped per-sample gradients of ``module`` on one batch (no noise).
+
+    Args:
+        module: the model; neither it nor its ``p.grad`` are modified.
+        inputs: a tensor or a tuple of positional arguments with ``N*K`` rows on the batch
+            dimension, sample-major (rows ``n*K .. n*K+K-1`` are the K copies of sample n).
+        targets: ``N*K`` rows, same layout.
+        loss_fn: ``loss_fn(outputs, targets)`` returning the unreduced loss (a torch loss module of
+            any reduction is accepted, see :mod:`psg_core.losses`).
+        config: backend, K, reduction, layout and clipping (its ``noise_multiplier`` is not used
+            here: noise is added once per step, after shard results are merged).
+
+    Returns:
+        :class:`~psg_core.config.DPGradient`: ``grads`` keyed as ``named_parameters()`` (trainable
+        only), fp32 ``per_sample_norms`` ``(N,)`` before clipping, the sum of per-sample losses,
+        N and the number clipped. N = 0 gives zero gradients.
+
+    Raises:
+        NonFiniteInputError: a floating input or target holds NaN or infinity.
+        BatchLayoutError: the number of rows is not divisible by K.
+
+    >>> model = nn.Linear(3, 1)
+    >>> out = dp_gradient(model, torch.randn(8, 3), torch.randn(8, 1), loss_fn=nn.MSELoss(),
+    ...                   config=DPConfig(max_grad_norm=0.1, augmentation_multiplicity=2))
+    >>> out.num_samples, out.per_sample_norms.shape, bool(out.grads["weight"].norm() <= 4 * 0.1)
+    (4, torch.Size([4]), True)
+    """
+    if not isinstance(config, DPConfig):
+        raise ConfigError(f"dp_gradient: config must be a DPConfig, got {type(config).__name__}")
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"dp_gradient: expected an nn.Module, got {type(module).__name__}")
+    args = as_inputs(inputs)
+    if not isinstance(targets, torch.Tensor):
+        raise ConfigError(f"dp_gradient: targets must be a tensor, got {type(targets).__name__}")
+    _check_finite(args, targets)
+    params = trainable_parameters(module)
+    if not params:
+        raise ConfigError("dp_gradient: the module has no trainable parameters")
+    rows = batch_rows(args, 0 if config.batch_first else 1, where="dp_gradient")
+    num_samples = check_rows(rows, config.augmentation_multiplicity, where="dp_gradient")
+    if num_samples == 0:
+        return _empty(params)
+
+    if config.mode is GradSampleMode.GHOST:
+        try:
+            from psg_core.backends.ghost import ghost_dp_gradient
+        except ModuleNotFoundError as err:
+            if err.name != "psg_core.backends.ghost":
+                raise
+            raise ConfigError("dp_gradient: mode 'ghost' is not available (psg_core.backends.ghost "
+                              "is missing from this installation)") from err
+        result = ghost_dp_gradient(module, inputs, targets, loss_fn=loss_fn, config=config)
+        result.per_sample_norms = result.per_sample_norms.to(torch.float32)
+        return result
+
+    out = compute_per_sample(module, args, targets, loss_fn=loss_fn, mode=config.mode,
+                             augmentation_multiplicity=config.augmentation_multiplicity,
+                             loss_reduction=config.loss_reduction, batch_first=config.batch_first)
+    clipped = clip_and_sum(out.grads, max_grad_norm=config.max_grad_norm, clipping=config.clipping,
+                           per_layer_max_grad_norms=config.per_layer_max_grad_norms)
+    return DPGradient(grads=clipped.grads, per_sample_norms=clipped.per_sample_norms,
+                      loss_sum=float(out.per_sample_losses.sum().item()), num_samples=out.num_samples,
+                      num_clipped=clipped.num_clipped)

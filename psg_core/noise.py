@@ -1,0 +1,100 @@
+"""Gaussian noise for DP-SGD (DESIGN.md §2 "Noise").
+
+The Gaussian mechanism adds ``N(0, (noise_multiplier * max_grad_norm)^2)`` independently to every
+coordinate of the *sum* of clipped per-sample gradients, once per step (in the service: on the
+frontend, after the shard results are merged, never per shard).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping
+
+import torch
+
+from psg_core.errors import ConfigError
+
+__all__ = ["add_noise", "secure_generator"]
+
+
+def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh ``torch.Generator`` on ``device`` seeded with 64 bits from the OS's CSPRNG.
+
+    The seed comes from :mod:`secrets` (``os.urandom``), is never reused and never leaves this
+    function, so the noise cannot be predicted by anyone who does not see the generator. The
+    stream itself is torch's generator (MT19937 on CPU, Philox on CUDA); brute-forcing the seed
+    means searching 2**64 values.
+
+    >>> secure_generator().device
+    device(type='cpu')
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(secrets.randbits(64))
+    return generator
+
+
+def _check_number(value: object, *, what: str, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"add_noise: {what} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, max_grad_norm: float,
+              generator: torch.Generator | None = None,
+              secure_rng: bool = False) -> dict[str, torch.Tensor]:
+    """Returns ``grads`` plus Gaussian noise of std ``noise_multiplier * max_grad_norm``.
+
+    The input tensors are not modified. Noise is drawn parameter by parameter in the mapping's
+    order, so the same generator state and the same names give the same noise. It is drawn in
+    (at least) fp32 on the generator's device and added before casting back to each tensor's
+    dtype; a CPU generator therefore gives the same noise for CPU and CUDA gradients.
+
+    Args:
+        grads: ``{name: tensor}``, typically the clipped sum from :func:`psg_core.dp_gradient`.
+        noise_multiplier: sigma >= 0; zero returns copies without noise.
+        max_grad_norm: C > 0, the clipping bound the sum was computed with (its sensitivity).
+        generator: a seeded ``torch.Generator`` (seed it per step for reproducible runs); None
+            uses torch's global generator, unless ``secure_rng``.
+        secure_rng: draw from a generator seeded by the OS's CSPRNG for this call
+            (see :func:`secure_generator`); incompatible with ``generator``.
+
+    Returns:
+        ``{name: noised tensor}`` with the same names, shapes, dtypes and devices.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> noised = add_noise({"w": torch.zeros(10_000)}, noise_multiplier=2.0, max_grad_norm=0.5,
+    ...                    generator=g)
+    >>> round(noised["w"].std().item(), 1)
+    1.0
+    """
+    sigma = _check_number(noise_multiplier, what="noise_multiplier", positive=False)
+    clip = _check_number(max_grad_norm, what="max_grad_norm", positive=True)
+    if generator is not None and secure_rng:
+        raise ConfigError("add_noise: pass either a generator or secure_rng=True, not both")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ConfigError(f"add_noise: generator must be a torch.Generator, got {type(generator).__name__}")
+    for name, grad in grads.items():
+        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point():
+            raise ConfigError(f"add_noise: grads[{name!r}] must be a floating tensor, got "
+                              f"{type(grad).__name__} {getattr(grad, 'dtype', '')}")
+    if sigma == 0.0:
+        return {name: grad.clone() for name, grad in grads.items()}
+    std = sigma * clip
+    secure: dict[torch.device, torch.Generator] = {}
+    out = {}
+    for name, grad in grads.items():
+        work_dtype = torch.promote_types(grad.dtype, torch.float32)
+        if secure_rng:
+            if grad.device not in secure:
+                secure[grad.device] = secure_generator(grad.device)
+            gen: torch.Generator | None = secure[grad.device]
+        else:
+            gen = generator
+        noise_device = gen.device if gen is not None else grad.device
+        noise = torch.normal(0.0, std, size=tuple(grad.shape), generator=gen, dtype=work_dtype,
+                             device=noise_device)  # (*shape)
+        out[name] = (grad.to(work_dtype) + noise.to(grad.device)).to(grad.dtype)
+    return out
