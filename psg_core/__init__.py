@@ -18,7 +18,9 @@ from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError,
                              GradAccumulationError, NonFiniteInputError, PsgError,
                              UnsupportedModuleError)
+from psg_core.fix_model import fix_model
 from psg_core.grad_sample import GRAD_SAMPLERS, GradSamplerRegistry, register_grad_sampler
+from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 
 __version__ = "0.1.0"
@@ -26,6 +28,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AbstractGradSampleModule",
     "BatchLayoutError",
+    "DPGRU",
+    "DPLSTM",
+    "DPMultiheadAttention",
+    "DPRNN",
     "BudgetExhaustedError",
     "Clipping",
     "ConfigError",
@@ -40,6 +46,7 @@ __all__ = [
     "NonFiniteInputError",
     "PsgError",
     "UnsupportedModuleError",
+    "fix_model",
     "per_sample_gradients",
     "register_grad_sampler",
 ]

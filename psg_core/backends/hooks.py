@@ -14,6 +14,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.backends.base import AbstractGradSampleModule, check_rows
 from psg_core.errors import GradAccumulationError, UnsupportedModuleError
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
@@ -24,9 +25,6 @@ __all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST"]
 
 logger = logging.getLogger(__name__)
 
-#: Class attribute set (to True) by psg's own layers whose inputs are batch-first whatever the
-#: model's layout, e.g. the per-timestep cells inside the DP recurrent layers.
-ALWAYS_BATCH_FIRST = "_psg_always_batch_first"
 
 # A registered sampler function may describe how torch calls its layer, for torch layers that
 # cannot carry ALWAYS_BATCH_FIRST themselves:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from psg_core.backends.hooks import ALWAYS_BATCH_FIRST
+from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import ConfigError, UnsupportedModuleError
 
 __all__ = ["RNNLinear", "DPRNNCell", "DPGRUCell", "DPLSTMCell", "DPRNN", "DPGRU", "DPLSTM"]
@@ -42,7 +42,7 @@ class RNNLinear(nn.Linear):
 
     The recurrent layers call it on ``(B, features)`` steps or ``(B, T, features)`` sequences even
     when the model is ``batch_first=False``; the class attribute named by
-    :data:`psg_core.backends.hooks.ALWAYS_BATCH_FIRST` tells the hooks backend so.
+    :data:`psg_core._layout.ALWAYS_BATCH_FIRST` tells the hooks backend so.
 
     >>> RNNLinear(3, 2)(torch.zeros(4, 3)).shape
     torch.Size([4, 2])

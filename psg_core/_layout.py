@@ -1,0 +1,9 @@
+"""Layout markers shared by layers and backends (kept import-free to avoid import cycles)."""
+
+from __future__ import annotations
+
+__all__ = ["ALWAYS_BATCH_FIRST"]
+
+#: Class attribute set (to True) by psg's own layers whose inputs are batch-first whatever the
+#: model's layout, e.g. the per-timestep cells inside the DP recurrent layers.
+ALWAYS_BATCH_FIRST = "_psg_always_batch_first"
