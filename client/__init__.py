@@ -1,1 +1,24 @@
-"""psg_client: Python client for the psg gradient service."""
+"""psg_client: Python client for the psg gradient service.
+
+>>> from psg_client import GradientClient, ServiceError
+>>> GradientClient.__name__
+'GradientClient'
+"""
+
+from __future__ import annotations
+
+from psg_client.client import (GradientClient, GradientResult, RetryPolicy, ServiceError, Session,
+                               TLSConfig)
+from psg_client.codec import CodecError, CodecLimits, TensorLimitError
+
+__all__ = [
+    "CodecError",
+    "CodecLimits",
+    "GradientClient",
+    "GradientResult",
+    "RetryPolicy",
+    "ServiceError",
+    "Session",
+    "TLSConfig",
+    "TensorLimitError",
+]

@@ -1,0 +1,342 @@
+"""The Python client of the psg gradient service.
+
+>>> from torch import nn
+>>> from psg_core.config import DPConfig
+>>> with GradientClient("localhost:50051", token=None) as client:  # doctest: +SKIP
+...     model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+...     session = client.create_session("mlp", loss="cross_entropy", expected_batch_size=64,
+...                                     config=DPConfig(max_grad_norm=1.0, noise_multiplier=1.1),
+...                                     sample_rate=64 / 60_000, delta=1e-5)
+...     session.push_parameters(model)
+...     result = session.compute_gradients(inputs, targets)
+...     result.apply_to(model)
+...     optimizer.step()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from torch import nn
+
+from psg_client._proto import gradient_service_pb2 as pb
+from psg_client._proto import gradient_service_pb2_grpc as pb_grpc
+from psg_client._proto.tensor_pb2 import TensorHeader
+from psg_client.codec import DEFAULT_CHUNK_BYTES, DTYPES, CodecLimits, TensorDecoder, encode_tensors
+from psg_client.torch import apply_gradients, check_parameters, parameter_tensors
+from psg_core.config import DPConfig
+from psg_core.errors import PsgError
+
+__all__ = ["GradientClient", "GradientResult", "RetryPolicy", "ServiceError", "Session", "TLSConfig"]
+
+logger = logging.getLogger(__name__)
+
+_REASON_KEY = "psg-error-reason"
+_T = TypeVar("_T")
+
+
+class ServiceError(PsgError, RuntimeError):
+    """The server answered with an error status.
+
+    Attributes:
+        code: the gRPC status code (``grpc.StatusCode.INVALID_ARGUMENT``, ...).
+        details: the server's message.
+        reason: the server's machine-readable reason (``PARAMETERS_MISSING``, ``BUDGET_EXHAUSTED``,
+            ...), empty when the error did not come from psg's error table.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "") -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.reason = reason
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> ServiceError:
+        """Wraps a grpc error (reading the ``psg-error-reason`` trailing metadata)."""
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+        reason = next((str(v) for k, v in (trailers or ()) if k == _REASON_KEY), "")
+        return cls(code, details or "", reason)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of calls that fail with UNAVAILABLE: exponential backoff with jitter."""
+
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+
+    def delays(self) -> Iterator[float]:
+        """The sleeps between attempts (``max_attempts - 1`` of them)."""
+        backoff = self.initial_backoff_s
+        for _ in range(self.max_attempts - 1):
+            yield backoff * random.uniform(0.5, 1.0)
+            backoff = min(backoff * self.multiplier, self.max_backoff_s)
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """TLS for the channel; PEM bytes. ``certificate_chain`` + ``private_key`` enable mutual TLS."""
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+    #: Name to verify the server certificate against, when it differs from the target's host.
+    server_name_override: str | None = None
+
+
+@dataclass(frozen=True)
+class GradientResult:
+    """One step's answer: the DP gradient and its statistics."""
+
+    #: ``{name: tensor}`` for every trainable parameter: clipped, summed, noised, and divided by the
+    #: expected batch size under mean reduction.
+    grads: dict[str, torch.Tensor]
+    step: int
+    param_version: int
+    samples: int
+    mean_loss: float
+    #: Per-sample gradient norms before clipping, ``{quantile: norm}``.
+    norm_quantiles: dict[float, float]
+    fraction_clipped: float
+    epsilon_spent: float
+    budget_left: float
+    server_seconds: float = field(default=0.0, compare=False)
+
+    def apply_to(self, model: nn.Module) -> None:
+        """Fills ``p.grad`` of every trainable parameter, ready for ``optimizer.step()``."""
+        apply_gradients(model, self.grads)
+
+
+class GradientClient:
+    """Connection to a psg server.
+
+    Args:
+        target: ``host:port``.
+        token: bearer token (sent as ``authorization: Bearer <token>``), if the server wants one.
+        tls: False (plaintext), True (TLS with the system's roots) or a :class:`TLSConfig`.
+        retry: how UNAVAILABLE is retried.
+        timeout_s: deadline of each call (a step included).
+        chunk_bytes: chunk size of uploaded tensors.
+        max_message_bytes: gRPC max message size of the channel.
+        limits: what the client accepts from the server's replies.
+    """
+
+    def __init__(self, target: str, *, token: str | None = None, tls: bool | TLSConfig = False,
+                 retry: RetryPolicy = RetryPolicy(), timeout_s: float | None = 600.0,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = 4 << 20,
+                 limits: CodecLimits = CodecLimits()) -> None:
+        options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
+                                          ("grpc.max_receive_message_length", max_message_bytes)]
+        if tls is False:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            config = tls if isinstance(tls, TLSConfig) else TLSConfig()
+            if config.server_name_override:
+                options.append(("grpc.ssl_target_name_override", config.server_name_override))
+            credentials = grpc.ssl_channel_credentials(config.root_certificates, config.private_key,
+                                                       config.certificate_chain)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        self._stub = pb_grpc.GradientServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.retry = retry
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.limits = limits
+
+    # ------------------------------------------------------------------------------ plumbing
+    def call(self, invoke: Callable[[Any, dict[str, Any]], _T]) -> _T:
+        """Runs ``invoke(stub, call_kwargs)``, retrying UNAVAILABLE; raises :class:`ServiceError`."""
+        delays = self.retry.delays()
+        while True:
+            try:
+                return invoke(self._stub, {"metadata": self._metadata, "timeout": self.timeout_s})
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    delay = next(delays, None)
+                    if delay is not None:
+                        logger.info("psg client: server unavailable, retrying in %.2f s", delay)
+                        time.sleep(delay)
+                        continue
+                raise ServiceError.from_rpc_error(error) from None
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> GradientClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------ RPCs
+    def server_info(self) -> pb.ServerInfo:
+        """Version, backends, workers and limits of the server."""
+        return self.call(lambda stub, kw: stub.GetServerInfo(pb.GetServerInfoRequest(), **kw))
+
+    def list_models(self) -> list[pb.ModelInfo]:
+        """Architectures the server can build."""
+        return list(self.call(lambda stub, kw: stub.ListModels(pb.ListModelsRequest(), **kw)).models)
+
+    def create_session(self, model: str, *, loss: str, expected_batch_size: int,
+                       config: DPConfig = DPConfig(), model_kwargs: Mapping[str, Any] | None = None,
+                       sample_rate: float | None = None, delta: float | None = None,
+                       target_epsilon: float | None = None, accountant: str | None = None,
+                       seed: int | None = None, secure_rng: bool = False) -> Session:
+        """Opens a session; see ``CreateSessionRequest`` in ``gradient_service.proto``.
+
+        Args:
+            model: a name from :meth:`list_models`.
+            loss: cross_entropy, nll, mse or bce_with_logits.
+            expected_batch_size: samples (not rows) per step, the normaliser of the gradient.
+            config: the DP configuration of every step.
+            model_kwargs: the architecture's keyword arguments.
+            sample_rate: Poisson sampling rate q (default 1: full batch).
+            delta: delta of the reported epsilon; needed when ``config.noise_multiplier > 0``.
+            target_epsilon: refuse steps beyond this epsilon.
+            accountant: "rdp" or "pld" (default: the server's).
+            seed: seeds the per-step noise (default: a secret random seed chosen by the server).
+            secure_rng: draw noise from a cryptographically secure source instead.
+        """
+        dp = pb.DPSettings(mode=config.mode.value, augmentation_multiplicity=config.augmentation_multiplicity,
+                           loss_reduction=config.loss_reduction.value, batch_first=config.batch_first,
+                           max_grad_norm=config.max_grad_norm, clipping=config.clipping.value,
+                           noise_multiplier=config.noise_multiplier,
+                           per_layer_max_grad_norms=list(config.per_layer_max_grad_norms or ()))
+        privacy = pb.PrivacySettings(accountant=accountant or "", sample_rate=sample_rate or 0.0,
+                                     delta=delta or 0.0, target_epsilon=target_epsilon or 0.0)
+        request = pb.CreateSessionRequest(model=model, model_kwargs_json=json.dumps(dict(model_kwargs or {})),
+                                          loss=loss, dp=dp, expected_batch_size=expected_batch_size,
+                                          privacy=privacy, secure_rng=secure_rng)
+        if seed is not None:
+            request.seed = seed
+        reply = self.call(lambda stub, kw: stub.CreateSession(request, **kw))
+        return Session(self, reply.session_id, reply.parameters)
+
+    def session(self, session_id: str) -> Session:
+        """Attaches to an existing session of this token (e.g. after a client restart)."""
+        info = self.call(lambda stub, kw: stub.GetSession(pb.GetSessionRequest(session_id=session_id), **kw))
+        return Session(self, session_id, info.parameters, param_version=info.param_version)
+
+
+class Session:
+    """A session on the server; not thread-safe (one trainer loop per session).
+
+    Keeps a reference (no copy) to the last pushed tensors, so that it can push them again under
+    a new version when the server reports PARAMETERS_MISSING.
+    """
+
+    def __init__(self, client: GradientClient, session_id: str, parameters: Iterable[pb.ParameterSpec], *,
+                 param_version: int = 0) -> None:
+        self._client = client
+        self.id = session_id
+        #: ``{name: (dtype, shape)}`` of every model parameter.
+        self.parameter_specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            p.name: (DTYPES[p.dtype], tuple(p.shape)) for p in parameters}
+        self.param_version = param_version
+        self._pushed: list[tuple[str, torch.Tensor]] | None = None
+
+    def push_parameters(self, model: nn.Module | Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Uploads every parameter of ``model`` under a new version and returns that version."""
+        named = parameter_tensors(model) if isinstance(model, nn.Module) else list(model)
+        check_parameters(named, self.parameter_specs)
+        version = self.param_version + 1
+        header = pb.PushParametersRequest(header=pb.PushParametersHeader(session_id=self.id, version=version))
+        chunk_bytes = self._client.chunk_bytes
+
+        def invoke(stub: Any, kw: dict[str, Any]) -> pb.PushParametersResponse:
+            frames = _frames(pb.PushParametersRequest, encode_tensors(named, chunk_bytes=chunk_bytes))
+            return stub.PushParameters(_prepend(header, frames), **kw)
+
+        self._client.call(invoke)
+        self.param_version = version
+        self._pushed = named
+        return version
+
+    def compute_gradients(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor, *,
+                          step_seed: int | None = None) -> GradientResult:
+        """One DP step on the batch (``N * K`` rows, sample-major); see :class:`GradientResult`."""
+        try:
+            return self._compute(inputs, targets, step_seed)
+        except ServiceError as error:
+            if error.reason != "PARAMETERS_MISSING" or self._pushed is None:
+                raise
+        logger.warning("psg client: the server lost the parameters of session %s; pushing them again", self.id)
+        self.push_parameters(self._pushed)
+        return self._compute(inputs, targets, step_seed)
+
+    def info(self) -> pb.SessionInfo:
+        """Steps, epsilon spent and budget left."""
+        return self._client.call(lambda stub, kw: stub.GetSession(pb.GetSessionRequest(session_id=self.id), **kw))
+
+    def close(self) -> None:
+        """Releases the session on the server."""
+        self._client.call(lambda stub, kw: stub.CloseSession(pb.CloseSessionRequest(session_id=self.id), **kw))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _compute(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor,
+                 step_seed: int | None) -> GradientResult:
+        positional = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        named = [(f"inputs/{i}", t) for i, t in enumerate(positional)] + [("targets", targets)]
+        header = pb.ComputeGradientsHeader(session_id=self.id, param_version=self.param_version)
+        if step_seed is not None:
+            header.step_seed = step_seed
+        client = self._client
+
+        def invoke(stub: Any, kw: dict[str, Any]) -> GradientResult:
+            frames = _frames(pb.ComputeGradientsRequest, encode_tensors(named, chunk_bytes=client.chunk_bytes))
+            return _read_result(stub.ComputeGradients(_prepend(pb.ComputeGradientsRequest(header=header), frames),
+                                                      **kw), client.limits)
+
+        return client.call(invoke)
+
+
+def _prepend(first: _T, rest: Iterator[_T]) -> Iterator[_T]:
+    yield first
+    yield from rest
+
+
+def _frames(message_type: Any, frames: Iterator[TensorHeader | bytes]) -> Iterator[Any]:
+    for frame in frames:
+        yield message_type(tensor=frame) if isinstance(frame, TensorHeader) else message_type(chunk=frame)
+
+
+def _read_result(responses: Iterator[pb.ComputeGradientsResponse], limits: CodecLimits) -> GradientResult:
+    stats: pb.StepStats | None = None
+    decoder = TensorDecoder(limits)
+    for message in responses:
+        if stats is None:
+            if message.WhichOneof("frame") != "stats":
+                raise PsgError("compute_gradients: the server's reply did not start with the step stats")
+            stats = message.stats
+        else:
+            decoder.add_message(message)
+    if stats is None:
+        raise PsgError("compute_gradients: the server's reply was empty")
+    return GradientResult(grads=decoder.finish(), step=stats.step, param_version=stats.param_version,
+                          samples=stats.samples, mean_loss=stats.mean_loss,
+                          norm_quantiles={q.quantile: q.value for q in stats.norm_quantiles},
+                          fraction_clipped=stats.fraction_clipped, epsilon_spent=stats.epsilon_spent,
+                          budget_left=stats.budget_left, server_seconds=stats.server_seconds)
+

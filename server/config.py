@@ -1,0 +1,246 @@
+"""The server's configuration: one frozen dataclass, parsed once from flags and environment.
+
+Every flag has an environment variable ``PSG_<FLAG>`` (``--max-batch-rows`` <-> ``PSG_MAX_BATCH_ROWS``);
+a flag given on the command line wins over the environment. Tokens come from ``--tokens-file``
+(one token per line, optionally ``label token``; ``#`` starts a comment) or from ``PSG_TOKENS``
+(comma-separated), never from a flag, so they do not show up in process listings.
+
+>>> config = ServerConfig.from_args(["--port", "0", "--max-batch-rows", "64"], environ={})
+>>> config.port, config.max_batch_rows
+(0, 64)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from psg_core.errors import ConfigError
+
+__all__ = ["ServerConfig", "load_tokens"]
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+_GIB = 1 << 30
+# Room for the protobuf framing around a chunk of tensor bytes.
+_FRAME_OVERHEAD = 64 * 1024
+
+
+def load_tokens(text: str, *, source: str) -> dict[str, str]:
+    """Parses a tokens file: ``{token: label}``.
+
+    The label is the token's principal: sessions belong to it. Two tokens with the same label
+    share sessions (useful while rotating a token); an unlabeled token gets a label derived from
+    its hash, so distinct tokens never share one by accident.
+
+    >>> load_tokens("alice alice-secret-0123456\\n# ops\\nanother-token-98765\\n", source="inline")
+    {'alice-secret-0123456': 'alice', 'another-token-98765': 'token-b06617ad43'}
+    """
+    tokens: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) > 2:
+            raise ConfigError(f"load_tokens: {source} line {number} has {len(parts)} fields; expected "
+                              "'token' or 'label token'")
+        token = parts[-1]
+        label = parts[0] if len(parts) == 2 else f"token-{hashlib.sha256(token.encode()).hexdigest()[:10]}"
+        if len(token) < 16:
+            raise ConfigError(f"load_tokens: {source} line {number}: tokens must have at least 16 "
+                              "characters")
+        if token in tokens:
+            raise ConfigError(f"load_tokens: {source} line {number} repeats a token")
+        tokens[token] = label
+    return tokens
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the server needs, validated on construction.
+
+    Defaults suit one host and a loopback address; ``port=0`` binds an ephemeral port (tests).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    #: gRPC max message size, both directions. Tensors travel in chunks well below it.
+    max_message_bytes: int = 4 * _MIB
+    #: Chunk size of the tensors the server sends.
+    chunk_bytes: int = 1 * _MIB
+    #: Largest single tensor accepted.
+    max_tensor_bytes: int = 2 * _GIB
+    #: Largest sum of tensor bytes in one request (a parameter set or a batch).
+    max_request_bytes: int = 8 * _GIB
+    #: Most rows (N * K) in one batch.
+    max_batch_rows: int = 65_536
+    #: Largest parameter set a model built from the registry may have.
+    max_model_bytes: int = 8 * _GIB
+    #: Open sessions across all tokens.
+    max_sessions: int = 256
+    #: Sessions idle this long are closed.
+    session_idle_seconds: float = 3600.0
+    #: Parameter sets kept in memory across sessions; beyond it the least recently used sets are
+    #: dropped (their sessions stay open, and clients push again on PARAMETERS_MISSING).
+    parameter_memory_bytes: int = 16 * _GIB
+    #: Largest shard in samples; a batch is split into at least one shard per worker.
+    max_shard_samples: int = 1024
+    #: In-process executor threads (the Ray pool has its own flags).
+    num_workers: int = 1
+    #: Server-side cap on one step; a client deadline can only shorten it.
+    step_timeout_seconds: float = 600.0
+    #: Accountant used when a session does not name one: "rdp" or "pld".
+    default_accountant: str = "rdp"
+    tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: CA bundle for client certificates; setting it turns on mutual TLS.
+    tls_client_ca: Path | None = None
+    #: Allow a non-loopback bind without tokens or TLS.
+    insecure: bool = False
+    #: Prometheus HTTP port; None = no metrics endpoint, 0 = an ephemeral port.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    #: Modules whose ``register_models(registry)`` adds architectures.
+    model_plugins: tuple[str, ...] = ()
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"ServerConfig: port must be in 0..65535, got {self.port}")
+        if self.max_message_bytes < 2 * _FRAME_OVERHEAD:
+            raise ConfigError(f"ServerConfig: max_message_bytes must be >= {2 * _FRAME_OVERHEAD}, got "
+                              f"{self.max_message_bytes}")
+        if not 1 <= self.chunk_bytes <= self.max_message_bytes - _FRAME_OVERHEAD:
+            raise ConfigError(f"ServerConfig: chunk_bytes must be in 1..max_message_bytes - "
+                              f"{_FRAME_OVERHEAD}, got {self.chunk_bytes}")
+        for name in ("max_tensor_bytes", "max_request_bytes", "max_batch_rows", "max_model_bytes",
+                     "max_sessions", "parameter_memory_bytes", "max_shard_samples", "num_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ServerConfig: {name} must be an int >= 1, got {value!r}")
+        for name in ("session_idle_seconds", "step_timeout_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ServerConfig: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.default_accountant not in ("rdp", "pld"):
+            raise ConfigError(f"ServerConfig: default_accountant must be 'rdp' or 'pld', got "
+                              f"{self.default_accountant!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("ServerConfig: tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("ServerConfig: tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"ServerConfig: metrics_port must be in 0..65535, got {self.metrics_port}")
+        object.__setattr__(self, "tokens", dict(self.tokens))
+        object.__setattr__(self, "model_plugins", tuple(self.model_plugins))
+
+    @property
+    def tls(self) -> bool:
+        """Whether the server listens with TLS."""
+        return self.tls_cert is not None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to bind (IPv6 hosts in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None,
+                  environ: Mapping[str, str] | None = None) -> ServerConfig:
+        """Parses flags (``argv``, default ``sys.argv[1:]``) over ``PSG_*`` environment variables."""
+        environ = os.environ if environ is None else environ
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        values: dict[str, object] = {}
+        for item in fields(cls):
+            if item.name == "tokens":
+                continue
+            value = getattr(args, item.name, None)
+            env_value = environ.get(f"PSG_{item.name.upper()}")
+            if value is None and env_value is not None:
+                value = _from_env(item.name, env_value)
+            if value is not None:
+                values[item.name] = value
+        values["tokens"] = _tokens(args.tokens_file or environ.get("PSG_TOKENS_FILE"),
+                                   environ.get("PSG_TOKENS"))
+        return cls(**values)  # type: ignore[arg-type]
+
+
+_INT_FIELDS = {"port", "max_message_bytes", "chunk_bytes", "max_tensor_bytes", "max_request_bytes",
+               "max_batch_rows", "max_model_bytes", "max_sessions", "parameter_memory_bytes",
+               "max_shard_samples", "num_workers", "metrics_port"}
+_FLOAT_FIELDS = {"session_idle_seconds", "step_timeout_seconds"}
+_PATH_FIELDS = {"tls_cert", "tls_key", "tls_client_ca"}
+
+
+def _from_env(name: str, text: str) -> object:
+    try:
+        if name in _INT_FIELDS:
+            return int(text)
+        if name in _FLOAT_FIELDS:
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"ServerConfig: PSG_{name.upper()}={text!r} is not a number") from None
+    if name in _PATH_FIELDS:
+        return Path(text)
+    if name == "insecure":
+        return text.strip().lower() in ("1", "true", "yes", "on")
+    if name == "model_plugins":
+        return tuple(p.strip() for p in text.split(",") if p.strip())
+    return text
+
+
+def _tokens(path: str | None, inline: str | None) -> dict[str, str]:
+    tokens: dict[str, str] = {}
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"ServerConfig: cannot read tokens file {path!r}: {err}") from None
+        tokens.update(load_tokens(text, source=str(path)))
+    if inline:
+        tokens.update(load_tokens("\n".join(inline.split(",")), source="PSG_TOKENS"))
+    return tokens
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``psg-server`` argument parser (every default lives in :class:`ServerConfig`)."""
+    parser = argparse.ArgumentParser(
+        prog="psg-server", description="psg gradient service (gRPC). Every flag also reads PSG_<FLAG>.")
+    add = parser.add_argument
+    add("--host", help="address to bind (default 127.0.0.1)")
+    add("--port", type=int, help="port to bind; 0 = ephemeral (default 50051)")
+    add("--max-message-bytes", type=int)
+    add("--chunk-bytes", type=int)
+    add("--max-tensor-bytes", type=int)
+    add("--max-request-bytes", type=int)
+    add("--max-batch-rows", type=int)
+    add("--max-model-bytes", type=int)
+    add("--max-sessions", type=int)
+    add("--session-idle-seconds", type=float)
+    add("--parameter-memory-bytes", type=int)
+    add("--max-shard-samples", type=int)
+    add("--num-workers", type=int, help="in-process shard executor threads")
+    add("--step-timeout-seconds", type=float)
+    add("--default-accountant", choices=("rdp", "pld"))
+    add("--tokens-file", help="bearer tokens, one per line ('token' or 'label token'); "
+                              "or PSG_TOKENS=tok1,tok2")
+    add("--tls-cert", type=Path, help="PEM certificate chain")
+    add("--tls-key", type=Path, help="PEM private key")
+    add("--tls-client-ca", type=Path, help="PEM CA bundle; requires client certificates (mutual TLS)")
+    add("--insecure", action="store_true", default=None,
+        help="allow a non-loopback address without tokens or TLS")
+    add("--metrics-port", type=int, help="Prometheus HTTP port (0 = ephemeral; default: off)")
+    add("--metrics-host")
+    add("--model-plugin", dest="model_plugins", action="append",
+        help="module whose register_models(registry) adds architectures (repeatable)")
+    add("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return parser

@@ -1,0 +1,269 @@
+"""The gRPC frontend: a thin servicer, its method wiring, and :func:`create_server`.
+
+Servicer methods only name the caller, delegate and build replies. The wiring
+(:func:`_method_handlers`) is generated from the service descriptor: each handler receives raw
+bytes and parses them itself, so undecodable input is INVALID_ARGUMENT like any other bad input;
+it counts the request and, on any exception, answers with the status :func:`psg_server.errors.translate`
+picks (the one table), logging unexpected errors.
+
+>>> import asyncio
+>>> async def demo():
+...     server, port = await create_server(ServerConfig(port=0))
+...     await server.stop(grace=None)
+...     return port > 0
+>>> asyncio.run(demo())
+True
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+import psg_core
+from psg_client._proto import gradient_service_pb2 as pb
+from psg_client.codec import CodecLimits
+from psg_core.modes import GradSampleMode
+from psg_server.config import ServerConfig
+from psg_server.errors import REASON_METADATA_KEY, translate
+from psg_server.executor import InProcessExecutor, ShardExecutor
+from psg_server.losses import LOSSES
+from psg_server.metrics import Metrics
+from psg_server.models import ModelEntry, ModelRegistry, default_registry
+from psg_server.security import AuthInterceptor, TokenAuthenticator, check_bind_allowed, server_credentials
+from psg_server.sessions import SessionStore, open_session, parameter_specs
+from psg_server.step import StepRunner
+from psg_server.streams import read_header, receive_parameters
+
+__all__ = ["SERVICE_NAME", "GradientServicer", "PsgServer", "create_server"]
+
+logger = logging.getLogger(__name__)
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["GradientService"]
+#: Full name of the service, as health checks and reflection know it.
+SERVICE_NAME = _SERVICE.full_name
+
+
+class GradientServicer:
+    """Implements ``psg.v1.GradientService``; every method is a few lines of delegation."""
+
+    def __init__(self, *, config: ServerConfig, registry: ModelRegistry, executor: ShardExecutor,
+                 authenticator: TokenAuthenticator, metrics: Metrics) -> None:
+        self._config = config
+        self._registry = registry
+        self._executor = executor
+        self._auth = authenticator
+        self._metrics = metrics
+        self._store = SessionStore(max_sessions=config.max_sessions, idle_seconds=config.session_idle_seconds,
+                                   parameter_memory_bytes=config.parameter_memory_bytes)
+        self._steps = StepRunner(config=config, store=self._store, executor=executor, metrics=metrics)
+        self._parameter_limits = CodecLimits(max_tensor_bytes=config.max_tensor_bytes,
+                                             max_total_bytes=config.max_request_bytes, max_tensors=1 << 16,
+                                             max_chunk_bytes=config.max_message_bytes)
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: aio.ServicerContext) -> pb.ServerInfo:
+        self._auth.principal_of(context)
+        config = self._config
+        limits = pb.Limits(max_batch_rows=config.max_batch_rows, max_message_bytes=config.max_message_bytes,
+                           max_tensor_bytes=config.max_tensor_bytes, max_request_bytes=config.max_request_bytes,
+                           chunk_bytes=config.chunk_bytes, max_model_bytes=config.max_model_bytes)
+        return pb.ServerInfo(version=psg_core.__version__, backends=[m.value for m in GradSampleMode],
+                             workers=[pb.WorkerInfo(id=w.id, device=w.device) for w in self._executor.workers()],
+                             limits=limits, losses=sorted(LOSSES))
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: aio.ServicerContext) -> pb.ListModelsResponse:
+        self._auth.principal_of(context)
+        return pb.ListModelsResponse(models=[_model_info(entry) for entry in self._registry.entries()])
+
+    async def CreateSession(self, request: pb.CreateSessionRequest,
+                            context: aio.ServicerContext) -> pb.CreateSessionResponse:
+        owner = self._auth.principal_of(context)
+        await self._expire_idle()
+        session = open_session(request, owner=owner, registry=self._registry, config=self._config)
+        self._store.add(session)
+        self._metrics.sessions.set(len(self._store))
+        logger.info("session %s opened by %s: model %s, %s", session.id, owner, request.model,
+                    session.dp_config)
+        return pb.CreateSessionResponse(session_id=session.id, parameters=parameter_specs(session.parameter_info))
+
+    async def PushParameters(self, requests: AsyncIterator[pb.PushParametersRequest],
+                             context: aio.ServicerContext) -> pb.PushParametersResponse:
+        owner = self._auth.principal_of(context)
+        header = await read_header(requests, rpc="PushParameters")
+        session = self._store.get(header.session_id, owner)
+        parameters = await receive_parameters(requests, session, header.version, self._parameter_limits)
+        self._store.store_parameters(session, parameters)
+        return pb.PushParametersResponse(version=parameters.version, num_bytes=parameters.num_bytes)
+
+    async def ComputeGradients(self, requests: AsyncIterator[pb.ComputeGradientsRequest],
+                               context: aio.ServicerContext) -> AsyncIterator[pb.ComputeGradientsResponse]:
+        owner = self._auth.principal_of(context)
+        async for message in self._steps.compute(requests, owner=owner, time_remaining=context.time_remaining):
+            yield message
+
+    async def GetSession(self, request: pb.GetSessionRequest, context: aio.ServicerContext) -> pb.SessionInfo:
+        return self._store.get(request.session_id, self._auth.principal_of(context)).info()
+
+    async def CloseSession(self, request: pb.CloseSessionRequest,
+                           context: aio.ServicerContext) -> pb.CloseSessionResponse:
+        session = self._store.remove(request.session_id, self._auth.principal_of(context))
+        await self._executor.release(session.id)
+        self._metrics.sessions.set(len(self._store))
+        return pb.CloseSessionResponse()
+
+    async def _expire_idle(self) -> None:
+        for session in self._store.expire_idle():
+            await self._executor.release(session.id)
+
+
+def _model_info(entry: ModelEntry) -> pb.ModelInfo:
+    arguments = [pb.ModelArgument(name=a.name, type=a.type_name, required=a.required,
+                                  default_json="" if a.required else json.dumps(a.default))
+                 for a in entry.arguments]
+    return pb.ModelInfo(name=entry.name, description=entry.description, arguments=arguments, origin=entry.origin)
+
+
+# --------------------------------------------------------------------------------------- wiring
+async def _abort(context: aio.ServicerContext, error: Exception, method: str, metrics: Metrics) -> None:
+    status = translate(error, method=method)
+    metrics.failures.labels(method=method, code=status.code.name).inc()
+    await context.abort(status.code, status.message, trailing_metadata=((REASON_METADATA_KEY, status.reason),))
+
+
+async def _parsed(raw_requests: AsyncIterator[bytes], parse: Callable[[bytes], Any]) -> AsyncIterator[Any]:
+    async for raw in raw_requests:
+        yield parse(raw)
+
+
+def _method_handlers(servicer: GradientServicer, metrics: Metrics) -> dict[str, grpc.RpcMethodHandler]:
+    handlers = {}
+    for method in _SERVICE.methods:
+        name = method.name
+        implementation = getattr(servicer, name)
+        parse = message_factory.GetMessageClass(method.input_type).FromString
+        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        if method.client_streaming and method.server_streaming:
+            handlers[name] = grpc.stream_stream_rpc_method_handler(
+                _stream_stream(name, implementation, parse, metrics), response_serializer=serialize)
+        elif method.client_streaming:
+            handlers[name] = grpc.stream_unary_rpc_method_handler(
+                _stream_unary(name, implementation, parse, metrics), response_serializer=serialize)
+        elif not method.server_streaming:
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _unary_unary(name, implementation, parse, metrics), response_serializer=serialize)
+        else:  # no unary-stream methods in psg.v1; refuse to start rather than serve it wrong
+            raise TypeError(f"_method_handlers: unary-stream method {name} is not wired")
+    return handlers
+
+
+def _unary_unary(name: str, implementation: Callable[..., Any], parse: Callable[[bytes], Any],
+                 metrics: Metrics) -> Callable[..., Any]:
+    async def handle(raw: bytes, context: aio.ServicerContext) -> Any:
+        metrics.requests.labels(method=name).inc()
+        try:
+            return await implementation(parse(raw), context)
+        except Exception as error:  # the one place errors become statuses
+            await _abort(context, error, name, metrics)
+    return handle
+
+
+def _stream_unary(name: str, implementation: Callable[..., Any], parse: Callable[[bytes], Any],
+                  metrics: Metrics) -> Callable[..., Any]:
+    async def handle(raw_requests: AsyncIterator[bytes], context: aio.ServicerContext) -> Any:
+        metrics.requests.labels(method=name).inc()
+        try:
+            return await implementation(_parsed(raw_requests, parse), context)
+        except Exception as error:
+            await _abort(context, error, name, metrics)
+    return handle
+
+
+def _stream_stream(name: str, implementation: Callable[..., Any], parse: Callable[[bytes], Any],
+                   metrics: Metrics) -> Callable[..., Any]:
+    async def handle(raw_requests: AsyncIterator[bytes], context: aio.ServicerContext) -> AsyncIterator[Any]:
+        metrics.requests.labels(method=name).inc()
+        try:
+            async for response in implementation(_parsed(raw_requests, parse), context):
+                yield response
+        except Exception as error:
+            await _abort(context, error, name, metrics)
+    return handle
+
+
+class PsgServer:
+    """A running server: the gRPC server plus what it owns (executor, metrics endpoint, health)."""
+
+    def __init__(self, server: aio.Server, executor: ShardExecutor, metrics: Metrics,
+                 health: health_aio.HealthServicer, metrics_port: int | None) -> None:
+        self.grpc_server = server
+        self.executor = executor
+        self.metrics = metrics
+        self.health = health
+        #: The bound Prometheus port, when the endpoint is on.
+        self.metrics_port = metrics_port
+
+    async def wait_for_termination(self) -> None:
+        """Blocks until the server stops."""
+        await self.grpc_server.wait_for_termination()
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Marks the service NOT_SERVING, stops accepting RPCs (in-flight ones get ``grace`` seconds),
+        then closes the executor and the metrics endpoint."""
+        await self.health.enter_graceful_shutdown()
+        await self.grpc_server.stop(grace)
+        await self.executor.close()
+        self.metrics.close()
+
+
+async def create_server(config: ServerConfig, *, executor: ShardExecutor | None = None,
+                        registry: ModelRegistry | None = None) -> tuple[PsgServer, int]:
+    """Builds, binds and starts a server; returns it and the bound port (``config.port=0`` picks one).
+
+    Args:
+        config: the server's configuration.
+        executor: where shards run; default an :class:`InProcessExecutor` with
+            ``config.num_workers`` threads. It is started here and closed by :meth:`PsgServer.stop`.
+        registry: the model registry; default the built-ins plus ``config.model_plugins``.
+    """
+    check_bind_allowed(config)
+    registry = registry if registry is not None else default_registry(config.model_plugins)
+    executor = executor if executor is not None else InProcessExecutor(registry, num_workers=config.num_workers)
+    metrics = Metrics()
+    authenticator = TokenAuthenticator(config.tokens)
+    options = [("grpc.max_send_message_length", config.max_message_bytes),
+               ("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.so_reuseport", 0)]
+    server = aio.server(interceptors=[AuthInterceptor(authenticator)], options=options)
+    servicer = GradientServicer(config=config, registry=registry, executor=executor,
+                                authenticator=authenticator, metrics=metrics)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE_NAME, _method_handlers(servicer, metrics)),))
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME), server)
+    credentials = server_credentials(config)
+    port = (server.add_secure_port(config.address, credentials) if credentials is not None
+            else server.add_insecure_port(config.address))
+    for service in ("", SERVICE_NAME):
+        await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    await executor.start()
+    metrics_port = None
+    if config.metrics_port is not None:
+        metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
+    for service in ("", SERVICE_NAME):
+        status = health_pb2.HealthCheckResponse.SERVING if executor.ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health.set(service, status)
+    logger.info("psg-server listening on %s:%d (%s, %s)", config.host, port, "TLS" if credentials else "plaintext",
+                "tokens" if authenticator.enabled else "no auth")
+    return PsgServer(server, executor, metrics, health, metrics_port), port

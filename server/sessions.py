@@ -1,0 +1,273 @@
+"""Sessions: one model, DP configuration, parameter versions, step counter and accountant each,
+owned by the principal (token) that created them.
+
+A caller only ever sees its own sessions: another principal's session id gives the same
+NOT_FOUND as an unknown one. Idle sessions are closed after ``session_idle_seconds``; parameter
+sets beyond ``parameter_memory_bytes`` are dropped least-recently-used first (the session stays,
+and its client pushes again when told PARAMETERS_MISSING).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from psg_client._proto import gradient_service_pb2 as pb
+from psg_core.accounting import PrivacyAccountant
+from psg_core.config import DPConfig
+from psg_core.modes import LossReduction
+from psg_server.config import ServerConfig
+from psg_server.errors import (InvalidRequestError, LimitExceededError, ParametersMissingError,
+                               SessionNotFoundError, StaleParametersError)
+from psg_server.executor import ParameterSet, SessionSpec
+from psg_server.losses import LossEntry, get_loss
+from psg_server.models import ModelRegistry, ModelSignature, ParameterInfo
+
+__all__ = ["PrivacyPlan", "Session", "SessionStore", "open_session"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """How a session's steps are accounted."""
+
+    accountant: str
+    #: Poisson sampling rate q of each step.
+    sample_rate: float
+    #: delta of the reported epsilon (0 when there is no noise, hence nothing to report).
+    delta: float
+    #: None = no budget.
+    target_epsilon: float | None
+
+
+class Session:
+    """One client's training run on the server (see the module docstring)."""
+
+    def __init__(self, *, session_id: str, owner: str, spec: SessionSpec, parameters: list[ParameterInfo],
+                 signature: ModelSignature | None, loss: LossEntry, expected_batch_size: int,
+                 privacy: PrivacyPlan, seed: int | None, secure_rng: bool) -> None:
+        self.id = session_id
+        self.owner = owner
+        self.spec = spec
+        self.parameter_info = parameters
+        self.signature = signature
+        self.loss = loss
+        self.expected_batch_size = expected_batch_size
+        self.privacy = privacy
+        self.seed = seed if seed is not None else secrets.randbits(64)
+        self.secure_rng = secure_rng
+        #: Steps of one session run one at a time, so accounting follows step order.
+        self.lock = asyncio.Lock()
+        self.steps = 0
+        self.parameters: ParameterSet | None = None
+        self.latest_version = 0
+        self.last_used = time.monotonic()
+        self._accountant: PrivacyAccountant | None = None
+        if spec.dp_config.noise_multiplier > 0:
+            budget = {} if privacy.target_epsilon is None else {"target_epsilon": privacy.target_epsilon,
+                                                                "target_delta": privacy.delta}
+            self._accountant = PrivacyAccountant(method=privacy.accountant, **budget)
+        self.epsilon_spent = 0.0 if self._accountant is not None else math.inf
+
+    @property
+    def dp_config(self) -> DPConfig:
+        """The session's DP configuration."""
+        return self.spec.dp_config
+
+    @property
+    def normaliser(self) -> float:
+        """What the noised sum is divided by: the expected batch size under mean reduction."""
+        return float(self.expected_batch_size) if self.dp_config.loss_reduction is LossReduction.MEAN else 1.0
+
+    @property
+    def budget_left(self) -> float:
+        """target_epsilon - epsilon_spent, or +inf without a budget."""
+        target = self.privacy.target_epsilon
+        return math.inf if target is None else target - self.epsilon_spent
+
+    def parameters_for(self, version: int) -> ParameterSet:
+        """The parameter set a step asks for, or why it cannot have it."""
+        if version < self.latest_version:
+            raise StaleParametersError(f"ComputeGradients: parameter version {version} is stale; session "
+                                       f"{self.id!r} is at version {self.latest_version}")
+        if self.parameters is None or self.parameters.version != version:
+            raise ParametersMissingError(f"ComputeGradients: session {self.id!r} holds no parameters for "
+                                         f"version {version}; push them (PushParameters) first")
+        return self.parameters
+
+    def check_budget(self) -> None:
+        """:class:`BudgetExhaustedError` when one more step would exceed the budget; records nothing."""
+        if self._accountant is not None:
+            self._accountant.check_step(self.dp_config.noise_multiplier, self.privacy.sample_rate)
+
+    def record_step(self) -> int:
+        """Accounts a completed step and returns its 1-based index."""
+        if self._accountant is not None:
+            self._accountant.step(self.dp_config.noise_multiplier, self.privacy.sample_rate)
+            self.epsilon_spent = self._accountant.epsilon(self.privacy.delta)
+        self.steps += 1
+        return self.steps
+
+    def noise_seed(self, step_seed: int | None) -> int:
+        """Seed of this step's noise generator: a hash of the session seed and the step seed
+        (the step index when the client gives none)."""
+        step = self.steps + 1 if step_seed is None else step_seed
+        digest = hashlib.blake2b(f"{self.seed}:{step}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1  # torch seeds are < 2**63
+
+    def info(self) -> pb.SessionInfo:
+        """``GetSession``'s answer."""
+        return pb.SessionInfo(session_id=self.id, model=self.spec.model, steps=self.steps,
+                              param_version=self.parameters.version if self.parameters else 0,
+                              epsilon_spent=self.epsilon_spent, budget_left=self.budget_left,
+                              delta=self.privacy.delta, parameters=parameter_specs(self.parameter_info))
+
+
+def parameter_specs(parameters: list[ParameterInfo]) -> list[pb.ParameterSpec]:
+    """Wire form of a model's parameters."""
+    from psg_client.codec import dtype_name
+
+    return [pb.ParameterSpec(name=p.name, dtype=dtype_name(p.dtype), shape=list(p.shape),
+                             requires_grad=p.requires_grad) for p in parameters]
+
+
+def _dp_config(settings: pb.DPSettings) -> DPConfig:
+    return DPConfig(mode=settings.mode or "hooks",
+                    augmentation_multiplicity=settings.augmentation_multiplicity or 1,
+                    loss_reduction=settings.loss_reduction or "mean", batch_first=settings.batch_first,
+                    max_grad_norm=settings.max_grad_norm, clipping=settings.clipping or "flat",
+                    noise_multiplier=settings.noise_multiplier,
+                    per_layer_max_grad_norms=tuple(settings.per_layer_max_grad_norms) or None)
+
+
+def _privacy(request: pb.CreateSessionRequest, dp_config: DPConfig, default_accountant: str) -> PrivacyPlan:
+    settings = request.privacy
+    accountant = settings.accountant or default_accountant
+    if accountant not in ("rdp", "pld"):
+        raise InvalidRequestError(f"CreateSession: accountant must be 'rdp' or 'pld', got {accountant!r:.40}")
+    sample_rate = settings.sample_rate or 1.0
+    if not 0 < sample_rate <= 1:
+        raise InvalidRequestError(f"CreateSession: sample_rate must be in (0, 1], got {sample_rate!r}")
+    target = settings.target_epsilon or None
+    if target is not None and not (math.isfinite(target) and target > 0):
+        raise InvalidRequestError(f"CreateSession: target_epsilon must be a finite number > 0, got {target!r}")
+    noisy = dp_config.noise_multiplier > 0
+    if target is not None and not noisy:
+        raise InvalidRequestError("CreateSession: a privacy budget (target_epsilon) needs noise_multiplier > 0")
+    if noisy and not 0 < settings.delta < 1:
+        raise InvalidRequestError(f"CreateSession: delta must be in (0, 1) when noise_multiplier > 0, got "
+                                  f"{settings.delta!r}")
+    return PrivacyPlan(accountant=accountant, sample_rate=sample_rate, delta=settings.delta if noisy else 0.0,
+                       target_epsilon=target)
+
+
+def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: ModelRegistry,
+                 config: ServerConfig) -> Session:
+    """Validates a ``CreateSession`` request and builds its (not yet stored) :class:`Session`."""
+    entry = registry.entry(request.model)
+    loss = get_loss(request.loss)
+    kwargs = registry.parse_kwargs(request.model, request.model_kwargs_json)
+    dp_config = _dp_config(request.dp)
+    if entry.batch_first_only and not dp_config.batch_first:
+        raise InvalidRequestError(f"CreateSession: model {request.model!r} takes its batch on dimension 0; "
+                                  "set batch_first=True")
+    if request.expected_batch_size < 1:
+        raise InvalidRequestError("CreateSession: expected_batch_size must be >= 1 (samples per step)")
+    privacy = _privacy(request, dp_config, config.default_accountant)
+    parameters = registry.describe(request.model, kwargs, max_bytes=config.max_model_bytes)
+    if not any(p.requires_grad for p in parameters):
+        raise InvalidRequestError(f"CreateSession: model {request.model!r} has no trainable parameters")
+    trainable = sum(p.requires_grad for p in parameters)
+    if dp_config.per_layer_max_grad_norms is not None and len(dp_config.per_layer_max_grad_norms) != trainable:
+        raise InvalidRequestError(f"CreateSession: per_layer_max_grad_norms has "
+                                  f"{len(dp_config.per_layer_max_grad_norms)} bounds for {trainable} "
+                                  "trainable parameters")
+    session_id = secrets.token_urlsafe(16)
+    spec = SessionSpec(session_id=session_id, model=request.model,
+                       model_kwargs_json=json.dumps(kwargs, sort_keys=True), loss=request.loss,
+                       dp_config=dp_config, plugins=registry.plugins)
+    return Session(session_id=session_id, owner=owner, spec=spec, parameters=parameters,
+                   signature=registry.signature(request.model, kwargs), loss=loss,
+                   expected_batch_size=request.expected_batch_size, privacy=privacy,
+                   seed=request.seed if request.HasField("seed") else None, secure_rng=request.secure_rng)
+
+
+class SessionStore:
+    """Open sessions by id, with ownership, idle expiry and a memory cap on parameter sets.
+
+    Args:
+        max_sessions: open sessions at most.
+        idle_seconds: sessions unused this long are expired by :meth:`expire_idle`.
+        parameter_memory_bytes: total bytes of parameter sets kept.
+        clock: monotonic seconds (tests substitute their own).
+    """
+
+    def __init__(self, *, max_sessions: int, idle_seconds: float, parameter_memory_bytes: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._max_sessions = max_sessions
+        self._idle_seconds = idle_seconds
+        self._memory = parameter_memory_bytes
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def add(self, session: Session) -> None:
+        """Stores a new session; :class:`LimitExceededError` when the server is full."""
+        if len(self._sessions) >= self._max_sessions:
+            raise LimitExceededError(f"CreateSession: the server already holds {len(self._sessions)} "
+                                     "sessions, its maximum; close one or wait for idle ones to expire")
+        session.last_used = self._clock()
+        self._sessions[session.id] = session
+
+    def get(self, session_id: str, owner: str) -> Session:
+        """The caller's session; :class:`SessionNotFoundError` for unknown ids and others' sessions."""
+        session = self._sessions.get(session_id)
+        if session is None or session.owner != owner:
+            raise SessionNotFoundError(f"no session {session_id[:64]!r} for this caller")
+        session.last_used = self._clock()
+        return session
+
+    def remove(self, session_id: str, owner: str) -> Session:
+        """Closes the caller's session and returns it."""
+        session = self.get(session_id, owner)
+        del self._sessions[session_id]
+        return session
+
+    def expire_idle(self) -> list[Session]:
+        """Removes and returns the sessions idle longer than ``idle_seconds`` (none mid-step)."""
+        cutoff = self._clock() - self._idle_seconds
+        expired = [s for s in self._sessions.values() if s.last_used < cutoff and not s.lock.locked()]
+        for session in expired:
+            del self._sessions[session.id]
+            logger.info("sessions: %s expired after %.0f s idle", session.id, self._idle_seconds)
+        return expired
+
+    def store_parameters(self, session: Session, parameters: ParameterSet) -> None:
+        """Makes ``parameters`` the session's current set, dropping other sessions' sets (least
+        recently used first) while the total exceeds the memory cap."""
+        size = parameters.num_bytes
+        if size > self._memory:
+            raise LimitExceededError(f"PushParameters: {size} parameter bytes exceed the server's "
+                                     f"parameter memory of {self._memory}")
+        session.parameters = None
+        held = sum(s.parameters.num_bytes for s in self._sessions.values() if s.parameters is not None)
+        victims = sorted((s for s in self._sessions.values() if s.parameters is not None),
+                         key=lambda s: s.last_used)
+        for victim in victims:
+            if held + size <= self._memory:
+                break
+            held -= victim.parameters.num_bytes  # type: ignore[union-attr]
+            victim.parameters = None
+            logger.warning("sessions: dropped the parameters of %s to stay within %d bytes", victim.id,
+                           self._memory)
+        session.parameters = parameters
+        session.latest_version = parameters.version

@@ -1,0 +1,237 @@
+"""One DP step on the frontend (DESIGN.md §3 "Flow of one step").
+
+validate -> split the N samples (K rows together) into shards -> executor -> merge in shard order
+-> noise once (seeded per step) -> normalise by the expected batch size -> account -> reply.
+The result equals :func:`psg_core.dp.dp_gradient` on the whole batch, noised and normalised,
+for any number of shards (up to floating point summation order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from psg_client._proto import gradient_service_pb2 as pb
+from psg_client.codec import CodecLimits, TensorDecoder
+from psg_core.backends.base import check_rows
+from psg_core.config import DPGradient
+from psg_core.errors import BatchLayoutError, NonFiniteInputError
+from psg_core.noise import add_noise
+from psg_server.config import ServerConfig
+from psg_server.errors import InvalidRequestError, LimitExceededError, StepTimeoutError
+from psg_server.executor import Shard, ShardExecutor
+from psg_server.losses import prepare_targets
+from psg_server.metrics import Metrics
+from psg_server.models import InputSpec
+from psg_server.sessions import Session, SessionStore
+from psg_server.streams import read_header, read_tensors, tensor_messages
+
+__all__ = ["NORM_QUANTILES", "Batch", "StepRunner", "split_shards", "validate_batch"]
+
+#: Quantiles of the per-sample norms reported with every step.
+NORM_QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
+_TARGETS = "targets"
+_INPUT_PREFIX = "inputs/"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A validated batch: positional inputs and targets, N * K rows on the batch dimension."""
+
+    inputs: tuple[torch.Tensor, ...]
+    targets: torch.Tensor
+    num_samples: int
+
+
+def _rows_check(session: Session, max_rows: int) -> Any:
+    """Header check run before allocation: names, and the batch rows against the server limit."""
+    batch_dim = 0 if session.dp_config.batch_first else 1
+
+    def check(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        if name != _TARGETS and not (name.startswith(_INPUT_PREFIX) and name[len(_INPUT_PREFIX):].isdigit()):
+            raise InvalidRequestError(f"ComputeGradients: unexpected tensor {name!r}; send "
+                                      f"'{_INPUT_PREFIX}0', '{_INPUT_PREFIX}1', ... and '{_TARGETS}'")
+        dim = 0 if name == _TARGETS else batch_dim
+        if len(shape) > dim and shape[dim] > max_rows:
+            raise LimitExceededError(f"ComputeGradients: {name!r} has {shape[dim]} rows, more than the "
+                                     f"server's max_batch_rows={max_rows}")
+    return check
+
+
+def _fits(dim: int, spec: int | tuple[int, int]) -> bool:
+    return dim == spec if isinstance(spec, int) else spec[0] <= dim <= spec[1]
+
+
+def _prepare_input(index: int, tensor: torch.Tensor, spec: InputSpec | None, *, batch_dim: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    where = f"ComputeGradients: {_INPUT_PREFIX}{index}"
+    if spec is not None:
+        per_row = tuple(d for i, d in enumerate(tensor.shape) if i != batch_dim)
+        if len(per_row) != len(spec.sample_shape) or not all(map(_fits, per_row, spec.sample_shape)):
+            wanted = ["rows"] + [d if isinstance(d, int) else f"{d[0]}..{d[1]}" for d in spec.sample_shape]
+            raise InvalidRequestError(f"{where} has shape {list(tensor.shape)}, which does not fit the "
+                                      f"model: expected {wanted}")
+        if spec.kind == "index":
+            if tensor.is_floating_point() or tensor.dtype == torch.bool:
+                raise InvalidRequestError(f"{where} must hold integer indices, got {tensor.dtype}")
+            tensor = tensor.to(torch.int64)
+            low, high = int(tensor.min()), int(tensor.max())
+            if spec.num_embeddings is not None and (low < 0 or high >= spec.num_embeddings):
+                raise InvalidRequestError(f"{where} holds indices in [{low}, {high}], outside "
+                                          f"[0, {spec.num_embeddings})")
+            return tensor
+        if not tensor.is_floating_point():
+            raise InvalidRequestError(f"{where} must be floating point, got {tensor.dtype}")
+        tensor = tensor.to(dtype)
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise NonFiniteInputError(f"{where} contains NaN or infinity")
+    return tensor
+
+
+def validate_batch(session: Session, tensors: Mapping[str, torch.Tensor]) -> Batch:
+    """Checks a decoded batch against the session (layout, K, model signature, loss targets)."""
+    config = session.dp_config
+    batch_dim = 0 if config.batch_first else 1
+    if _TARGETS not in tensors:
+        raise InvalidRequestError(f"ComputeGradients: the batch has no {_TARGETS!r} tensor")
+    count = len(tensors) - 1
+    names = [f"{_INPUT_PREFIX}{i}" for i in range(count)]
+    if count == 0 or any(name not in tensors for name in names):
+        raise InvalidRequestError(f"ComputeGradients: inputs must be named {names or [_INPUT_PREFIX + '0']}, "
+                                  f"got {sorted(n for n in tensors if n != _TARGETS)}")
+    signature = session.signature
+    if signature is not None and count != len(signature.inputs):
+        raise InvalidRequestError(f"ComputeGradients: model {session.spec.model!r} takes "
+                                  f"{len(signature.inputs)} input(s), got {count}")
+    rows = {name: (tensors[name].shape[batch_dim] if tensors[name].dim() > batch_dim else None)
+            for name in names}
+    if None in rows.values() or len(set(rows.values())) != 1:
+        raise BatchLayoutError(f"ComputeGradients: every input needs the same number of rows on dimension "
+                               f"{batch_dim}; got shapes {[list(tensors[n].shape) for n in names]}")
+    num_rows = int(next(iter(rows.values())))  # type: ignore[arg-type]
+    if num_rows == 0:
+        raise BatchLayoutError("ComputeGradients: the batch is empty")
+    num_samples = check_rows(num_rows, config.augmentation_multiplicity, where="ComputeGradients")
+    dtype = next(p.dtype for p in session.parameter_info if p.dtype.is_floating_point)
+    inputs = tuple(_prepare_input(i, tensors[name], signature.inputs[i] if signature else None,
+                                  batch_dim=batch_dim, dtype=dtype) for i, name in enumerate(names))
+    targets = prepare_targets(session.loss, tensors[_TARGETS], rows=num_rows,
+                              num_outputs=signature.num_outputs if signature else None, dtype=dtype)
+    return Batch(inputs=inputs, targets=targets, num_samples=num_samples)
+
+
+def split_shards(batch: Batch, *, augmentation_multiplicity: int, batch_first: bool,
+                 num_shards: int) -> list[Shard]:
+    """Cuts the batch into ``num_shards`` contiguous runs of whole samples (near-equal sizes).
+
+    >>> batch = Batch(inputs=(torch.arange(10).view(10, 1),), targets=torch.arange(10), num_samples=5)
+    >>> [s.targets.tolist() for s in split_shards(batch, augmentation_multiplicity=2, batch_first=True,
+    ...                                           num_shards=2)]
+    [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    """
+    K = augmentation_multiplicity
+    batch_dim = 0 if batch_first else 1
+    num_shards = max(1, min(num_shards, batch.num_samples))
+    base, extra = divmod(batch.num_samples, num_shards)
+    shards, start = [], 0
+    for index in range(num_shards):
+        samples = base + (index < extra)
+        inputs = tuple(t.narrow(batch_dim, start * K, samples * K) for t in batch.inputs)  # (n*K, ...)
+        targets = batch.targets.narrow(0, start * K, samples * K)  # (n*K, ...)
+        shards.append(Shard(index=index, inputs=inputs, targets=targets))
+        start += samples
+    return shards
+
+
+class StepRunner:
+    """Runs ComputeGradients: receive, validate, shard, merge, noise, normalise, account, reply."""
+
+    def __init__(self, *, config: ServerConfig, store: SessionStore, executor: ShardExecutor,
+                 metrics: Metrics) -> None:
+        self._config = config
+        self._store = store
+        self._executor = executor
+        self._metrics = metrics
+        self._limits = CodecLimits(max_tensor_bytes=config.max_tensor_bytes,
+                                   max_total_bytes=config.max_request_bytes, max_tensors=64,
+                                   max_chunk_bytes=config.max_message_bytes)
+
+    async def compute(self, requests: AsyncIterator[pb.ComputeGradientsRequest], *, owner: str,
+                      time_remaining: Callable[[], float | None]) -> AsyncIterator[pb.ComputeGradientsResponse]:
+        """The whole RPC: consumes the request stream, yields the reply stream.
+
+        ``time_remaining`` gives the seconds left before the client's deadline (None: no deadline).
+        """
+        started = time.perf_counter()
+        metrics = self._metrics
+        with metrics.phase("receive"):
+            header = await read_header(requests, rpc="ComputeGradients")
+            session = self._store.get(header.session_id, owner)
+            session.parameters_for(header.param_version)  # fail before the batch is uploaded
+            decoder = TensorDecoder(self._limits, check_header=_rows_check(session, self._config.max_batch_rows))
+            tensors = await read_tensors(requests, decoder)
+        with metrics.phase("validate"):
+            batch = validate_batch(session, tensors)
+        step_seed = header.step_seed if header.HasField("step_seed") else None
+        async with session.lock:
+            parameters = session.parameters_for(header.param_version)
+            with metrics.phase("account"):
+                session.check_budget()
+            with metrics.phase("compute"):
+                shards = split_shards(batch, augmentation_multiplicity=session.dp_config.augmentation_multiplicity,
+                                      batch_first=session.dp_config.batch_first,
+                                      num_shards=max(len(self._executor.workers()),
+                                                     math.ceil(batch.num_samples / self._config.max_shard_samples)))
+                remaining = time_remaining()
+                timeout = self._config.step_timeout_seconds if remaining is None else \
+                    min(self._config.step_timeout_seconds, remaining)
+                try:
+                    results = await asyncio.wait_for(self._executor.run(session.spec, parameters, shards), timeout)
+                except asyncio.TimeoutError:
+                    raise StepTimeoutError(f"ComputeGradients: the step took longer than {timeout:.3g} s; "
+                                           "its shards were cancelled") from None
+                merged = DPGradient.merge(results)
+            with metrics.phase("noise"):
+                grads = self._noise_and_normalise(session, merged, step_seed)
+            with metrics.phase("account"):
+                step = session.record_step()
+        metrics.samples.inc(merged.num_samples)
+        stats = _stats(session, merged, step=step, version=parameters.version,
+                       seconds=time.perf_counter() - started)
+        with metrics.phase("send"):
+            yield pb.ComputeGradientsResponse(stats=stats)
+            for message in tensor_messages(pb.ComputeGradientsResponse, grads.items(),
+                                           chunk_bytes=self._config.chunk_bytes):
+                yield message
+
+    @staticmethod
+    def _noise_and_normalise(session: Session, merged: DPGradient,
+                             step_seed: int | None) -> dict[str, torch.Tensor]:
+        config = session.dp_config
+        generator = None
+        if config.noise_multiplier > 0 and not session.secure_rng:
+            generator = torch.Generator().manual_seed(session.noise_seed(step_seed))
+        noised = add_noise(merged.grads, noise_multiplier=config.noise_multiplier,
+                           max_grad_norm=config.max_grad_norm, generator=generator,
+                           secure_rng=session.secure_rng)
+        scale = session.normaliser
+        return {name: grad.div_(scale) for name, grad in noised.items()}
+
+
+def _stats(session: Session, merged: DPGradient, *, step: int, version: int, seconds: float) -> pb.StepStats:
+    norms = merged.per_sample_norms.detach().to(torch.float64).cpu()  # (N,)
+    levels = torch.tensor(NORM_QUANTILES, dtype=torch.float64)
+    values = torch.quantile(norms, levels).tolist() if norms.numel() else [math.nan] * len(NORM_QUANTILES)
+    samples = max(merged.num_samples, 1)
+    return pb.StepStats(step=step, param_version=version, samples=merged.num_samples,
+                        mean_loss=merged.loss_sum / samples,
+                        norm_quantiles=[pb.NormQuantile(quantile=q, value=v) for q, v in zip(NORM_QUANTILES, values)],
+                        fraction_clipped=merged.num_clipped / samples, epsilon_spent=session.epsilon_spent,
+                        budget_left=session.budget_left, server_seconds=seconds)
+

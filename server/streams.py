@@ -1,0 +1,78 @@
+"""Reading and writing the chunked streams of PushParameters and ComputeGradients.
+
+Both request streams are a header message followed by tensor frames (see ``tensor.proto``); the
+ComputeGradients reply is a stats message followed by tensor frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from psg_client._proto.tensor_pb2 import TensorHeader
+from psg_client.codec import CodecLimits, TensorDecoder, encode_tensors
+from psg_core.errors import NonFiniteInputError
+from psg_server.errors import InvalidRequestError, StaleParametersError
+from psg_server.executor import ParameterSet
+from psg_server.sessions import Session
+
+__all__ = ["read_header", "read_tensors", "receive_parameters", "tensor_messages"]
+
+Message = TypeVar("Message")
+
+
+async def read_header(requests: AsyncIterator[Any], *, rpc: str) -> Any:
+    """The first message's ``header``; :class:`InvalidRequestError` when the stream starts otherwise."""
+    async for message in requests:
+        if message.WhichOneof("frame") != "header":
+            raise InvalidRequestError(f"{rpc}: the first message must be the header, got "
+                                      f"{message.WhichOneof('frame')!r}")
+        return message.header
+    raise InvalidRequestError(f"{rpc}: the request stream is empty")
+
+
+async def read_tensors(requests: AsyncIterator[Any], decoder: TensorDecoder) -> dict[str, torch.Tensor]:
+    """Feeds every remaining message to ``decoder`` and returns the finished tensors."""
+    async for message in requests:
+        decoder.add_message(message)
+    return decoder.finish()
+
+
+async def receive_parameters(requests: AsyncIterator[Any], session: Session, version: int,
+                             limits: CodecLimits) -> ParameterSet:
+    """Decodes a full parameter set for ``session``, refusing any tensor that does not match the
+    model's parameters before allocating it."""
+    if version <= session.latest_version:
+        raise StaleParametersError(f"PushParameters: version {version} is not newer than the session's "
+                                   f"version {session.latest_version}")
+    expected = {p.name: p for p in session.parameter_info}
+
+    def check(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        info = expected.get(name)
+        if info is None:
+            raise InvalidRequestError(f"PushParameters: model {session.spec.model!r} has no parameter {name!r}")
+        if dtype != info.dtype or shape != info.shape:
+            raise InvalidRequestError(f"PushParameters: parameter {name!r} must be {info.dtype} "
+                                      f"{list(info.shape)}, got {dtype} {list(shape)}")
+
+    tensors = await read_tensors(requests, TensorDecoder(limits, check_header=check))
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise InvalidRequestError(f"PushParameters: the parameter set lacks {missing[:8]}"
+                                  f"{' ...' if len(missing) > 8 else ''}")
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise NonFiniteInputError(f"PushParameters: parameters {bad[:8]} contain NaN or infinity")
+    return ParameterSet(version=version, tensors=tensors)
+
+
+def tensor_messages(message_type: type[Message], named: Iterable[tuple[str, torch.Tensor]], *,
+                    chunk_bytes: int) -> Iterator[Message]:
+    """``message_type(tensor=...)`` / ``message_type(chunk=...)`` for every frame of ``named``."""
+    for frame in encode_tensors(named, chunk_bytes=chunk_bytes):
+        if isinstance(frame, TensorHeader):
+            yield message_type(tensor=frame)  # type: ignore[call-arg]
+        else:
+            yield message_type(chunk=frame)  # type: ignore[call-arg]
