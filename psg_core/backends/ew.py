@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 from psg_core.api import PerSampleOutput, batch_rows, register_backend
 from psg_core.backends.base import AbstractGradSampleModule, check_rows, trainable_parameters
 from psg_core.backends.functorch import reject_batch_mixing
-from psg_core.backends.hooks import ALWAYS_BATCH_FIRST
+from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
 from psg_core.losses import LossFn, per_sample_loss
 from psg_core.modes import GradSampleMode, LossReduction
@@ -66,7 +66,8 @@ class _ModuleTracker:
         for path, layer in module.named_modules():
             label = f"'{path or '<root>'}' ({type(layer).__qualname__})"
             self._handles.append(layer.register_forward_pre_hook(self._push(label)))
-            self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+            # Not always_call: when a forward raises, the stack keeps the failing module's path.
+            self._handles.append(layer.register_forward_hook(self._pop))
 
     def _push(self, label: str) -> Any:
         def hook(layer: nn.Module, _args: Any) -> None:

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten
 from psg_core.api import as_inputs, batch_rows
 from psg_core.backends.base import AbstractGradSampleModule, check_rows, trainable_parameters
 from psg_core.backends.functorch import reject_batch_mixing
-from psg_core.backends.hooks import ALWAYS_BATCH_FIRST
+from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.clipping import AUTOMATIC_STABILITY, FLAT_EPSILON
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError

@@ -1,0 +1,432 @@
+"""Backend-specific behaviour: functorch, ew, ghost, wrap_model, the coverage table, and the
+cross-backend agreement of clipped sums. Per-model correctness lives in test_model_zoo.py."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import psg_core.backends.ghost as ghost_module
+from psg_core.api import compute_per_sample, per_sample_gradients
+from psg_core.backends.ew import ExpandedWeightsGradSampleModule
+from psg_core.backends.ghost import GhostClippingModule, ghost_dp_gradient
+from psg_core.backends.hooks import GradSampleModule
+from psg_core.backends.wrap import wrap_model
+from psg_core.clipping import clip_and_sum
+from psg_core.config import DPConfig
+from psg_core.coverage import EXAMPLES, coverage_rows, main, render_markdown
+from psg_core.dp import dp_gradient
+from psg_core.errors import (BatchLayoutError, ConfigError, GradAccumulationError,
+                             UnsupportedModuleError)
+from psg_core.grad_sample import GRAD_SAMPLERS
+from tests.oracle import assert_close_scaled, microbatch_oracle, mse_loss, split_samples
+
+MODES = ["hooks", "functorch", "ew"]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def oracle(model: nn.Module, x: Any, y: torch.Tensor, K: int, reduction: str = "mean",
+           batch_dim: int = 0) -> dict[str, torch.Tensor]:
+    return microbatch_oracle(model, split_samples(x, y, K, batch_dim=batch_dim), mse_loss(reduction))
+
+
+def assert_all_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(actual) == set(expected)
+    for name, grad in expected.items():
+        assert_close_scaled(actual[name], grad, name=name)
+
+
+# ---------------------------------------------------------------------------------- functorch
+class Standardise(nn.Module):
+    """Uses buffers in its forward; no parameters."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.linspace(-1, 1, features))
+        self.register_buffer("std", torch.linspace(0.5, 2, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+class Gated(nn.Module):
+    """Takes a float and an unbatched tensor besides the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.gain = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor, temperature: float, gate: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x) / temperature) * self.gain * gate
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_functorch_buffers_and_frozen_parameters(reduction: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Standardise(4), nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    model[1].weight.requires_grad_(False)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    grads = per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), mode="functorch",
+                                 augmentation_multiplicity=2, loss_reduction=reduction)
+    assert "1.weight" not in grads
+    assert_all_close(grads, oracle(model, x, y, 2, reduction))
+
+
+def test_functorch_non_tensor_and_unbatched_arguments() -> None:
+    torch.manual_seed(1)
+    model, K = Gated(), 2
+    x, y, gate = torch.randn(3 * K, 4), torch.randn(3 * K, 3), torch.tensor([1.0, 0.5, -1.0])
+    grads = per_sample_gradients(model, (x, 0.7, gate), y, loss_fn=nn.MSELoss(), mode="functorch",
+                                 augmentation_multiplicity=K)
+    samples = [((x[n * K:(n + 1) * K], 0.7, gate), y[n * K:(n + 1) * K]) for n in range(3)]
+    assert_all_close(grads, microbatch_oracle(model, samples, mse_loss("mean")))
+
+
+def test_functorch_per_sample_losses_and_zero_samples() -> None:
+    torch.manual_seed(2)
+    model = mlp()
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    out = compute_per_sample(model, x, y, loss_fn=nn.MSELoss(), mode="functorch", augmentation_multiplicity=2)
+    expected = torch.stack([F.mse_loss(model(x[n * 2:n * 2 + 2]), y[n * 2:n * 2 + 2]) for n in range(4)])
+    torch.testing.assert_close(out.per_sample_losses, expected.detach())
+    empty = compute_per_sample(model, x[:0], y[:0], loss_fn=nn.MSELoss(), mode="functorch",
+                               augmentation_multiplicity=2)
+    assert empty.num_samples == 0 and empty.per_sample_losses.shape == (0,)
+    assert empty.grads["0.weight"].shape == (0, 6, 4)
+
+
+def test_functorch_batchnorm() -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    with pytest.raises(UnsupportedModuleError, match=r"'1' \(BatchNorm1d\).*training mode"):
+        per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), mode="functorch")
+    model.eval()  # running statistics: per-sample again, and its affine parameters are trainable
+    assert_all_close(per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), mode="functorch",
+                                          augmentation_multiplicity=3), oracle(model, x, y, 3))
+
+
+def test_functorch_rejects_fused_rnn_and_bad_targets() -> None:
+    with pytest.raises(UnsupportedModuleError, match=r"'<root>' \(LSTM\).*fix_model"):
+        per_sample_gradients(nn.LSTM(3, 4), torch.randn(5, 2, 3), torch.randn(5, 2, 4),
+                             loss_fn=lambda out, t: (out[0] - t) ** 2, mode="functorch", batch_first=False)
+    with pytest.raises(BatchLayoutError, match="targets"):
+        per_sample_gradients(mlp(), torch.randn(6, 4), torch.randn(5, 2), loss_fn=nn.MSELoss(),
+                             mode="functorch")
+
+
+# ---------------------------------------------------------------------------------------- ew
+class TiedEmbeddingLM(nn.Module):
+    """The output projection reuses the embedding table (weight tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4, padding_idx=0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.embed(tokens), self.embed.weight)  # (B, T, 7)
+
+
+def test_ew_embedding_padding_row_and_tying() -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Embedding(7, 4, padding_idx=0), nn.Linear(4, 2))
+    tokens = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 6], [0, 6, 1]])  # padding in every sample
+    y = torch.randn(4, 3, 2)
+    grads = per_sample_gradients(model, tokens, y, loss_fn=nn.MSELoss(), mode="ew", augmentation_multiplicity=2)
+    assert_all_close(grads, oracle(model, tokens, y, 2))
+    with pytest.raises(UnsupportedModuleError, match="'embed.weight'.*padding_idx"):
+        per_sample_gradients(TiedEmbeddingLM(), tokens, torch.randn(4, 3, 7), loss_fn=nn.MSELoss(), mode="ew")
+    frequency = nn.Sequential(nn.Embedding(7, 4, scale_grad_by_freq=True), nn.Linear(4, 2))
+    with pytest.raises(UnsupportedModuleError, match=r"'0' \(Embedding\).*scale_grad_by_freq"):
+        per_sample_gradients(frequency, tokens, y, loss_fn=nn.MSELoss(), mode="ew")
+
+
+def test_ew_names_unsupported_layer_and_handles_fused_gru() -> None:
+    torch.manual_seed(5)
+
+    class SelfAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            return self.attn(h, h, h)[0]
+
+    with pytest.raises(UnsupportedModuleError, match=r"'attn' \(MultiheadAttention\)"):
+        per_sample_gradients(SelfAttention(), torch.randn(4, 3, 4), torch.randn(4, 3, 4), loss_fn=nn.MSELoss(),
+                             mode="ew")
+
+    class GRUHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = nn.GRU(3, 4, batch_first=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.gru(x)[0])
+
+    model, x, y = GRUHead(), torch.randn(6, 5, 3), torch.randn(6, 5, 2)
+    grads = per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), mode="ew", augmentation_multiplicity=3)
+    assert_all_close(grads, oracle(model, x, y, 3))
+
+
+def test_ew_zero_samples_and_seq_first_linear() -> None:
+    torch.manual_seed(6)
+    model = mlp()
+    empty = per_sample_gradients(model, torch.randn(0, 4), torch.randn(0, 2), loss_fn=nn.MSELoss(), mode="ew")
+    assert empty["2.bias"].shape == (0, 2)
+    x, y = torch.randn(5, 6, 4), torch.randn(5, 6, 2)  # (T, N*K, d)
+    grads = per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), mode="ew", augmentation_multiplicity=2,
+                                 loss_reduction="sum", batch_first=False)
+    assert_all_close(grads, oracle(model, x, y, 2, "sum", batch_dim=1))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_ew_wrapper(reduction: str) -> None:
+    torch.manual_seed(7)
+    model, K = mlp(), 2
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(3 * K, 4), torch.randn(3 * K, 2)
+    wrapped = ExpandedWeightsGradSampleModule(model, loss_reduction=reduction, augmentation_multiplicity=K)
+    F.mse_loss(wrapped(x), y, reduction=reduction).backward()
+    F.mse_loss(reference(x), y, reduction=reduction).backward()
+    expected = oracle(model, x, y, K, reduction)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close_scaled(p.grad_sample, expected[name], name=name)
+        assert_close_scaled(p.grad, q.grad, name=f"{name}.grad")
+    with pytest.raises(GradAccumulationError):
+        F.mse_loss(wrapped(x), y, reduction=reduction).backward()
+    wrapped.zero_grad()
+    assert all(p.grad_sample is None and p.grad is None for p in model.parameters())
+    wrapped.allow_grad_accumulation()
+    for _ in range(2):
+        F.mse_loss(wrapped(x), y, reduction=reduction).backward()
+    assert_close_scaled(model[0].weight.grad_sample, 2 * expected["0.weight"])
+    with torch.no_grad():
+        assert wrapped(x).shape == (3 * K, 2)
+
+
+# ------------------------------------------------------------------------------------- ghost
+def ghost(model: nn.Module, x: Any, y: torch.Tensor, **config: Any) -> Any:
+    return ghost_dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=DPConfig(mode="ghost", **config))
+
+
+def reference_clip(model: nn.Module, x: Any, y: torch.Tensor, K: int, **clip: Any) -> Any:
+    grads = oracle(model, x, y, K)
+    return clip_and_sum({n: g.to_dense() if g.is_sparse else g for n, g in grads.items()}, **clip)
+
+
+def assert_same_dp(result: Any, expected: Any) -> None:
+    assert_close_scaled(result.per_sample_norms, expected.per_sample_norms, name="norms")
+    assert result.num_clipped == expected.num_clipped
+    assert_all_close(result.grads, expected.grads)
+
+
+def test_ghost_is_not_a_per_sample_mode() -> None:
+    with pytest.raises(ConfigError, match="ghost.*dp_gradient"):
+        per_sample_gradients(mlp(), torch.randn(4, 4), torch.randn(4, 2), loss_fn=nn.MSELoss(), mode="ghost")
+    wrapped = wrap_model(mlp(), "ghost", max_grad_norm=0.1, augmentation_multiplicity=2)
+    assert isinstance(wrapped, GhostClippingModule)
+    with pytest.raises(ConfigError, match="never materialises"):
+        wrapped.grad_samples()
+    torch.manual_seed(8)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    result = wrapped.dp_gradient(x, y, loss_fn=nn.MSELoss())
+    assert_same_dp(result, reference_clip(wrapped._module, x, y, 2, max_grad_norm=0.1))
+
+
+class SharedBlock(nn.Module):
+    """One Linear applied twice (a recurrence), and a second Linear tied to the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = nn.Linear(5, 5)
+        self.tied = nn.Linear(5, 5)
+        self.tied.weight = self.step.weight
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.step(x))
+        h = torch.tanh(self.step(h))
+        return self.head(self.tied(h))
+
+
+@pytest.mark.parametrize("plan", ["ghost", "materialise"])
+def test_ghost_repeated_and_tied_layers(plan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ghost_module, "_ghost_is_cheaper", lambda layer, positions: plan == "ghost")
+    torch.manual_seed(9)
+    model, K = SharedBlock(), 2
+    x, y = torch.randn(4 * K, 3, 5), torch.randn(4 * K, 3, 2)
+    assert_same_dp(ghost(model, x, y, augmentation_multiplicity=K, max_grad_norm=0.05),
+                   reference_clip(model, x, y, K, max_grad_norm=0.05))
+
+
+def test_ghost_does_not_materialise_wide_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point of ghost: a wide Linear on short rows never gets an (N, d_out, d_in) tensor; on
+    long sequences the materialised gradient is the cheaper one and is used."""
+    calls: list[tuple[int, ...]] = []
+    original = ghost_module._materialise
+
+    def spy(factors: Any, weight: nn.Parameter) -> torch.Tensor:
+        calls.append(tuple(weight.shape))
+        return original(factors, weight)
+
+    monkeypatch.setattr(ghost_module, "_materialise", spy)
+    torch.manual_seed(10)
+    wide = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    x, y = torch.randn(8, 64), torch.randn(8, 1)
+    assert_same_dp(ghost(wide, x, y, augmentation_multiplicity=2), reference_clip(wide, x, y, 2, max_grad_norm=1.0))
+    assert (64, 64) not in calls
+    narrow = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    x, y = torch.randn(4, 20, 3), torch.randn(4, 20, 1)  # T = 20 >> d: materialise
+    assert_same_dp(ghost(narrow, x, y), reference_clip(narrow, x, y, 1, max_grad_norm=1.0))
+    assert (3, 3) in calls
+
+
+def test_ghost_per_layer_bounds_and_untouched_model() -> None:
+    torch.manual_seed(11)
+    model = mlp()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    bounds = (0.05, 0.1, 0.02, 0.3)
+    result = ghost(model, x, y, augmentation_multiplicity=3, clipping="per_layer", per_layer_max_grad_norms=bounds)
+    assert_same_dp(result, reference_clip(model, x, y, 3, max_grad_norm=1.0, clipping="per_layer",
+                                          per_layer_max_grad_norms=bounds))
+    assert all(bool((p.grad == 7.0).all()) and getattr(p, "grad_sample", None) is None
+               for p in model.parameters())
+
+
+def test_ghost_errors_and_empty_batch() -> None:
+    with pytest.raises(UnsupportedModuleError, match=r"'0' \(LSTM\).*fix_model"):
+        ghost(nn.Sequential(nn.LSTM(3, 3)), torch.randn(2, 4, 3), torch.randn(2, 4, 3))
+    with pytest.raises(UnsupportedModuleError, match=r"BatchNorm1d"):
+        ghost(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), torch.randn(4, 3), torch.randn(4, 3))
+
+    class PositionTable(nn.Module):  # the lookup sees (T,), not the batch
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Embedding(5, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.table(torch.arange(x.shape[1]))
+
+    with pytest.raises(BatchLayoutError, match=r"'table' \(Embedding\).*rows"):
+        ghost(PositionTable(), torch.randn(4, 5, 3), torch.randn(4, 5, 3))
+    with pytest.raises(UnsupportedModuleError, match="scale_grad_by_freq"):
+        ghost(nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True)), torch.tensor([[1, 2]] * 2),
+              torch.randn(2, 2, 3))
+    empty = ghost(mlp(), torch.randn(0, 4), torch.randn(0, 2))
+    assert empty.num_samples == 0 and empty.per_sample_norms.shape == (0,)
+    assert float(empty.grads["0.weight"].abs().sum()) == 0.0
+
+
+def test_ghost_sparse_embedding() -> None:
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Embedding(9, 4, sparse=True), nn.Linear(4, 1))
+    tokens, y = torch.randint(0, 9, (6, 5)), torch.randn(6, 5, 1)
+    for clipping in ("flat", "per_layer"):
+        result = ghost(model, tokens, y, augmentation_multiplicity=2, max_grad_norm=0.1, clipping=clipping)
+        assert not result.grads["0.weight"].is_sparse
+        assert_same_dp(result, reference_clip(model, tokens, y, 2, max_grad_norm=0.1, clipping=clipping))
+
+
+# ---------------------------------------------------------------------------------- all modes
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.head = nn.Linear(4 * 16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "automatic", "per_layer"])
+@pytest.mark.parametrize("K", [1, 3])
+def test_cross_backend_clipped_sums_agree(clipping: str, K: int) -> None:
+    """dp_gradient with every backend, ghost included, gives the same clipped sum and norms."""
+    torch.manual_seed(13 + K)
+    model = SmallCNN()
+    x, y = torch.randn(4 * K, 2, 4, 4), torch.randn(4 * K, 2)
+    results = {mode: dp_gradient(model, x, y, loss_fn=nn.MSELoss(),
+                                 config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.2,
+                                                 clipping=clipping))
+               for mode in [*MODES, "ghost"]}
+    expected = reference_clip(model, x, y, K, max_grad_norm=0.2, clipping=clipping)
+    for mode, result in results.items():
+        assert_same_dp(result, expected)
+        assert result.loss_sum == pytest.approx(results["hooks"].loss_sum, rel=1e-5), mode
+
+
+# ---------------------------------------------------------------------------------- wrap_model
+def test_wrap_model_modes() -> None:
+    torch.manual_seed(14)
+    assert type(wrap_model(mlp())) is GradSampleModule
+    assert type(wrap_model(mlp(), "ew")) is ExpandedWeightsGradSampleModule
+    functorch_wrapped = wrap_model(mlp(), "functorch")
+    assert isinstance(functorch_wrapped, GradSampleModule) and functorch_wrapped.force_functorch
+    with pytest.raises(ConfigError, match="mode 'ew' does not take force_functorch"):
+        wrap_model(mlp(), "ew", force_functorch=True)
+    with pytest.raises(ConfigError, match="wrap_model: mode"):
+        wrap_model(mlp(), "vmap")
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ew"])
+def test_wrap_model_custom_parameter(mode: str) -> None:
+    """A bare nn.Parameter: hooks strict refuses, hooks non-strict and functorch compute it,
+    ew refuses at forward with the layer's name."""
+    torch.manual_seed(15)
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
+    model, K = nn.Sequential(nn.Linear(4, 3), Scale()), 2
+    x, y = torch.randn(3 * K, 4), torch.randn(3 * K, 3)
+    if mode == "hooks":
+        with pytest.raises(UnsupportedModuleError, match=r"'1' \(.*Scale\).*no registered grad sampler"):
+            wrap_model(model, "hooks", augmentation_multiplicity=K)
+        wrapped = wrap_model(model, "hooks", strict=False, augmentation_multiplicity=K)
+    else:
+        wrapped = wrap_model(model, mode, augmentation_multiplicity=K)
+    if mode == "ew":
+        with pytest.raises(UnsupportedModuleError, match=r"'1' \(.*Scale\).*ExpandedWeights"):
+            wrapped(x)
+        return
+    F.mse_loss(wrapped(x), y).backward()
+    expected = oracle(model, x, y, K)
+    for name, p in model.named_parameters():
+        assert_close_scaled(p.grad_sample, expected[name], name=name)
+
+
+# ---------------------------------------------------------------------------------- coverage
+def test_coverage_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every registered layer type has an example, and no backend gives a wrong result on any."""
+    assert {t.__name__ for t in GRAD_SAMPLERS} <= set(EXAMPLES)
+    main([])
+    table = capsys.readouterr().out
+    assert table.startswith("| layer | hooks | functorch | ew | ghost |")
+    assert "wrong result" not in table and "no example" not in table
+    assert "| Linear | ✅ | ✅ | ✅ | ✅ ghost norm |" in table
+    assert "| LayerNorm | ✅ | ✅ | ✅ | ✅ materialised |" in table
+    assert "| BatchNorm1d (training) | ❌ mixes samples | ❌ mixes samples | ❌ mixes samples | ❌ mixes samples |" \
+        in table
+    rows = coverage_rows([nn.Conv2d])
+    assert render_markdown(rows).splitlines()[2].startswith("| Conv2d | ✅ |")
