@@ -141,7 +141,8 @@ def parameter_specs(parameters: list[ParameterInfo]) -> list[pb.ParameterSpec]:
 def _dp_config(settings: pb.DPSettings) -> DPConfig:
     return DPConfig(mode=settings.mode or "hooks",
                     augmentation_multiplicity=settings.augmentation_multiplicity or 1,
-                    loss_reduction=settings.loss_reduction or "mean", batch_first=settings.batch_first,
+                    loss_reduction=settings.loss_reduction or "mean",
+                    batch_first=settings.batch_first if settings.HasField("batch_first") else True,
                     max_grad_norm=settings.max_grad_norm, clipping=settings.clipping or "flat",
                     noise_multiplier=settings.noise_multiplier,
                     per_layer_max_grad_norms=tuple(settings.per_layer_max_grad_norms) or None)

@@ -21,6 +21,7 @@ from psg_client._proto import gradient_service_pb2 as pb
 from psg_client.codec import CodecLimits, TensorDecoder
 from psg_core.backends.base import check_rows
 from psg_core.config import DPGradient
+from psg_core.dp import l2_sensitivity
 from psg_core.errors import BatchLayoutError, NonFiniteInputError
 from psg_core.noise import add_noise
 from psg_server.config import ServerConfig
@@ -218,7 +219,7 @@ class StepRunner:
         if config.noise_multiplier > 0 and not session.secure_rng:
             generator = torch.Generator().manual_seed(session.noise_seed(step_seed))
         noised = add_noise(merged.grads, noise_multiplier=config.noise_multiplier,
-                           max_grad_norm=config.max_grad_norm, generator=generator,
+                           max_grad_norm=l2_sensitivity(config), generator=generator,
                            secure_rng=session.secure_rng)
         scale = session.normaliser
         return {name: grad.div_(scale) for name, grad in noised.items()}

@@ -1,0 +1,130 @@
+"""Sessions and their store: ownership, versions, budget, seeds, expiry and parameter memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from psg_client._proto import gradient_service_pb2 as pb
+from psg_core.errors import BudgetExhaustedError
+from psg_server.config import ServerConfig
+from psg_server.errors import (LimitExceededError, ParametersMissingError, SessionNotFoundError,
+                               StaleParametersError)
+from psg_server.executor import ParameterSet
+from psg_server.models import default_registry
+from psg_server.sessions import Session, SessionStore, open_session
+
+REGISTRY = default_registry()
+
+
+def make(owner: str = "alice", **dp: object) -> Session:
+    request = pb.CreateSessionRequest(model="mlp", model_kwargs_json='{"in_features": 2, "hidden": [], "num_classes": 2}',
+                                      loss="cross_entropy", expected_batch_size=4,
+                                      dp=pb.DPSettings(max_grad_norm=1.0, **dp))  # type: ignore[arg-type]
+    return open_session(request, owner=owner, registry=REGISTRY, config=ServerConfig())
+
+
+def params(version: int, size: int = 2) -> ParameterSet:
+    return ParameterSet(version=version, tensors={"0.weight": torch.zeros(2, size), "0.bias": torch.zeros(2)})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_sessions_belong_to_their_owner() -> None:
+    store = SessionStore(max_sessions=4, idle_seconds=10, parameter_memory_bytes=1 << 20)
+    session = make("alice")
+    store.add(session)
+    assert store.get(session.id, "alice") is session
+    with pytest.raises(SessionNotFoundError):
+        store.get(session.id, "bob")
+    with pytest.raises(SessionNotFoundError):
+        store.remove(session.id, "bob")
+    assert store.remove(session.id, "alice") is session and len(store) == 0
+
+
+def test_versions_stale_and_missing() -> None:
+    store = SessionStore(max_sessions=4, idle_seconds=10, parameter_memory_bytes=1 << 20)
+    session = make()
+    store.add(session)
+    with pytest.raises(ParametersMissingError):
+        session.parameters_for(0)
+    store.store_parameters(session, params(3))
+    assert session.parameters_for(3).version == 3
+    with pytest.raises(StaleParametersError, match="version 2 is stale; session .* is at version 3"):
+        session.parameters_for(2)
+    with pytest.raises(ParametersMissingError):
+        session.parameters_for(4)
+
+
+def test_parameter_memory_drops_least_recently_used_sets() -> None:
+    clock = Clock()
+    size = params(1).num_bytes
+    store = SessionStore(max_sessions=4, idle_seconds=100, parameter_memory_bytes=2 * size, clock=clock)
+    sessions = [make() for _ in range(3)]
+    for index, session in enumerate(sessions):
+        clock.now = index
+        store.add(session)
+    store.store_parameters(sessions[0], params(1))
+    store.store_parameters(sessions[1], params(1))
+    clock.now = 5
+    store.get(sessions[0].id, "alice")  # touched: sessions[1] is now the least recently used
+    store.store_parameters(sessions[2], params(1))
+    assert [s.parameters is not None for s in sessions] == [True, False, True]
+    assert sessions[1].latest_version == 1  # it knows what it lost
+    with pytest.raises(LimitExceededError, match="exceed the server's parameter memory"):
+        store.store_parameters(sessions[0], params(2, size=1000))
+
+
+def test_idle_sessions_expire_and_the_store_has_a_limit() -> None:
+    clock = Clock()
+    store = SessionStore(max_sessions=2, idle_seconds=10, parameter_memory_bytes=1 << 20, clock=clock)
+    old, new = make(), make()
+    store.add(old)
+    clock.now = 8
+    store.add(new)
+    with pytest.raises(LimitExceededError, match="already holds 2 sessions"):
+        store.add(make())
+    clock.now = 12
+    assert store.expire_idle() == [old] and len(store) == 1
+
+
+def test_noise_seeds_depend_on_session_seed_and_step() -> None:
+    a, b = make(), make()
+    a.seed = b.seed = 42
+    assert a.noise_seed(None) == b.noise_seed(None) == a.noise_seed(1)
+    assert a.noise_seed(1) != a.noise_seed(2)
+    b.seed = 43
+    assert a.noise_seed(5) != b.noise_seed(5)
+    assert 0 <= a.noise_seed(2**64 - 1) < 2**63
+
+
+def test_budget_is_checked_before_and_recorded_after_a_step() -> None:
+    request = pb.CreateSessionRequest(model="mlp", loss="cross_entropy", expected_batch_size=4,
+                                      dp=pb.DPSettings(max_grad_norm=1.0, noise_multiplier=3.0),
+                                      privacy=pb.PrivacySettings(accountant="rdp", sample_rate=0.5, delta=1e-5,
+                                                                 target_epsilon=2.0))
+    session = open_session(request, owner="a", registry=REGISTRY, config=ServerConfig())
+    spent = []
+    with pytest.raises(BudgetExhaustedError):
+        for _ in range(10):
+            session.check_budget()
+            session.record_step()
+            spent.append(session.epsilon_spent)
+    assert len(spent) == 5 and spent == sorted(spent) and spent[-1] <= 2.0
+    assert session.budget_left == pytest.approx(2.0 - spent[-1])
+    free = make()
+    free.check_budget()
+    assert free.record_step() == 1 and math.isinf(free.epsilon_spent) and math.isinf(free.budget_left)
+
+
+def test_mean_reduction_normalises_by_the_expected_batch_size() -> None:
+    assert make().normaliser == 4.0
+    assert make(loss_reduction="sum").normaliser == 1.0
