@@ -7,8 +7,12 @@ steps ran with each ``(sigma, q)`` and converts it to epsilon at a given delta, 
 add-or-remove-one neighbouring relation, with one of two methods:
 
 * ``"pld"`` (default): privacy loss distributions (Koskela et al., 2020; Doroshenko et al., 2022),
-  a numerically tight pessimistic bound.
+  a numerically tight pessimistic bound. Both methods give valid upper bounds on the true epsilon,
+  so ``"pld"`` reports the smaller of the two (in practice the PLD value).
 * ``"rdp"``: Renyi DP (Mironov, 2017; Mironov et al., 2019), looser but nearly free to evaluate.
+
+Budget checks use that order: a step the RDP bound already certifies needs no PLD evaluation, so
+only the last steps before the budget runs out pay for the (slower) PLD.
 
 The ledger is a multiset, so epsilon is computed from scratch on demand (composition is
 commutative); a step with ``noise_multiplier = 0`` is not private and makes epsilon infinite.
@@ -129,7 +133,7 @@ def _epsilon(method: AccountingMethod, ledger: _Ledger, delta: float, discretisa
     composed = pld_lib.identity(value_discretization_interval=discretisation)
     for mechanism, count in ledger:
         composed = composed.compose(_pld_per_step(*mechanism, discretisation).self_compose(count))
-    return float(composed.get_epsilon_for_delta(delta))
+    return min(rdp_epsilon, float(composed.get_epsilon_for_delta(delta)))
 
 
 def _largest_within(epsilon_at: Callable[[int], float], target: float, *, guess: int, limit: int) -> int:
@@ -216,9 +220,11 @@ class PrivacyAccountant:
         self._discretisation = float(interval)
         self._counts: dict[tuple[float, float], int] = {}
         self._last: tuple[float, float] | None = None
-        # (other entries, mechanism, target_epsilon, delta, limit) -> largest total count.
-        self._caps: dict[tuple[_Ledger, tuple[float, float], float, float, int], int] = {}
-        self._epsilons: dict[tuple[_Ledger, float], float] = {}
+        # (method, other entries, mechanism, target_epsilon, delta) -> (largest total count of the
+        # mechanism within the budget, the bound the search stopped at); exact when cap < bound.
+        self._caps: dict[tuple[AccountingMethod, _Ledger, tuple[float, float], float, float],
+                         tuple[int, int]] = {}
+        self._epsilons: dict[tuple[AccountingMethod, _Ledger, float], float] = {}
         self._lock = threading.RLock()
 
     # -- read-only views -------------------------------------------------------------------
@@ -265,12 +271,13 @@ class PrivacyAccountant:
             counts[extra] = counts.get(extra, 0) + extra_count
         return tuple(sorted(counts.items()))
 
-    def _epsilon_of(self, ledger: _Ledger, delta: float) -> float:
-        key = (ledger, delta)
+    def _epsilon_of(self, ledger: _Ledger, delta: float, method: AccountingMethod | None = None) -> float:
+        method = self._method if method is None else method
+        key = (method, ledger, delta)
         if key not in self._epsilons:
             if len(self._epsilons) > 256:
                 self._epsilons.clear()
-            self._epsilons[key] = _epsilon(self._method, ledger, delta, self._discretisation)
+            self._epsilons[key] = _epsilon(method, ledger, delta, self._discretisation)
         return self._epsilons[key]
 
     def epsilon(self, delta: float | None = None) -> float:
@@ -291,33 +298,35 @@ class PrivacyAccountant:
             return self._target_delta
         return _check_delta(delta, where=where)
 
-    def _max_total(self, mechanism: tuple[float, float], target_epsilon: float, delta: float,
-                   limit: int) -> int:
-        """Largest total count of ``mechanism`` (others as recorded) within the budget, capped at
-        ``limit`` above the current count; -1 when the other entries alone exceed it."""
+    def _max_total(self, mechanism: tuple[float, float], target_epsilon: float, delta: float, limit: int,
+                   method: AccountingMethod) -> int:
+        """Largest total count of ``mechanism`` (others as recorded) with ``method``'s epsilon
+        within the budget, capped at ``limit`` above the current count; -1 when the other entries
+        alone exceed it."""
         others = tuple(sorted((m, c) for m, c in self._counts.items() if m != mechanism))
         current = self._counts.get(mechanism, 0)
-        key = (others, mechanism, target_epsilon, delta, current + limit)
+        bound = current + limit
+        key = (method, others, mechanism, target_epsilon, delta)
         if key in self._caps:
-            return self._caps[key]
+            cap, searched = self._caps[key]
+            if cap < searched or searched >= bound:
+                return min(cap, bound)
         if mechanism[0] == 0.0:
-            cap = 0 if self._epsilon_of(others, delta) <= target_epsilon else -1
+            cap = 0 if self._epsilon_of(others, delta, method) <= target_epsilon else -1
         else:
             def epsilon_at(total: int) -> float:
-                return self._epsilon_of(tuple(sorted(others + ((mechanism, total),))), delta)
+                return self._epsilon_of(tuple(sorted(others + ((mechanism, total),))), delta, method)
 
             guess = max(current, 1)
-            if self._method is AccountingMethod.PLD:
-                # RDP is looser, so its answer is a cheap lower bracket for the PLD search.
-                guess = max(guess, _largest_within(
-                    lambda total: _epsilon(AccountingMethod.RDP,
-                                           tuple(sorted(others + ((mechanism, total),))), delta,
-                                           self._discretisation),
-                    target_epsilon, guess=guess, limit=current + limit))
-            cap = _largest_within(epsilon_at, target_epsilon, guess=guess, limit=current + limit)
+            if method is AccountingMethod.PLD:
+                # The PLD-method epsilon is at most the RDP one, so the RDP answer is a cheap
+                # lower bracket.
+                guess = max(guess, self._max_total(mechanism, target_epsilon, delta, limit,
+                                                   AccountingMethod.RDP))
+            cap = _largest_within(epsilon_at, target_epsilon, guess=guess, limit=bound)
         if len(self._caps) > 64:
             self._caps.clear()
-        self._caps[key] = cap
+        self._caps[key] = (cap, bound)
         return cap
 
     def steps_within_budget(self, target_epsilon: float | None = None, delta: float | None = None, *,
@@ -351,7 +360,7 @@ class PrivacyAccountant:
                 mechanism = _check_mechanism(noise_multiplier, sample_rate, where=where)
             if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
                 raise ConfigError(f"{where}: max_steps must be an int >= 1, got {max_steps!r}")
-            cap = self._max_total(mechanism, target, delta, max_steps)
+            cap = self._max_total(mechanism, target, delta, max_steps, self._method)
             return max(0, cap - self._counts.get(mechanism, 0))
 
     def check_step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
@@ -363,15 +372,17 @@ class PrivacyAccountant:
         if self._target_epsilon is None or self._target_delta is None:
             return
         with self._lock:
-            current = self._counts.get(mechanism, 0)
-            allowed = self._max_total(mechanism, self._target_epsilon, self._target_delta,
-                                      MAX_STEPS_SEARCHED)
-            if current + num_steps <= allowed:
+            target, delta = self._target_epsilon, self._target_delta
+            requested = self._counts.get(mechanism, 0) + num_steps
+            # Cheapest certificate first: within the RDP budget means within the PLD one too.
+            methods = [AccountingMethod.RDP] if self._method is AccountingMethod.RDP else \
+                [AccountingMethod.RDP, AccountingMethod.PLD]
+            if any(requested <= self._max_total(mechanism, target, delta, MAX_STEPS_SEARCHED, method)
+                   for method in methods):
                 return
-            # The search stops at MAX_STEPS_SEARCHED: beyond it, evaluate the step directly.
-            reached_limit = allowed == current + MAX_STEPS_SEARCHED
-            after = self._epsilon_of(self._ledger(mechanism, num_steps), self._target_delta)
-            if reached_limit and after <= self._target_epsilon:
+            # Caps stop MAX_STEPS_SEARCHED above the current count; evaluate past them directly.
+            after = self._epsilon_of(self._ledger(mechanism, num_steps), delta)
+            if after <= target:
                 return
             raise BudgetExhaustedError(
                 f"{where}: {num_steps} step(s) with noise_multiplier={mechanism[0]}, "

@@ -90,7 +90,7 @@ def _per_layer_bounds(names: Sequence[str], max_grad_norm: float,
 
 def _weighted_sum(factors: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``sum_n factors[n] * grad[n]`` without materialising the scaled (N, ...) tensor."""
-    flat = grad.reshape(grad.shape[0], -1)  # (N, numel)
+    flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))  # (N, numel)
     summed = factors.to(flat.dtype) @ flat  # (numel,)
     return summed.reshape(grad.shape[1:])
 
@@ -132,9 +132,9 @@ def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float
     norm_dtype = _norm_dtype(g.dtype for g in per_sample.values())
 
     layer_norms = torch.stack([
-        torch.linalg.vector_norm(per_sample[name].reshape(num_samples, -1), dim=1, dtype=norm_dtype)
-        for name in names], dim=1) if num_samples else \
-        torch.zeros(0, len(names), dtype=norm_dtype, device=first.device)  # (N, P)
+        torch.linalg.vector_norm(per_sample[name].reshape(num_samples, math.prod(per_sample[name].shape[1:])),
+                                 dim=1, dtype=norm_dtype)
+        for name in names], dim=1)  # (N, P)
     norms = torch.linalg.vector_norm(layer_norms, dim=1)  # (N,)
 
     if rule is Clipping.PER_LAYER:
