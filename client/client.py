@@ -276,17 +276,20 @@ class Session:
         except ServiceError as error:
             if error.reason != "PARAMETERS_MISSING" or self._pushed is None:
                 raise
-        logger.warning("psg client: the server lost the parameters of session %s; pushing them again", self.id)
+        logger.warning("psg client: the server lost the parameters of session %s; pushing them again",
+                       self.id)
         self.push_parameters(self._pushed)
         return self._compute(inputs, targets, step_seed)
 
     def info(self) -> pb.SessionInfo:
         """Steps, epsilon spent and budget left."""
-        return self._client.call(lambda stub, kw: stub.GetSession(pb.GetSessionRequest(session_id=self.id), **kw))
+        request = pb.GetSessionRequest(session_id=self.id)
+        return self._client.call(lambda stub, kw: stub.GetSession(request, **kw))
 
     def close(self) -> None:
         """Releases the session on the server."""
-        self._client.call(lambda stub, kw: stub.CloseSession(pb.CloseSessionRequest(session_id=self.id), **kw))
+        request = pb.CloseSessionRequest(session_id=self.id)
+        self._client.call(lambda stub, kw: stub.CloseSession(request, **kw))
 
     def __enter__(self) -> Session:
         return self
@@ -305,9 +308,10 @@ class Session:
         client = self._client
 
         def invoke(stub: Any, kw: dict[str, Any]) -> GradientResult:
-            frames = _frames(pb.ComputeGradientsRequest, encode_tensors(named, chunk_bytes=client.chunk_bytes))
-            return _read_result(stub.ComputeGradients(_prepend(pb.ComputeGradientsRequest(header=header), frames),
-                                                      **kw), client.limits)
+            tensors = encode_tensors(named, chunk_bytes=client.chunk_bytes)
+            frames = _frames(pb.ComputeGradientsRequest, tensors)
+            requests = _prepend(pb.ComputeGradientsRequest(header=header), frames)
+            return _read_result(stub.ComputeGradients(requests, **kw), client.limits)
 
         return client.call(invoke)
 

@@ -222,7 +222,8 @@ class TensorDecoder:
                              f"supported: {', '.join(DTYPES)}")
         shape = tuple(int(d) for d in header.shape)
         if len(shape) > _MAX_DIMS or any(d < 0 for d in shape):
-            raise CodecError(f"TensorDecoder: tensor {name!r} has invalid shape {list(shape)[:_MAX_DIMS + 1]}")
+            raise CodecError(f"TensorDecoder: tensor {name!r} has invalid shape "
+                             f"{list(shape)[:_MAX_DIMS + 1]}")
         expected = math.prod(shape) * dtype.itemsize  # Python ints: no overflow however large the shape
         if header.num_bytes != expected:
             raise CodecError(f"TensorDecoder: tensor {name!r} declares {header.num_bytes} bytes but "

@@ -21,7 +21,6 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -56,7 +55,8 @@ class SessionSpec:
     @property
     def model_kwargs(self) -> dict[str, Any]:
         """The kwargs, decoded (lists become tuples, as builders annotate them)."""
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(self.model_kwargs_json).items()}
+        decoded = json.loads(self.model_kwargs_json)
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in decoded.items()}
 
 
 @dataclass(frozen=True)
@@ -160,14 +160,13 @@ class ShardRunner:
             model = self._registry.build(spec.model, spec.model_kwargs, device=self.device)
             model.train()
             cached = (spec, -1, model, get_loss(spec.loss).build())
-        spec_, version, model, loss = cached
-        if version != parameters.version:
+        _, loaded_version, model, loss = cached
+        if loaded_version != parameters.version:
             named = dict(model.named_parameters())
             with torch.no_grad():
                 for name, tensor in parameters.tensors.items():
                     named[name].copy_(tensor, non_blocking=True)
-            version = parameters.version
-        self._cache[spec.session_id] = (spec_, version, model, loss)
+        self._cache[spec.session_id] = (spec, parameters.version, model, loss)
         return model, loss
 
 
@@ -200,7 +199,6 @@ class InProcessExecutor:
         self._num_workers = num_workers
         self._device = device
         self._workers: list[_Worker] = []
-        self._lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
@@ -225,9 +223,9 @@ class InProcessExecutor:
         if not workers:
             raise NoWorkersError("ComputeGradients: the executor has no workers (not started or closed)")
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(workers[i % len(workers)].pool, workers[i % len(workers)].runner.run_shard,
-                                        spec, parameters, shard)
-                   for i, shard in enumerate(shards)]
+        assigned = [(workers[i % len(workers)], shard) for i, shard in enumerate(shards)]
+        futures = [loop.run_in_executor(worker.pool, worker.runner.run_shard, spec, parameters, shard)
+                   for worker, shard in assigned]
         try:
             return list(await asyncio.gather(*futures))
         except BaseException:

@@ -192,7 +192,8 @@ class ModelRegistry:
             replace: allow replacing an existing name.
         """
         if not name or not name.replace("_", "").isalnum():
-            raise ConfigError(f"ModelRegistry.register: model names are letters, digits and '_', got {name!r}")
+            raise ConfigError(f"ModelRegistry.register: model names are letters, digits and '_', "
+                              f"got {name!r}")
         if name in self._entries and not replace:
             raise ConfigError(f"ModelRegistry.register: model {name!r} is already registered "
                               f"(by {self._entries[name].origin}); pass replace=True")
@@ -267,7 +268,8 @@ class ModelRegistry:
             with torch.device(device):
                 return entry.builder(**kwargs)
         except (ValueError, TypeError) as err:  # includes psg's ConfigError
-            raise InvalidRequestError(f"CreateSession: model {name!r} rejected its arguments: {err}") from None
+            raise InvalidRequestError(f"CreateSession: model {name!r} rejected its arguments: "
+                                      f"{err}") from None
 
     def describe(self, name: str, kwargs: Mapping[str, Any], *, max_bytes: int) -> list[ParameterInfo]:
         """Parameters of the model (built on the meta device, so nothing is allocated).

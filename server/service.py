@@ -70,17 +70,20 @@ class GradientServicer:
                                              max_total_bytes=config.max_request_bytes, max_tensors=1 << 16,
                                              max_chunk_bytes=config.max_message_bytes)
 
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: aio.ServicerContext) -> pb.ServerInfo:
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: aio.ServicerContext) -> pb.ServerInfo:
         self._auth.principal_of(context)
         config = self._config
         limits = pb.Limits(max_batch_rows=config.max_batch_rows, max_message_bytes=config.max_message_bytes,
-                           max_tensor_bytes=config.max_tensor_bytes, max_request_bytes=config.max_request_bytes,
-                           chunk_bytes=config.chunk_bytes, max_model_bytes=config.max_model_bytes)
+                           max_tensor_bytes=config.max_tensor_bytes,
+                           max_request_bytes=config.max_request_bytes, chunk_bytes=config.chunk_bytes,
+                           max_model_bytes=config.max_model_bytes)
+        workers = [pb.WorkerInfo(id=w.id, device=w.device) for w in self._executor.workers()]
         return pb.ServerInfo(version=psg_core.__version__, backends=[m.value for m in GradSampleMode],
-                             workers=[pb.WorkerInfo(id=w.id, device=w.device) for w in self._executor.workers()],
-                             limits=limits, losses=sorted(LOSSES))
+                             workers=workers, limits=limits, losses=sorted(LOSSES))
 
-    async def ListModels(self, request: pb.ListModelsRequest, context: aio.ServicerContext) -> pb.ListModelsResponse:
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: aio.ServicerContext) -> pb.ListModelsResponse:
         self._auth.principal_of(context)
         return pb.ListModelsResponse(models=[_model_info(entry) for entry in self._registry.entries()])
 
@@ -93,7 +96,8 @@ class GradientServicer:
         self._metrics.sessions.set(len(self._store))
         logger.info("session %s opened by %s: model %s, %s", session.id, owner, request.model,
                     session.dp_config)
-        return pb.CreateSessionResponse(session_id=session.id, parameters=parameter_specs(session.parameter_info))
+        return pb.CreateSessionResponse(session_id=session.id,
+                                        parameters=parameter_specs(session.parameter_info))
 
     async def PushParameters(self, requests: AsyncIterator[pb.PushParametersRequest],
                              context: aio.ServicerContext) -> pb.PushParametersResponse:
@@ -107,7 +111,8 @@ class GradientServicer:
     async def ComputeGradients(self, requests: AsyncIterator[pb.ComputeGradientsRequest],
                                context: aio.ServicerContext) -> AsyncIterator[pb.ComputeGradientsResponse]:
         owner = self._auth.principal_of(context)
-        async for message in self._steps.compute(requests, owner=owner, time_remaining=context.time_remaining):
+        async for message in self._steps.compute(requests, owner=owner,
+                                                 time_remaining=context.time_remaining):
             yield message
 
     async def GetSession(self, request: pb.GetSessionRequest, context: aio.ServicerContext) -> pb.SessionInfo:
@@ -129,14 +134,16 @@ def _model_info(entry: ModelEntry) -> pb.ModelInfo:
     arguments = [pb.ModelArgument(name=a.name, type=a.type_name, required=a.required,
                                   default_json="" if a.required else json.dumps(a.default))
                  for a in entry.arguments]
-    return pb.ModelInfo(name=entry.name, description=entry.description, arguments=arguments, origin=entry.origin)
+    return pb.ModelInfo(name=entry.name, description=entry.description, arguments=arguments,
+                        origin=entry.origin)
 
 
 # --------------------------------------------------------------------------------------- wiring
 async def _abort(context: aio.ServicerContext, error: Exception, method: str, metrics: Metrics) -> None:
     status = translate(error, method=method)
     metrics.failures.labels(method=method, code=status.code.name).inc()
-    await context.abort(status.code, status.message, trailing_metadata=((REASON_METADATA_KEY, status.reason),))
+    await context.abort(status.code, status.message,
+                        trailing_metadata=((REASON_METADATA_KEY, status.reason),))
 
 
 async def _parsed(raw_requests: AsyncIterator[bytes], parse: Callable[[bytes], Any]) -> AsyncIterator[Any]:
@@ -236,7 +243,8 @@ async def create_server(config: ServerConfig, *, executor: ShardExecutor | None 
     """
     check_bind_allowed(config)
     registry = registry if registry is not None else default_registry(config.model_plugins)
-    executor = executor if executor is not None else InProcessExecutor(registry, num_workers=config.num_workers)
+    if executor is None:
+        executor = InProcessExecutor(registry, num_workers=config.num_workers)
     metrics = Metrics()
     authenticator = TokenAuthenticator(config.tokens)
     options = [("grpc.max_send_message_length", config.max_message_bytes),
@@ -249,8 +257,8 @@ async def create_server(config: ServerConfig, *, executor: ShardExecutor | None 
         SERVICE_NAME, _method_handlers(servicer, metrics)),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME), server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
     credentials = server_credentials(config)
     port = (server.add_secure_port(config.address, credentials) if credentials is not None
             else server.add_insecure_port(config.address))
@@ -262,8 +270,9 @@ async def create_server(config: ServerConfig, *, executor: ShardExecutor | None 
     if config.metrics_port is not None:
         metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
     for service in ("", SERVICE_NAME):
-        status = health_pb2.HealthCheckResponse.SERVING if executor.ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        await health.set(service, status)
-    logger.info("psg-server listening on %s:%d (%s, %s)", config.host, port, "TLS" if credentials else "plaintext",
-                "tokens" if authenticator.enabled else "no auth")
+        serving = health_pb2.HealthCheckResponse.SERVING if executor.ready else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        await health.set(service, serving)
+    logger.info("psg-server listening on %s:%d (%s, %s)", config.host, port,
+                "TLS" if credentials else "plaintext", "tokens" if authenticator.enabled else "no auth")
     return PsgServer(server, executor, metrics, health, metrics_port), port

@@ -158,10 +158,12 @@ def _privacy(request: pb.CreateSessionRequest, dp_config: DPConfig, default_acco
         raise InvalidRequestError(f"CreateSession: sample_rate must be in (0, 1], got {sample_rate!r}")
     target = settings.target_epsilon or None
     if target is not None and not (math.isfinite(target) and target > 0):
-        raise InvalidRequestError(f"CreateSession: target_epsilon must be a finite number > 0, got {target!r}")
+        raise InvalidRequestError(f"CreateSession: target_epsilon must be a finite number > 0, got "
+                                  f"{target!r}")
     noisy = dp_config.noise_multiplier > 0
     if target is not None and not noisy:
-        raise InvalidRequestError("CreateSession: a privacy budget (target_epsilon) needs noise_multiplier > 0")
+        raise InvalidRequestError("CreateSession: a privacy budget (target_epsilon) needs "
+                                  "noise_multiplier > 0")
     if noisy and not 0 < settings.delta < 1:
         raise InvalidRequestError(f"CreateSession: delta must be in (0, 1) when noise_multiplier > 0, got "
                                   f"{settings.delta!r}")
@@ -186,10 +188,10 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
     if not any(p.requires_grad for p in parameters):
         raise InvalidRequestError(f"CreateSession: model {request.model!r} has no trainable parameters")
     trainable = sum(p.requires_grad for p in parameters)
-    if dp_config.per_layer_max_grad_norms is not None and len(dp_config.per_layer_max_grad_norms) != trainable:
-        raise InvalidRequestError(f"CreateSession: per_layer_max_grad_norms has "
-                                  f"{len(dp_config.per_layer_max_grad_norms)} bounds for {trainable} "
-                                  "trainable parameters")
+    bounds = dp_config.per_layer_max_grad_norms
+    if bounds is not None and len(bounds) != trainable:
+        raise InvalidRequestError(f"CreateSession: per_layer_max_grad_norms has {len(bounds)} bounds for "
+                                  f"{trainable} trainable parameters")
     session_id = secrets.token_urlsafe(16)
     spec = SessionSpec(session_id=session_id, model=request.model,
                        model_kwargs_json=json.dumps(kwargs, sort_keys=True), loss=request.loss,

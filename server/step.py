@@ -164,7 +164,8 @@ class StepRunner:
                                    max_chunk_bytes=config.max_message_bytes)
 
     async def compute(self, requests: AsyncIterator[pb.ComputeGradientsRequest], *, owner: str,
-                      time_remaining: Callable[[], float | None]) -> AsyncIterator[pb.ComputeGradientsResponse]:
+                      time_remaining: Callable[[], float | None],
+                      ) -> AsyncIterator[pb.ComputeGradientsResponse]:
         """The whole RPC: consumes the request stream, yields the reply stream.
 
         ``time_remaining`` gives the seconds left before the client's deadline (None: no deadline).
@@ -175,7 +176,8 @@ class StepRunner:
             header = await read_header(requests, rpc="ComputeGradients")
             session = self._store.get(header.session_id, owner)
             session.parameters_for(header.param_version)  # fail before the batch is uploaded
-            decoder = TensorDecoder(self._limits, check_header=_rows_check(session, self._config.max_batch_rows))
+            check = _rows_check(session, self._config.max_batch_rows)
+            decoder = TensorDecoder(self._limits, check_header=check)
             tensors = await read_tensors(requests, decoder)
         with metrics.phase("validate"):
             batch = validate_batch(session, tensors)
@@ -185,15 +187,17 @@ class StepRunner:
             with metrics.phase("account"):
                 session.check_budget()
             with metrics.phase("compute"):
-                shards = split_shards(batch, augmentation_multiplicity=session.dp_config.augmentation_multiplicity,
-                                      batch_first=session.dp_config.batch_first,
-                                      num_shards=max(len(self._executor.workers()),
-                                                     math.ceil(batch.num_samples / self._config.max_shard_samples)))
+                num_shards = max(len(self._executor.workers()),
+                                 math.ceil(batch.num_samples / self._config.max_shard_samples))
+                config = session.dp_config
+                shards = split_shards(batch, augmentation_multiplicity=config.augmentation_multiplicity,
+                                      batch_first=config.batch_first, num_shards=num_shards)
                 remaining = time_remaining()
                 timeout = self._config.step_timeout_seconds if remaining is None else \
                     min(self._config.step_timeout_seconds, remaining)
                 try:
-                    results = await asyncio.wait_for(self._executor.run(session.spec, parameters, shards), timeout)
+                    results = await asyncio.wait_for(self._executor.run(session.spec, parameters, shards),
+                                                     timeout)
                 except asyncio.TimeoutError:
                     raise StepTimeoutError(f"ComputeGradients: the step took longer than {timeout:.3g} s; "
                                            "its shards were cancelled") from None
@@ -232,7 +236,8 @@ def _stats(session: Session, merged: DPGradient, *, step: int, version: int, sec
     samples = max(merged.num_samples, 1)
     return pb.StepStats(step=step, param_version=version, samples=merged.num_samples,
                         mean_loss=merged.loss_sum / samples,
-                        norm_quantiles=[pb.NormQuantile(quantile=q, value=v) for q, v in zip(NORM_QUANTILES, values)],
+                        norm_quantiles=[pb.NormQuantile(quantile=q, value=v)
+                                        for q, v in zip(NORM_QUANTILES, values)],
                         fraction_clipped=merged.num_clipped / samples, epsilon_spent=session.epsilon_spent,
                         budget_left=session.budget_left, server_seconds=seconds)
 

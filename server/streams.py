@@ -52,7 +52,8 @@ async def receive_parameters(requests: AsyncIterator[Any], session: Session, ver
     def check(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         info = expected.get(name)
         if info is None:
-            raise InvalidRequestError(f"PushParameters: model {session.spec.model!r} has no parameter {name!r}")
+            raise InvalidRequestError(f"PushParameters: model {session.spec.model!r} has no parameter "
+                                      f"{name!r}")
         if dtype != info.dtype or shape != info.shape:
             raise InvalidRequestError(f"PushParameters: parameter {name!r} must be {info.dtype} "
                                       f"{list(info.shape)}, got {dtype} {list(shape)}")

@@ -73,7 +73,8 @@ def test_unsupported_dtypes_are_refused_on_both_sides() -> None:
 
 
 @pytest.mark.parametrize("header, message", [
-    (TensorHeader(name="x", dtype="float32", shape=[3], num_bytes=11), "declares 11 bytes but float32\\[3\\] needs 12"),
+    (TensorHeader(name="x", dtype="float32", shape=[3], num_bytes=11),
+     "declares 11 bytes but float32\\[3\\] needs 12"),
     (TensorHeader(name="x", dtype="float32", shape=[-1, 4], num_bytes=0), "invalid shape"),
     (TensorHeader(name="", dtype="float32", shape=[1], num_bytes=4), "name must have"),
     (TensorHeader(name="x", dtype="float32", shape=[1] * 17, num_bytes=4), "invalid shape"),

@@ -102,7 +102,8 @@ def test_unknown_dtype(stub: pb_grpc.GradientServiceStub, session: Any) -> None:
 
 
 def test_shape_that_does_not_fit_the_model(alice: GradientClient, session: Any) -> None:
-    code, details, _ = status_of(lambda: session.compute_gradients(torch.randn(4, 5), torch.zeros(4, dtype=torch.long)))
+    targets = torch.zeros(4, dtype=torch.long)
+    code, details, _ = status_of(lambda: session.compute_gradients(torch.randn(4, 5), targets))
     assert code == Code.INVALID_ARGUMENT and "does not fit the model: expected ['rows', 6]" in details
     wrong = [(name, torch.zeros(3) if name == "0.bias" else tensor) for name, tensor in
              ((n, p.detach()) for n, p in build().named_parameters())]
@@ -225,7 +226,8 @@ def test_garbage_bytes_on_the_wire(server: BackgroundServer, method: str) -> Non
 
 
 @pytest.mark.parametrize("frames, message", [
-    ([TensorHeader(name="weights", dtype="float32", shape=[1], num_bytes=4), b"\x00" * 4], "unexpected tensor 'weights'"),
+    ([TensorHeader(name="weights", dtype="float32", shape=[1], num_bytes=4), b"\x00" * 4],
+     "unexpected tensor 'weights'"),
     ([TensorHeader(name="inputs/0", dtype="float32", shape=[2, 6], num_bytes=48), b"\x00" * 48],
      "the batch has no 'targets' tensor"),
     ([TensorHeader(name="targets", dtype="int64", shape=[2], num_bytes=16), b"\x00" * 16],

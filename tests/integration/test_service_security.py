@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +30,8 @@ FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0
 def serve(**overrides: Any) -> Iterator[BackgroundServer]:
     """A server on an ephemeral loopback port with ``ServerConfig(**overrides)``."""
     create_kwargs = {k: overrides.pop(k) for k in ("executor", "registry") if k in overrides}
-    with BackgroundServer(ServerConfig(port=overrides.pop("port", 0), **overrides), **create_kwargs) as server:
+    config = ServerConfig(port=overrides.pop("port", 0), **overrides)
+    with BackgroundServer(config, **create_kwargs) as server:
         yield server
 
 
@@ -44,16 +46,12 @@ def build(name: str = "mlp", kwargs: dict[str, Any] | None = None, *, seed: int 
     """The registry's model, with parameters drawn from ``seed``."""
     registry = default_registry()
     torch.manual_seed(seed)
-    return registry.build(name, registry.parse_kwargs(name, _json(kwargs if kwargs is not None else MLP_KWARGS)))
+    given = kwargs if kwargs is not None else MLP_KWARGS
+    return registry.build(name, registry.parse_kwargs(name, json.dumps(given)))
 
 
-def _json(kwargs: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(kwargs)
-
-
-def mlp_batch(rows: int, *, seed: int = 0, num_classes: int = 3, features: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+def mlp_batch(rows: int, *, seed: int = 0, num_classes: int = 3,
+              features: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     """Random inputs (rows, features) and class targets (rows,)."""
     generator = torch.Generator().manual_seed(seed)
     return (torch.randn(rows, features, generator=generator),

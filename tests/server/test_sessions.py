@@ -20,9 +20,9 @@ REGISTRY = default_registry()
 
 
 def make(owner: str = "alice", **dp: object) -> Session:
-    request = pb.CreateSessionRequest(model="mlp", model_kwargs_json='{"in_features": 2, "hidden": [], "num_classes": 2}',
-                                      loss="cross_entropy", expected_batch_size=4,
-                                      dp=pb.DPSettings(max_grad_norm=1.0, **dp))  # type: ignore[arg-type]
+    kwargs = '{"in_features": 2, "hidden": [], "num_classes": 2}'
+    request = pb.CreateSessionRequest(model="mlp", model_kwargs_json=kwargs, loss="cross_entropy",
+                                      expected_batch_size=4, dp=pb.DPSettings(max_grad_norm=1.0, **dp))  # type: ignore[arg-type]
     return open_session(request, owner=owner, registry=REGISTRY, config=ServerConfig())
 
 
