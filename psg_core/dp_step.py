@@ -14,6 +14,7 @@ from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import dp_gradient, l2_sensitivity
 from psg_core.errors import ConfigError
 from psg_core.losses import LossFn
+from psg_core.modes import LossReduction
 from psg_core.noise import add_noise
 
 __all__ = ["DPStep"]
@@ -24,10 +25,11 @@ class DPStep:
     optimizer can step on it; keeps its own privacy ledger.
 
     Each call runs :func:`psg_core.dp_gradient` (clipped sum), adds Gaussian noise of std
-    ``noise_multiplier * sensitivity`` once, divides by ``expected_batch_size`` (the fixed
-    normaliser that Poisson sampling calls for, not the realised batch size), overwrites ``p.grad``
-    of every trainable parameter, and records one step of ``(noise_multiplier, sample_rate)`` in
-    its accountant. With a budget, a step that would exceed it raises
+    ``noise_multiplier * sensitivity`` once, normalises, overwrites ``p.grad`` of every trainable
+    parameter, and records one step of ``(noise_multiplier, sample_rate)`` in its accountant.
+    Normalising is what the service does: with ``loss_reduction="mean"`` the noisy sum is divided
+    by ``expected_batch_size`` (the fixed normaliser Poisson sampling calls for, not the realised
+    batch size), the private analogue of a batch-mean gradient; with ``"sum"`` it is used as is. With a budget, a step that would exceed it raises
     :class:`~psg_core.errors.BudgetExhaustedError` before anything is computed.
 
     Args:
@@ -36,7 +38,7 @@ class DPStep:
         config: the :class:`~psg_core.config.DPConfig` (backend, K, clipping, noise_multiplier).
         sample_rate: q, each example's probability of joining a batch (see
             :class:`~psg_core.sampling.PoissonBatchSampler`).
-        expected_batch_size: ``q * dataset size``, the normaliser.
+        expected_batch_size: ``q * dataset size``, the normaliser under mean reduction.
         accountant: the ledger to record steps in; default a new PLD accountant without budget.
         generator: a seeded ``torch.Generator`` for the noise; None uses torch's global one.
         secure_rng: draw the noise from a CSPRNG-seeded generator per step.
@@ -93,9 +95,14 @@ class DPStep:
         noised = add_noise(result.grads, noise_multiplier=sigma, max_grad_norm=l2_sensitivity(self.config),
                            generator=self.generator, secure_rng=self.secure_rng)
         for name, param in trainable_parameters(self.model).items():
-            param.grad = (noised[name] / self.expected_batch_size).to(param.dtype)  # (*param.shape)
+            param.grad = (noised[name] / self.normaliser).to(param.dtype)  # (*param.shape)
         self.accountant.step(sigma, self.sample_rate)
         return result
+
+    @property
+    def normaliser(self) -> float:
+        """What the noisy sum is divided by: ``expected_batch_size`` under mean reduction, else 1."""
+        return self.expected_batch_size if self.config.loss_reduction is LossReduction.MEAN else 1.0
 
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far by this helper's accountant (see :meth:`PrivacyAccountant.epsilon`)."""

@@ -289,16 +289,20 @@ def test_dp_step_fills_grad_with_normalised_noisy_sum() -> None:
     assert step.epsilon(1e-5) > 0
 
 
-def test_dp_step_without_noise_is_the_clipped_mean_and_overwrites_grad() -> None:
+@pytest.mark.parametrize(("loss_reduction", "normaliser"), [("mean", 4.0), ("sum", 1.0)])
+def test_dp_step_without_noise_is_the_normalised_clipped_sum_and_overwrites_grad(
+        loss_reduction: str, normaliser: float) -> None:
     model = mlp()
     for p in model.parameters():
         p.grad = torch.full_like(p, 100.0)
     x, y = torch.randn(4, 4), torch.randn(4, 3)
-    config = DPConfig(max_grad_norm=0.2, clipping="automatic")
-    DPStep(model, loss_fn=nn.MSELoss(), config=config, sample_rate=0.5, expected_batch_size=4)(x, y)
+    config = DPConfig(max_grad_norm=0.2, clipping="automatic", loss_reduction=loss_reduction)
+    step = DPStep(model, loss_fn=nn.MSELoss(), config=config, sample_rate=0.5, expected_batch_size=4)
+    step(x, y)
+    assert step.normaliser == normaliser
     clean = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, clean.grads[name] / 4.0)
+        torch.testing.assert_close(p.grad, clean.grads[name] / normaliser)
 
 
 def test_dp_step_noise_uses_the_per_layer_sensitivity() -> None:
