@@ -11,10 +11,14 @@ torch.Size([5, 1, 3])
 
 from __future__ import annotations
 
+from psg_core.accounting import AccountingMethod, PrivacyAccountant
 from psg_core.api import per_sample_gradients
 from psg_core.backends.base import AbstractGradSampleModule
 from psg_core.backends.hooks import GradSampleModule
+from psg_core.clipping import ClipResult, clip_and_sum
 from psg_core.config import DPConfig, DPGradient
+from psg_core.dp import dp_gradient, l2_sensitivity
+from psg_core.dp_step import DPStep
 from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError,
                              GradAccumulationError, NonFiniteInputError, PsgError,
                              UnsupportedModuleError)
@@ -22,11 +26,23 @@ from psg_core.fix_model import fix_model
 from psg_core.grad_sample import GRAD_SAMPLERS, GradSamplerRegistry, register_grad_sampler
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
+from psg_core.noise import add_noise, secure_generator
+from psg_core.sampling import PoissonBatchSampler
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AbstractGradSampleModule",
+    "AccountingMethod",
+    "ClipResult",
+    "DPStep",
+    "PoissonBatchSampler",
+    "PrivacyAccountant",
+    "add_noise",
+    "clip_and_sum",
+    "dp_gradient",
+    "l2_sensitivity",
+    "secure_generator",
     "BatchLayoutError",
     "DPGRU",
     "DPLSTM",

@@ -8,6 +8,7 @@ frontend, after the shard results are merged, never per shard).
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from collections.abc import Mapping
 
@@ -15,7 +16,7 @@ import torch
 
 from psg_core.errors import ConfigError
 
-__all__ = ["add_noise", "secure_generator"]
+__all__ = ["add_noise", "secure_generator", "secure_normal"]
 
 
 def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
@@ -32,6 +33,30 @@ def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(secrets.randbits(64))
     return generator
+
+
+_MANTISSA = (1 << 53) - 1
+
+
+def secure_normal(shape: tuple[int, ...], *, std: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Gaussian noise drawn *directly* from the OS's CSPRNG (``os.urandom``), on the CPU.
+
+    Box-Muller on 53-bit uniforms: every value depends only on fresh OS randomness, so there is no
+    generator state to guess (unlike :func:`secure_generator`, whose stream is torch's PRNG).
+
+    >>> secure_normal((4, 2), std=1.0).shape
+    torch.Size([4, 2])
+    """
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pairs = (count + 1) // 2
+    raw = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64)  # (2*pairs,)
+    uniform = ((raw & _MANTISSA).to(torch.float64) + 1.0) * 2.0 ** -53  # (2*pairs,) in (0, 1]
+    radius = torch.sqrt(-2.0 * torch.log(uniform[0::2]))  # (pairs,)
+    angle = (2.0 * math.pi) * uniform[1::2]  # (pairs,)
+    normal = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), 1).reshape(-1)
+    return (normal[:count] * std).reshape(shape).to(dtype)
 
 
 def _check_number(value: object, *, what: str, positive: bool) -> float:
@@ -58,8 +83,8 @@ def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, max
         max_grad_norm: C > 0, the clipping bound the sum was computed with (its sensitivity).
         generator: a seeded ``torch.Generator`` (seed it per step for reproducible runs); None
             uses torch's global generator, unless ``secure_rng``.
-        secure_rng: draw from a generator seeded by the OS's CSPRNG for this call
-            (see :func:`secure_generator`); incompatible with ``generator``.
+        secure_rng: draw every noise value directly from the OS's CSPRNG (see
+            :func:`secure_normal`); incompatible with ``generator``.
 
     Returns:
         ``{name: noised tensor}`` with the same names, shapes, dtypes and devices.
@@ -83,18 +108,14 @@ def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, max
     if sigma == 0.0:
         return {name: grad.clone() for name, grad in grads.items()}
     std = sigma * clip
-    secure: dict[torch.device, torch.Generator] = {}
     out = {}
     for name, grad in grads.items():
         work_dtype = torch.promote_types(grad.dtype, torch.float32)
         if secure_rng:
-            if grad.device not in secure:
-                secure[grad.device] = secure_generator(grad.device)
-            gen: torch.Generator | None = secure[grad.device]
+            noise = secure_normal(tuple(grad.shape), std=std, dtype=work_dtype)  # (*shape)
         else:
-            gen = generator
-        noise_device = gen.device if gen is not None else grad.device
-        noise = torch.normal(0.0, std, size=tuple(grad.shape), generator=gen, dtype=work_dtype,
-                             device=noise_device)  # (*shape)
+            noise_device = generator.device if generator is not None else grad.device
+            noise = torch.normal(0.0, std, size=tuple(grad.shape), generator=generator,
+                                 dtype=work_dtype, device=noise_device)  # (*shape)
         out[name] = (grad.to(work_dtype) + noise.to(grad.device)).to(grad.dtype)
     return out

@@ -117,3 +117,17 @@ def test_validation_errors() -> None:
         add_noise(clean, noise_multiplier=1.0, max_grad_norm=1.0, generator=42)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"grads\['i'\] must be a floating tensor"):
         add_noise({"i": torch.zeros(3, dtype=torch.int64)}, noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_secure_normal_is_standard_normal() -> None:
+    from psg_core.noise import secure_normal
+
+    draw = secure_normal((200_001,), std=3.0)
+    assert draw.shape == (200_001,) and draw.dtype == torch.float64
+    assert abs(draw.std().item() - 3.0) < 5 * 3.0 / math.sqrt(2 * draw.numel())
+    assert abs(draw.mean().item()) < 5 * 3.0 / math.sqrt(draw.numel())
+    # tails of a Gaussian: about 4.55% beyond 2 sigma, 0.27% beyond 3 sigma.
+    beyond2 = (draw.abs() > 6.0).double().mean().item()
+    beyond3 = (draw.abs() > 9.0).double().mean().item()
+    assert abs(beyond2 - 0.0455) < 0.003 and abs(beyond3 - 0.0027) < 0.0008
+    assert secure_normal((0, 3), std=1.0).shape == (0, 3)
