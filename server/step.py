@@ -184,8 +184,8 @@ class StepRunner:
         step_seed = header.step_seed if header.HasField("step_seed") else None
         async with session.lock:
             parameters = session.parameters_for(header.param_version)
-            with metrics.phase("account"):
-                session.check_budget()
+            with metrics.phase("validate"):
+                session.check_budget()  # refuse before computing, not after
             with metrics.phase("compute"):
                 num_shards = max(len(self._executor.workers()),
                                  math.ceil(batch.num_samples / self._config.max_shard_samples))
@@ -229,15 +229,17 @@ class StepRunner:
         return {name: grad.div_(scale) for name, grad in noised.items()}
 
 
-def _stats(session: Session, merged: DPGradient, *, step: int, version: int, seconds: float) -> pb.StepStats:
+def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
+           seconds: float) -> pb.StepStats:
     norms = merged.per_sample_norms.detach().to(torch.float64).cpu()  # (N,)
-    levels = torch.tensor(NORM_QUANTILES, dtype=torch.float64)
-    values = torch.quantile(norms, levels).tolist() if norms.numel() else [math.nan] * len(NORM_QUANTILES)
+    levels = torch.tensor(NORM_QUANTILES, dtype=torch.float64)  # (Q,)
+    values = torch.quantile(norms, levels).tolist()  # validation guarantees N >= 1
     samples = max(merged.num_samples, 1)
     return pb.StepStats(step=step, param_version=version, samples=merged.num_samples,
                         mean_loss=merged.loss_sum / samples,
                         norm_quantiles=[pb.NormQuantile(quantile=q, value=v)
                                         for q, v in zip(NORM_QUANTILES, values)],
-                        fraction_clipped=merged.num_clipped / samples, epsilon_spent=session.epsilon_spent,
-                        budget_left=session.budget_left, server_seconds=seconds)
+                        fraction_clipped=merged.num_clipped / samples,
+                        epsilon_spent=session.epsilon_spent, budget_left=session.budget_left,
+                        server_seconds=seconds)
 
