@@ -430,3 +430,18 @@ def test_coverage_table(capsys: pytest.CaptureFixture[str]) -> None:
         in table
     rows = coverage_rows([nn.Conv2d])
     assert render_markdown(rows).splitlines()[2].startswith("| Conv2d | ✅ |")
+
+
+# ---------------------------------------------------------------------------------- benchmark
+def test_backends_benchmark_runs() -> None:
+    """Rot guard for benchmarks/backends.py: every mode runs on the tiny transformer (no timing
+    is checked; the benchmark only reports numbers)."""
+    from benchmarks.backends import MODES as BENCH_MODES
+    from benchmarks.backends import render, run_suite
+    from benchmarks.harness import RunOptions
+
+    rows = run_suite(RunOptions(size="tiny", isolate=False, measure_memory=False, warmup=0, repeats=1,
+                                multiplicities=(2,)))
+    assert [row["mode"] for row in rows] == list(BENCH_MODES)
+    assert all("error" not in row and row["median_s"] > 0 for row in rows), rows
+    assert render(rows).count("\n") == 2 + len(BENCH_MODES)
