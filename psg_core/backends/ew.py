@@ -350,9 +350,9 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
             scale = float(num_samples) if self.loss_reduction is LossReduction.MEAN else 1.0
             for name, alias in aliases.items():
                 per_row = _take_per_row(alias, padding_rows.get(name))  # (N*K, *shape)
-                if per_row is None:
+                param = params.get(name)
+                if per_row is None or param is None:  # unused, or frozen since the forward
                     continue
-                param = params[name]
                 # Per-row gradients are exact (reduction "sum"), so their sum is the batch gradient.
                 batch_grad = per_row.sum(0).to(param.dtype)
                 param.grad = batch_grad if param.grad is None else param.grad + batch_grad

@@ -71,6 +71,12 @@ def ghost_norm_layers() -> tuple[type[nn.Module], ...]:
     return (nn.Linear, nn.Embedding, *_CONV)
 
 
+def _is_ghost_layer(layer: nn.Module) -> bool:
+    """A ghost layer type whose forward is that type's own (a subclass with its own forward may
+    compute anything, so it goes through its grad sampler like any other layer)."""
+    return any(isinstance(layer, base) and type(layer).forward is base.forward for base in ghost_norm_layers())
+
+
 # ------------------------------------------------------------------------------ weight factors
 @dataclass
 class _Factors:
@@ -172,7 +178,7 @@ def _ghost_is_cheaper(layer: nn.Module, positions: int) -> bool:
 
 def _row_positions(layer: nn.Module, args: tuple[Any, ...], output: Any, batch_dim: int) -> int | None:
     """Rows of the ghost factors one input row contributes (sequence length, conv positions)."""
-    if not isinstance(layer, ghost_norm_layers()) or not args or not isinstance(args[0], torch.Tensor):
+    if not _is_ghost_layer(layer) or not args or not isinstance(args[0], torch.Tensor):
         return None
     x = args[0]
     if isinstance(layer, nn.Linear):
@@ -317,7 +323,7 @@ class _GhostPasses:
                 f"{_WHERE}: module {self._names[id(layer)]} was called with {rows} rows on its batch "
                 f"dimension {batch_dim}, but the batch has {self.rows} (N*K); the ghost backend needs every "
                 "layer with trainable parameters to see the batch's rows")
-        ghost_ok = isinstance(layer, ghost_norm_layers()) and custom is None and len(index) == 1
+        ghost_ok = _is_ghost_layer(layer) and custom is None and len(index) == 1
         call = _Call(layer, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
                      {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
                      batch_dim, custom is not None, index,
