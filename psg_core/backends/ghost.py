@@ -412,8 +412,8 @@ class _GhostPasses:
             self._owners_left[param] -= 1
             grad_sample = self._materialised.pop(param, None) if self._owners_left[param] == 0 else None
             if grad_sample is not None:
-                flat = grad_sample.reshape(self.num_samples, -1).to(self.norm_dtype)  # (N, numel)
-                self.sq_norms[param] += flat.pow(2).sum(1)
+                flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)
+                self.sq_norms[param] += torch.linalg.vector_norm(flat, dim=1, dtype=self.norm_dtype).square()
 
     def run_norm_pass(self, total_loss: torch.Tensor) -> None:
         """Pass 1: backprop ``total_loss`` through the hooked outputs only; graph kept for pass 2."""
