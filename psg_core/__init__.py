@@ -15,6 +15,7 @@ from psg_core.accounting import AccountingMethod, PrivacyAccountant
 from psg_core.api import per_sample_gradients
 from psg_core.backends.base import AbstractGradSampleModule
 from psg_core.backends.hooks import GradSampleModule
+from psg_core.backends.wrap import wrap_model
 from psg_core.clipping import ClipResult, clip_and_sum
 from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import dp_gradient, l2_sensitivity
@@ -43,6 +44,7 @@ __all__ = [
     "dp_gradient",
     "l2_sensitivity",
     "secure_generator",
+    "wrap_model",
     "BatchLayoutError",
     "DPGRU",
     "DPLSTM",

@@ -44,6 +44,9 @@ def _takes_k(fn: GradSampler) -> bool:
 class GradSamplerRegistry:
     """Maps layer types to grad samplers; lookup walks the class MRO.
 
+    A subclass inherits its base's sampler only while it keeps the base's ``forward``; one that
+    overrides ``forward`` needs its own registration (or the torch.func fallback).
+
     >>> registry = GradSamplerRegistry()
     >>> @registry.register(nn.Linear)
     ... def my_linear(layer, activations, backprops, K):
@@ -92,7 +95,9 @@ class GradSamplerRegistry:
         for klass in layer_type.__mro__:
             entry = self._entries.get(klass)
             if entry is not None:
-                return entry
+                # A subclass that computes something else than the registered layer must not
+                # inherit its sampler silently.
+                return entry if layer_type.forward is klass.forward else None
         return None
 
     def __contains__(self, layer: object) -> bool:

@@ -245,7 +245,12 @@ def test_registry_rules() -> None:
     class MyLinear(nn.Linear):
         pass
 
+    class ScaledLinear(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
     assert registry.lookup(MyLinear(2, 2)).fn is sampler  # MRO walk
+    assert registry.lookup(ScaledLinear(2, 2)) is None  # own forward: no inherited sampler
     assert registry.lookup(nn.Linear).k_aware
     assert registry.lookup(nn.Conv1d) is None
     with pytest.raises(ConfigError, match="already has a grad sampler"):
