@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import inspect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -220,15 +219,6 @@ class _LayerState:
     done: bool = False
 
 
-@functools.cache
-def _takes_kwargs(fn: Any) -> bool:
-    try:
-        param = inspect.signature(fn).parameters.get("kwargs")
-    except (TypeError, ValueError):
-        return False
-    return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
-
-
 def _earliest(edges: list[GradientEdge]) -> list[GradientEdge]:
     """The edges that no other edge's node lies below: asking autograd for their gradients makes
     it run through every hooked output (and compute no parameter gradient)."""
@@ -309,11 +299,9 @@ class _GhostPasses:
             return
         entry = GRAD_SAMPLERS.lookup(layer)
         batch_dim = self.batch_dim
-        if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or \
-                (entry is not None and getattr(entry.fn, "always_batch_first", False)):
+        if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or (entry is not None and entry.always_batch_first):
             batch_dim = 0
-        count_rows = getattr(entry.fn, "batch_rows", None) if entry is not None else None
-        custom = count_rows(layer, args, kwargs) if count_rows is not None else None
+        custom = entry.count_rows(layer, args, kwargs) if entry is not None else None
         rows = custom
         if rows is None:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -388,14 +376,7 @@ class _GhostPasses:
                     "first input's batch dimension; only its grad sampler can split them")
             with self._suspend():
                 return functorch_layer_grad_sample(layer, call.args, call.kwargs, grads, K, bd, self.rows)
-        activations = [a.movedim(bd, 0) if isinstance(a, torch.Tensor) and bd else a for a in call.args]
-        backprops = grads[0].movedim(bd, 0) if bd else grads[0]
-        if entry.k_aware:
-            if _takes_kwargs(entry.fn):
-                return entry.fn(layer, activations, backprops, K, kwargs=call.kwargs)
-            return entry.fn(layer, activations, backprops, K)
-        per_row = entry.fn(layer, activations, backprops)  # an Opacus-style sampler: (N*K, ...)
-        return {p: _fold_rows(g, K).sum(1) for p, g in per_row.items()}
+        return entry.compute(layer, call.args, call.kwargs, grads[0], K, bd)
 
     def finish_layer(self, layer: nn.Module) -> None:
         """All of a layer's calls are in (or pass 1 is over): turn what it holds into norms."""

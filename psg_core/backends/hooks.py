@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -24,25 +22,6 @@ from psg_core.modes import LossReduction
 __all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST"]
 
 logger = logging.getLogger(__name__)
-
-
-# A registered sampler function may describe how torch calls its layer, for torch layers that
-# cannot carry ALWAYS_BATCH_FIRST themselves:
-#   fn.always_batch_first = True: torch fixes the layer's batch at dim 0 (EmbeddingBag, GroupNorm).
-#   fn.batch_rows(layer, args, kwargs) -> int | None: the call's N*K rows when they are not the
-#       first tensor argument's batch size (EmbeddingBag with offsets: one row per bag).
-#   a keyword-only ``kwargs`` parameter: the sampler also receives the call's keyword arguments.
-_SAMPLER_BATCH_FIRST = "always_batch_first"
-_SAMPLER_ROWS = "batch_rows"
-
-
-@functools.cache
-def _takes_kwargs(fn: Any) -> bool:
-    try:
-        param = inspect.signature(fn).parameters.get("kwargs")
-    except (TypeError, ValueError):
-        return False
-    return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
 
 
 # Layers that mix samples within a batch, or fused layers whose kernels hooks cannot see into.
@@ -183,7 +162,7 @@ class GradSampleModule(AbstractGradSampleModule):
     def _layer_batch_dim(self, layer: nn.Module, entry: GradSamplerEntry | None) -> int:
         if getattr(type(layer), ALWAYS_BATCH_FIRST, False):
             return 0
-        if entry is not None and getattr(entry.fn, _SAMPLER_BATCH_FIRST, False):
+        if entry is not None and entry.always_batch_first:
             return 0
         return self.batch_dim
 
@@ -200,8 +179,7 @@ class GradSampleModule(AbstractGradSampleModule):
             return
         entry = GRAD_SAMPLERS.lookup(layer)
         batch_dim = self._layer_batch_dim(layer, entry)
-        count_rows = getattr(entry.fn, _SAMPLER_ROWS, None) if entry is not None else None
-        custom_rows = count_rows(layer, args, kwargs) if count_rows is not None else None
+        custom_rows = entry.count_rows(layer, args, kwargs) if entry is not None else None
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if custom_rows is None and (first is None or first.dim() <= batch_dim):
             raise UnsupportedModuleError(
@@ -238,7 +216,7 @@ class GradSampleModule(AbstractGradSampleModule):
                 grad_samples = functorch_layer_grad_sample(layer, args, kwargs, backprops, K,
                                                            batch_dim, rows)
         else:
-            grad_samples = self._run_sampler(entry, layer, args, kwargs, backprops[0], batch_dim)
+            grad_samples = entry.compute(layer, args, kwargs, backprops[0], K, batch_dim)
         n_samples = rows // K
         scale = float(n_samples) if self.loss_reduction is LossReduction.MEAN else 1.0
         for param, grad_sample in grad_samples.items():
@@ -247,22 +225,6 @@ class GradSampleModule(AbstractGradSampleModule):
             if scale != 1.0:
                 grad_sample = grad_sample * scale
             self._store(param, grad_sample, forward_id)
-
-    def _run_sampler(self, entry: GradSamplerEntry, layer: nn.Module, args: tuple[Any, ...],
-                     kwargs: dict[str, Any], backprops: torch.Tensor,
-                     batch_dim: int) -> dict[nn.Parameter, torch.Tensor]:
-        K = self.augmentation_multiplicity
-        activations = [a.movedim(batch_dim, 0) if isinstance(a, torch.Tensor) and batch_dim else a
-                       for a in args]
-        if batch_dim:
-            backprops = backprops.movedim(batch_dim, 0)
-        if entry.k_aware:
-            if _takes_kwargs(entry.fn):  # keyword arguments arrive as given, in the model's layout
-                return entry.fn(layer, activations, backprops, K, kwargs=kwargs)
-            return entry.fn(layer, activations, backprops, K)
-        # An Opacus-style sampler returns (N*K, ...) per row; fold it over the K copies.
-        per_row = entry.fn(layer, activations, backprops)
-        return {p: g.reshape(g.shape[0] // K, K, *g.shape[1:]).sum(1) for p, g in per_row.items()}
 
     def _store(self, param: nn.Parameter, grad_sample: torch.Tensor, forward_id: int) -> None:
         existing = getattr(param, "grad_sample", None)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,13 +22,58 @@ __all__ = ["GradSampler", "GradSamplerEntry", "GradSamplerRegistry", "GRAD_SAMPL
 GradSampler = Callable[..., dict[nn.Parameter, torch.Tensor]]
 
 
+@functools.cache
+def _takes_kwargs(fn: GradSampler) -> bool:
+    try:
+        param = inspect.signature(fn).parameters.get("kwargs")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
+
+
 @dataclass(frozen=True)
 class GradSamplerEntry:
-    """A registered sampler and whether it contracts over K itself."""
+    """A registered sampler and how to call it.
+
+    A sampler function may describe how torch calls its layer, through attributes set on it:
+
+    * ``fn.always_batch_first = True``: torch fixes the layer's batch at dim 0 whatever the model's
+      layout (convolutions, GroupNorm, EmbeddingBag).
+    * ``fn.batch_rows(layer, args, kwargs) -> int | None``: the call's N*K rows when they are not
+      the first tensor argument's batch size (EmbeddingBag with offsets: one row per bag).
+    * a keyword-only ``kwargs`` parameter: the sampler also receives the call's keyword arguments.
+    """
 
     fn: GradSampler
     k_aware: bool
     layer_type: type[nn.Module]
+
+    @property
+    def always_batch_first(self) -> bool:
+        """Whether the layer's batch is dim 0 whatever the model's layout."""
+        return bool(getattr(self.fn, "always_batch_first", False))
+
+    def count_rows(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+        """The call's N*K rows when the sampler defines them, else None."""
+        count = getattr(self.fn, "batch_rows", None)
+        return None if count is None else count(layer, args, kwargs)
+
+    def compute(self, layer: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
+                backprops: torch.Tensor, augmentation_multiplicity: int,
+                batch_dim: int) -> dict[nn.Parameter, torch.Tensor]:
+        """Runs the sampler on one call: moves the batch to dim 0 and folds per-row results over K."""
+        K = augmentation_multiplicity
+        activations = [a.movedim(batch_dim, 0) if isinstance(a, torch.Tensor) and batch_dim else a
+                       for a in args]
+        if batch_dim:
+            backprops = backprops.movedim(batch_dim, 0)
+        if self.k_aware:
+            if _takes_kwargs(self.fn):  # keyword arguments arrive as given, in the model's layout
+                return self.fn(layer, activations, backprops, K, kwargs=kwargs)
+            return self.fn(layer, activations, backprops, K)
+        # An Opacus-style sampler returns (N*K, ...) per row; fold it over the K copies.
+        per_row = self.fn(layer, activations, backprops)
+        return {p: g.reshape(g.shape[0] // K, K, *g.shape[1:]).sum(1) for p, g in per_row.items()}
 
 
 def _takes_k(fn: GradSampler) -> bool:
