@@ -25,7 +25,7 @@ import torch
 from psg_core.errors import ConfigError
 from psg_core.modes import Clipping, parse_enum
 
-__all__ = ["ClipResult", "clip_and_sum", "FLAT_EPSILON", "AUTOMATIC_STABILITY"]
+__all__ = ["ClipResult", "clip_and_sum", "clip_factors", "FLAT_EPSILON", "AUTOMATIC_STABILITY"]
 
 #: Added to the norm in the flat and per-layer factors so that a zero gradient gives factor 1.
 FLAT_EPSILON = 1e-6
@@ -95,6 +95,32 @@ def _weighted_sum(factors: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return summed.reshape(grad.shape[1:])
 
 
+def clip_factors(layer_norms: torch.Tensor, names: Sequence[str], *, max_grad_norm: float,
+                 clipping: Clipping, per_layer_max_grad_norms: Sequence[float] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The clipping rule applied to per-sample, per-parameter norms (shared by every backend).
+
+    Args:
+        layer_norms: ``(N, P)`` L2 norm of each sample's gradient of each parameter.
+        names: the P parameter names (for per-layer bounds and messages).
+
+    Returns:
+        ``(factors, norms, clipped)``: factors ``(N,)`` (``(N, P)`` for per_layer) to multiply each
+        sample's gradient by, total norms ``(N,)`` and a ``(N,)`` bool of the samples scaled down.
+    """
+    norms = torch.linalg.vector_norm(layer_norms, dim=1)  # (N,)
+    if clipping is Clipping.PER_LAYER:
+        bounds = torch.tensor(_per_layer_bounds(names, max_grad_norm, per_layer_max_grad_norms),
+                              dtype=layer_norms.dtype, device=layer_norms.device)  # (P,)
+        factors = (bounds / (layer_norms + FLAT_EPSILON)).clamp(max=1.0)  # (N, P)
+        return factors, norms, (layer_norms > bounds).any(dim=1)
+    if clipping is Clipping.FLAT:
+        factors = (max_grad_norm / (norms + FLAT_EPSILON)).clamp(max=1.0)  # (N,)
+        return factors, norms, norms > max_grad_norm
+    factors = max_grad_norm / (norms + AUTOMATIC_STABILITY)  # (N,)
+    return factors, norms, factors < 1.0
+
+
 def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float,
                  clipping: Clipping | str = Clipping.FLAT,
                  per_layer_max_grad_norms: Sequence[float] | None = None) -> ClipResult:
@@ -135,21 +161,11 @@ def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float
         torch.linalg.vector_norm(per_sample[name].reshape(num_samples, math.prod(per_sample[name].shape[1:])),
                                  dim=1, dtype=norm_dtype)
         for name in names], dim=1)  # (N, P)
-    norms = torch.linalg.vector_norm(layer_norms, dim=1)  # (N,)
-
+    factors, norms, clipped = clip_factors(layer_norms, names, max_grad_norm=float(max_grad_norm),
+                                           clipping=rule, per_layer_max_grad_norms=per_layer_max_grad_norms)
     if rule is Clipping.PER_LAYER:
-        bounds = torch.tensor(_per_layer_bounds(names, float(max_grad_norm), per_layer_max_grad_norms),
-                              dtype=norm_dtype, device=first.device)  # (P,)
-        factors = (bounds / (layer_norms + FLAT_EPSILON)).clamp(max=1.0)  # (N, P)
-        clipped = (layer_norms > bounds).any(dim=1)  # (N,)
         grads = {name: _weighted_sum(factors[:, i], per_sample[name]) for i, name in enumerate(names)}
     else:
-        if rule is Clipping.FLAT:
-            factors = (max_grad_norm / (norms + FLAT_EPSILON)).clamp(max=1.0)  # (N,)
-            clipped = norms > max_grad_norm  # (N,)
-        else:
-            factors = max_grad_norm / (norms + AUTOMATIC_STABILITY)  # (N,)
-            clipped = factors < 1.0  # (N,)
         grads = {name: _weighted_sum(factors, per_sample[name]) for name in names}
     return ClipResult(grads=grads, per_sample_norms=norms.to(torch.float32),
                       num_clipped=int(clipped.sum().item()), clip_factors=factors.to(torch.float32))

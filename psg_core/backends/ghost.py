@@ -49,7 +49,7 @@ from psg_core.api import as_inputs, batch_rows
 from psg_core.backends.base import AbstractGradSampleModule, check_rows, trainable_parameters
 from psg_core.backends.functorch import reject_batch_mixing
 from psg_core._layout import ALWAYS_BATCH_FIRST
-from psg_core.clipping import AUTOMATIC_STABILITY, FLAT_EPSILON
+from psg_core.clipping import clip_factors
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
 from psg_core.grad_sample.conv import conv_weight_factors
@@ -464,25 +464,14 @@ def _clip_factors(passes: _GhostPasses, params: dict[str, nn.Parameter], config:
     """Sets ``passes.factors`` from the norms; returns the ``(N,)`` total norms and the clip count."""
     names = list(params)
     layer_norms = torch.stack([passes.sq_norms[params[n]] for n in names], 1).sqrt()  # (N, P)
-    norms = layer_norms.pow(2).sum(1).sqrt()  # (N,)
-    C = config.max_grad_norm
+    factors, norms, clipped = clip_factors(layer_norms, names, max_grad_norm=config.max_grad_norm,
+                                           clipping=config.clipping,
+                                           per_layer_max_grad_norms=config.per_layer_max_grad_norms)
     if config.clipping is Clipping.PER_LAYER:
-        bounds_list = config.per_layer_max_grad_norms or (C / math.sqrt(len(names)),) * len(names)
-        if len(bounds_list) != len(names):
-            raise ConfigError(f"{_WHERE}: per_layer_max_grad_norms has {len(bounds_list)} bounds for "
-                              f"{len(names)} trainable parameters {names}")
-        bounds = torch.tensor(bounds_list, dtype=layer_norms.dtype, device=layer_norms.device)  # (P,)
-        factors = (bounds / (layer_norms + FLAT_EPSILON)).clamp(max=1.0)  # (N, P)
         passes.factors = {params[n]: factors[:, i] for i, n in enumerate(names)}
-        return norms, int((layer_norms > bounds).any(1).sum().item())
-    if config.clipping is Clipping.FLAT:
-        factor = (C / (norms + FLAT_EPSILON)).clamp(max=1.0)  # (N,)
-        clipped = int((norms > C).sum().item())
     else:
-        factor = C / (norms + AUTOMATIC_STABILITY)  # (N,)
-        clipped = int((factor < 1.0).sum().item())
-    passes.factors = {p: factor for p in params.values()}
-    return norms, clipped
+        passes.factors = {p: factors for p in params.values()}
+    return norms, int(clipped.sum().item())
 
 
 def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,
