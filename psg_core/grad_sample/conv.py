@@ -13,8 +13,15 @@ Both cases are expressed as a pair of factors (see :func:`conv_weight_factors`):
     patches:      (rows, G, I, L)    I = channels per group of the unfolded tensor * prod(kernel)
     output_grads: (rows, G, O, L)    O = channels per group of the other tensor
 
-and the per-sample gradient is one contraction over the K copies and the L positions. The ghost
-clipping backend reuses the same factors to get per-sample norms from Gram matrices over L.
+and the per-sample gradient of a transposed convolution is one contraction over the K copies and
+the L positions (the copies are folded next to the positions while the patches are copied out, so
+the contraction is a single batched matmul). The ghost clipping backend reuses the same factors to
+get per-sample norms from Gram matrices over L.
+
+An ``nn.ConvNd`` weight needs no unfolded patches: stacking the samples along channels turns the
+per-sample gradients into the weight gradient of one grouped convolution (``groups = N * G``)
+whose batch is the K copies, which torch's convolution backward computes directly, with the sum
+over copies built in and without im2col's ``prod(kernel_size)``-fold copy of the input.
 """
 
 from __future__ import annotations
@@ -90,14 +97,13 @@ def _pad(x: torch.Tensor, pairs: list[tuple[int, int]], padding_mode: str) -> to
     return F.pad(x, flat, mode=mode)
 
 
-def _im2col(padded: torch.Tensor, *, kernel_size: tuple[int, ...], stride: tuple[int, ...],
-            dilation: tuple[int, ...], groups: int, out_spatial: tuple[int, ...],
-            where: str) -> torch.Tensor:
-    """``(B, C, *P)`` already padded -> ``(B, G, C/G * prod(kernel), prod(out_spatial))``.
+def _windows(padded: torch.Tensor, *, kernel_size: tuple[int, ...], stride: tuple[int, ...],
+             dilation: tuple[int, ...], out_spatial: tuple[int, ...], where: str) -> torch.Tensor:
+    """``(B, C, *P)`` already padded -> ``(B, C, *kernel, *out_spatial)``: every patch, as a view.
 
-    One strided view of every patch, then one copy into matrix layout; works for any number of
-    spatial dims. ``out_spatial`` may be smaller than the number of positions that fit (a
-    transposed conv with ``output_padding`` only needs the first ones), never larger.
+    Works for any number of spatial dims. ``out_spatial`` may be smaller than the number of
+    positions that fit (a transposed conv with ``output_padding`` only needs the first ones),
+    never larger.
     """
     rows, channels, *padded_spatial = padded.shape
     for axis, (size, k, s, d, out) in enumerate(zip(padded_spatial, kernel_size, stride, dilation,
@@ -113,7 +119,39 @@ def _im2col(padded: torch.Tensor, *, kernel_size: tuple[int, ...], stride: tuple
     strides = (row_stride, channel_stride,
                *(st * d for st, d in zip(spatial_strides, dilation)),
                *(st * s for st, s in zip(spatial_strides, stride)))
-    windows = padded.as_strided(sizes, strides)  # (B, C, *kernel, *out_spatial), a view
+    return padded.as_strided(sizes, strides)  # (B, C, *kernel, *out_spatial)
+
+
+def _fold_windows(windows: torch.Tensor, *, groups: int, K: int) -> torch.Tensor:
+    """``(N*K, C, *kernel, *L)`` view -> ``(N, G, C/G * prod(kernel), K * prod(L))``, one copy.
+
+    The K copies of a sample land next to its positions, so that the per-sample contraction over
+    copies and positions is a single matrix product with no further copy.
+    """
+    rows, channels = windows.shape[:2]
+    spatial = (windows.dim() - 2) // 2
+    kernel, positions = windows.shape[2:2 + spatial], windows.shape[2 + spatial:]
+    split = windows.reshape(rows // K, K, groups, channels // groups, *kernel, *positions)  # view
+    # (N, K, G, C/G, *kernel, *L) -> (N, G, C/G, *kernel, K, *L)
+    order = (0, 2, 3, *range(4, 4 + spatial), 1, *range(4 + spatial, 4 + 2 * spatial))
+    return split.permute(order).reshape(rows // K, groups, channels // groups * math.prod(kernel),
+                                        K * math.prod(positions))  # (N, G, I, K*L)
+
+
+def _fold_other(other: torch.Tensor, *, groups: int, K: int) -> torch.Tensor:
+    """``(N*K, C, *L)`` -> ``(N, G, C/G, K * prod(L))`` (a view when K = 1)."""
+    rows, channels = other.shape[:2]
+    split = other.reshape(rows // K, K, groups, channels // groups, -1)  # (N, K, G, C/G, L)
+    return split.permute(0, 2, 3, 1, 4).reshape(rows // K, groups, channels // groups, -1)  # (N, G, O, K*L)
+
+
+def _im2col(padded: torch.Tensor, *, kernel_size: tuple[int, ...], stride: tuple[int, ...],
+            dilation: tuple[int, ...], groups: int, out_spatial: tuple[int, ...],
+            where: str) -> torch.Tensor:
+    """``(B, C, *P)`` already padded -> ``(B, G, C/G * prod(kernel), prod(out_spatial))``."""
+    windows = _windows(padded, kernel_size=kernel_size, stride=stride, dilation=dilation,
+                       out_spatial=out_spatial, where=where)  # (B, C, *kernel, *out_spatial), a view
+    rows, channels = windows.shape[:2]
     return windows.reshape(rows, groups, channels // groups * math.prod(kernel_size),
                            math.prod(out_spatial))  # (B, G, C/G*prod(k), L)
 
@@ -179,42 +217,91 @@ def conv_weight_factors(layer: _ConvLayer | _ConvTransposeLayer, activation: tor
     >>> factors.patches.shape, factors.output_grads.shape
     (torch.Size([3, 2, 9, 5]), torch.Size([3, 2, 2, 5]))
     """
+    windows, other = _factor_views(layer, activation, backprop)  # (B, C_w, *k, *L), (B, C_o, *L)
+    rows, groups = windows.shape[0], layer.groups
+    patches = windows.reshape(rows, groups, windows.shape[1] // groups * math.prod(layer.kernel_size),
+                              -1)  # (B, G, I, L)
+    return ConvFactors(patches, other.reshape(rows, groups, -1, patches.shape[-1]))  # (B, G, O, L)
+
+
+def _factor_views(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                  backprop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfolded factor as a strided view ``(B, C_w, *kernel, *L)`` and the other factor
+    ``(B, C_o, *L)`` (see :func:`conv_weight_factors`); no copy of the patches yet."""
     dims = _spatial_dims(layer)
     _check_batched("conv_weight_factors", layer, activation, dims, "input")
     _check_batched("conv_weight_factors", layer, backprop, dims, "output gradient")
-    rows, groups = activation.shape[0], layer.groups
     if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        patches = conv_unfold(layer, activation)  # (B, G, C_in/G*prod(k), L_out)
-        if patches.shape[-1] != math.prod(backprop.shape[2:]):
+        padded = _pad(activation, _padding_pairs(layer), layer.padding_mode)  # (B, C_in, *P)
+        out_spatial = _conv_out_spatial(layer, list(padded.shape[2:]))
+        if math.prod(out_spatial) != math.prod(backprop.shape[2:]):
             raise BatchLayoutError(
-                f"conv_weight_factors: {type(layer).__name__} unfolds to {patches.shape[-1]} "
+                f"conv_weight_factors: {type(layer).__name__} unfolds to {math.prod(out_spatial)} "
                 f"positions but its output gradient has spatial shape {tuple(backprop.shape[2:])}")
-        grads = backprop.reshape(rows, groups, -1, patches.shape[-1])  # (B, G, C_out/G, L_out)
-        return ConvFactors(patches, grads)
+        windows = _windows(padded, kernel_size=layer.kernel_size, stride=layer.stride,
+                           dilation=layer.dilation, out_spatial=out_spatial,
+                           where="conv_weight_factors")  # (B, C_in, *k, *L_out)
+        return windows, backprop
     if isinstance(layer, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
         if layer.padding_mode != "zeros":
             raise ConfigError(f"conv_weight_factors: {type(layer).__name__} only supports "
                               f"padding_mode='zeros', got {layer.padding_mode!r}")
         pairs = [(int(p), int(p)) for p in layer.padding]  # type: ignore[union-attr]
         padded = _pad(backprop, pairs, "zeros")  # (B, C_out, *P)
-        in_spatial = tuple(activation.shape[2:])
-        patches = _im2col(padded, kernel_size=layer.kernel_size, stride=layer.stride,
-                          dilation=layer.dilation, groups=groups, out_spatial=in_spatial,
-                          where="conv_weight_factors")  # (B, G, C_out/G*prod(k), L_in)
-        inputs = activation.reshape(rows, groups, -1, patches.shape[-1])  # (B, G, C_in/G, L_in)
-        return ConvFactors(patches, inputs)
+        windows = _windows(padded, kernel_size=layer.kernel_size, stride=layer.stride,
+                           dilation=layer.dilation, out_spatial=tuple(activation.shape[2:]),
+                           where="conv_weight_factors")  # (B, C_out, *k, *L_in)
+        return windows, activation
     raise ConfigError(f"conv_weight_factors: expected a convolution layer, got "
                       f"{type(layer).__qualname__}")
+
+
+def _conv_weight_by_grouped_conv(layer: _ConvLayer, activation: torch.Tensor, backprop: torch.Tensor,
+                                 K: int) -> torch.Tensor:
+    """``(N, *weight.shape)``: per-sample weight gradients of a convolution as one weight gradient
+    of a grouped convolution, summed over the K copies.
+
+    Sample n's gradient is the weight gradient of the same convolution applied to its K rows
+    alone. Stacking the N samples along channels (``groups = N * G``) and taking the K copies as
+    that convolution's batch, the weight gradient of the grouped convolution *is* the stack of
+    per-sample gradients, each already summed over its copies; torch's own convolution backward
+    computes it, without unfolding patches (im2col would hold ``prod(kernel_size)`` copies of the
+    input).
+    """
+    rows, channels_in = activation.shape[:2]
+    n_samples = rows // K
+    padded = _pad(activation, _padding_pairs(layer), layer.padding_mode)  # (N*K, C_in, *P)
+    spatial_in, spatial_out = padded.shape[2:], backprop.shape[2:]
+    # (N*K, C, *S) -> (K, N*C, *S): copies become the batch, samples become channel groups.
+    stacked_in = padded.reshape(n_samples, K, channels_in, *spatial_in).transpose(0, 1).reshape(
+        K, n_samples * channels_in, *spatial_in)  # (K, N*C_in, *P)
+    channels_out = backprop.shape[1]
+    stacked_out = backprop.reshape(n_samples, K, channels_out, *spatial_out).transpose(0, 1).reshape(
+        K, n_samples * channels_out, *spatial_out)  # (K, N*C_out, *L)
+    weight_shape = (n_samples * channels_out, *layer.weight.shape[1:])
+    # Only the weight's shape is read (no input gradient is asked for): a broadcast scalar will do.
+    weight = activation.new_empty(()).expand(weight_shape)
+    dims = _spatial_dims(layer)
+    _, grad, _ = torch.ops.aten.convolution_backward(
+        stacked_out, stacked_in, weight, None, list(layer.stride), [0] * dims, list(layer.dilation),
+        False, [0] * dims, n_samples * layer.groups, [False, True, False])  # (N*C_out, C_in/G, *k)
+    return grad.view(n_samples, *layer.weight.shape)  # (N, *weight)
 
 
 def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
                      backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
     out: dict[nn.Parameter, torch.Tensor] = {}
-    if wants_grad(layer.weight):
-        patches, other = conv_weight_factors(layer, activation, backprops)
-        patches = split_k(patches, K)  # (N, K, G, I, L)
-        other = split_k(other, K)  # (N, K, G, O, L)
-        grad = contract("nkgil,nkgol->ngoi", patches, other)  # (N, G, O, I)
+    if wants_grad(layer.weight) and isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        _check_batched("conv_grad_sample", layer, activation, _spatial_dims(layer), "input")
+        _check_batched("conv_grad_sample", layer, backprops, _spatial_dims(layer), "output gradient")
+        out[layer.weight] = _conv_weight_by_grouped_conv(layer, activation, backprops, K)  # (N, *weight)
+    elif wants_grad(layer.weight):
+        windows, other = _factor_views(layer, activation, backprops)  # (B, C_w, *k, *L), (B, C_o, *L)
+        # The K copies are folded next to the positions while the patches are copied out of the
+        # strided view, so the contraction over (copies, positions) is one batched matmul.
+        patches = _fold_windows(windows, groups=layer.groups, K=K)  # (N, G, I, K*L)
+        other = _fold_other(other, groups=layer.groups, K=K)  # (N, G, O, K*L)
+        grad = contract("ngoj,ngij->ngoi", other, patches)  # (N, G, O, I)
         out[layer.weight] = grad.reshape(grad.shape[0], *layer.weight.shape)  # (N, *weight)
     if wants_grad(layer.bias):
         g = split_k(backprops.flatten(2), K)  # (N, K, C_out, L_out)
@@ -228,8 +315,8 @@ def conv_grad_sample(layer: _ConvLayer, activations: list[torch.Tensor], backpro
     """Per-sample gradients of ``nn.Conv1d/2d/3d``, summed over each sample's K rows.
 
     Handles stride, dilation, groups (depthwise included), integer/tuple/``"same"``/``"valid"``
-    padding and every ``padding_mode``; the weight gradient is one contraction of the im2col
-    patches with the output gradient over the K copies and the output positions.
+    padding and every ``padding_mode``; the weight gradient is the weight gradient of one grouped
+    convolution over the samples (see the module docstring), summed over the K copies.
 
     >>> conv = nn.Conv2d(2, 3, 3, padding="same", padding_mode="reflect")
     >>> x = torch.randn(4, 2, 5, 5)  # N=2 samples, K=2 copies each

@@ -16,11 +16,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from opt_einsum import contract
 from torch import nn
 
 from psg_core.errors import UnsupportedModuleError
-from psg_core.grad_sample._utils import split_k, wants_grad
+from psg_core.grad_sample._utils import wants_grad
 from psg_core.grad_sample.registry import register_grad_sampler
 
 __all__ = ["layer_norm_grad_sample", "rms_norm_grad_sample", "group_norm_grad_sample",
@@ -32,15 +31,18 @@ def _trailing_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | Non
                            K: int) -> dict[nn.Parameter, torch.Tensor]:
     """Grads of an affine map over the trailing ``feature_shape`` dims (LayerNorm, RMSNorm)."""
     features = math.prod(feature_shape)
-    g = split_k(backprops, K)  # (N, K, *, *S)
-    n_samples = g.shape[0]
-    g = g.reshape(n_samples, K, -1, features)  # (N, K, T, P)
+    n_samples = backprops.shape[0] // K
+    rows_per_sample = K * (math.prod(backprops.shape[1:]) // features)  # K*T
+    g = backprops.reshape(n_samples, rows_per_sample, features)  # (N, K*T, P)
     out: dict[nn.Parameter, torch.Tensor] = {}
     if wants_grad(weight):
-        x = split_k(x_hat, K).reshape(n_samples, K, -1, features)  # (N, K, T, P)
-        out[weight] = contract("nktp,nktp->np", g, x).reshape(n_samples, *feature_shape)  # (N, *S)
+        # A product then a sum over the sample's K*T rows: an einsum contracting those rows keeps
+        # the feature axis as a batch axis and has to transpose both operands first.
+        weighted = backprops * x_hat  # (N*K, *, *S)
+        out[weight] = weighted.reshape(n_samples, rows_per_sample, features).sum(1).reshape(
+            n_samples, *feature_shape)  # (N, *S)
     if wants_grad(bias):
-        out[bias] = contract("nktp->np", g).reshape(n_samples, *feature_shape)  # (N, *S)
+        out[bias] = g.sum(1).reshape(n_samples, *feature_shape)  # (N, *S)
     return out
 
 
@@ -48,15 +50,16 @@ def _channel_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | None
                           x_hat: torch.Tensor, backprops: torch.Tensor,
                           K: int) -> dict[nn.Parameter, torch.Tensor]:
     """Grads of a per-channel affine map on ``(N*K, C, *)`` (GroupNorm, InstanceNorm)."""
-    g = split_k(backprops, K)  # (N, K, C, *)
-    n_samples, channels = g.shape[0], g.shape[2]
-    g = g.reshape(n_samples, K, channels, -1)  # (N, K, C, S)
+    n_samples, channels = backprops.shape[0] // K, backprops.shape[1]
+    positions = math.prod(backprops.shape[2:])
     out: dict[nn.Parameter, torch.Tensor] = {}
     if wants_grad(weight):
-        x = split_k(x_hat, K).reshape(n_samples, K, channels, -1)  # (N, K, C, S)
-        out[weight] = contract("nkcs,nkcs->nc", g, x)  # (N, C)
+        # A product then one reduction over (copies, positions): an einsum keeping the channel as
+        # a batch axis would first copy both operands to move K next to the positions.
+        weighted = (backprops * x_hat).reshape(n_samples, K, channels, positions)  # (N, K, C, S)
+        out[weight] = weighted.sum((1, 3))  # (N, C)
     if wants_grad(bias):
-        out[bias] = contract("nkcs->nc", g)  # (N, C)
+        out[bias] = backprops.reshape(n_samples, K, channels, positions).sum((1, 3))  # (N, C)
     return out
 
 
