@@ -1,0 +1,318 @@
+"""Timing, peak memory, process isolation and the registry of benchmark suites.
+
+Timing: every step is timed on its own (``time.perf_counter``, with ``torch.cuda.synchronize``
+around it on CUDA) after warm-up steps; the reported figure is the median.
+
+Peak memory (see :func:`memory_method`):
+
+* CUDA: ``torch.cuda.max_memory_allocated`` over one step, after resetting the peak statistics;
+  it counts every tensor the step holds, model and batch included (memory allocated before the
+  model was built is subtracted).
+* CPU: the process's resident-set high-water mark (``VmHWM`` in ``/proc/self/status``, reset
+  through ``/proc/self/clear_refs`` just before the measured step) minus the resident set measured
+  after the imports and before the model was built, in a fresh subprocess per configuration.
+  glibc's mmap threshold is pinned low in that subprocess (``MALLOC_MMAP_THRESHOLD_``), so every
+  tensor larger than 64 KiB lives in its own mapping that is returned to the system when freed:
+  the resident set follows the live tensors instead of malloc's cached heap. An in-process run on
+  CPU cannot separate one configuration from the previous ones and reports no peak memory.
+
+A *suite* is a named group of benchmarks with its own table, targets and plots; suites register
+themselves with :func:`register_suite` from the modules listed in
+:data:`benchmarks.SUITE_MODULES`.
+
+>>> timing = time_steps(lambda: None, warmup=1, repeats=3, device="cpu")
+>>> len(timing.seconds)
+3
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["RunOptions", "Timing", "MemoryProbe", "TargetCheck", "Suite", "SUITES", "register_suite",
+           "time_steps", "memory_method", "run_isolated", "load_callable"]
+
+logger = logging.getLogger(__name__)
+
+#: glibc allocations above this many bytes get their own mapping (see the module docstring).
+_MMAP_THRESHOLD = 65536
+#: Marks the child's result line on stdout; everything else a child prints is passed through.
+_RESULT_MARKER = "@@benchmarks-result@@ "
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How one benchmark run is carried out; built once from the command line."""
+
+    #: "cpu" or "cuda".
+    device: str = "cpu"
+    #: model scale: "full" (the reported run), "quick" (a few minutes on 2 cores), "tiny" (tests).
+    size: str = "full"
+    #: models to run (names in benchmarks.models.MODELS); empty means all.
+    models: tuple[str, ...] = ()
+    #: untimed steps before the measured ones (the first step allocates lazily created state).
+    warmup: int = 2
+    #: timed steps; the median is reported.
+    repeats: int = 7
+    #: torch intra-op threads (None: torch's default, all cores).
+    threads: int | None = None
+    #: run every configuration in a fresh subprocess (needed for sound CPU peak memory).
+    isolate: bool = True
+    #: measure peak memory at all.
+    measure_memory: bool = True
+    #: augmentation multiplicities to run.
+    multiplicities: tuple[int, ...] = (1, 4)
+    #: seconds one isolated configuration may take before it is abandoned.
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"RunOptions: device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.warmup < 0 or self.repeats < 1:
+            raise ValueError(f"RunOptions: need warmup >= 0 and repeats >= 1, got {self.warmup}, "
+                             f"{self.repeats}")
+        if any(k < 1 for k in self.multiplicities):
+            raise ValueError(f"RunOptions: multiplicities must be >= 1, got {self.multiplicities}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunOptions:
+        return cls(**{**data, "models": tuple(data.get("models", ())),
+                      "multiplicities": tuple(data.get("multiplicities", (1, 4)))})
+
+
+# ------------------------------------------------------------------------------ timing
+@dataclass(frozen=True)
+class Timing:
+    """Wall-clock seconds of each timed step."""
+
+    seconds: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def minimum(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def maximum(self) -> float:
+        return max(self.seconds)
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Callable[[], Any], *, warmup: int, repeats: int, device: str) -> Timing:
+    """Runs ``warmup`` untimed steps, then times ``repeats`` steps one by one.
+
+    Garbage collection runs before the timed steps and is then paused, so a collection cycle
+    does not land in one step's time.
+    """
+    for _ in range(warmup):
+        step()
+    _synchronize(device)
+    gc.collect()
+    seconds = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            _synchronize(device)
+            start = time.perf_counter()
+            step()
+            _synchronize(device)
+            seconds.append(time.perf_counter() - start)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return Timing(tuple(seconds))
+
+
+# ------------------------------------------------------------------------------ memory
+def memory_method(device: str, *, isolate: bool) -> str:
+    """One line naming how peak memory is measured (stored with the results)."""
+    if device == "cuda":
+        return ("torch.cuda.max_memory_allocated over one step (model, batch, optimizer state and "
+                "step transients)")
+    if isolate:
+        return ("process RSS high-water mark (VmHWM, reset via /proc/self/clear_refs) over one step, "
+                "minus the RSS before the model was built; fresh subprocess per configuration, "
+                f"MALLOC_MMAP_THRESHOLD_={_MMAP_THRESHOLD}")
+    return "not measured (CPU peak memory needs one subprocess per configuration)"
+
+
+def _proc_status_kib(field_name: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise OSError(f"MemoryProbe: /proc/self/status has no {field_name} field")
+
+
+class MemoryProbe:
+    """Measures the peak memory of a stretch of work, relative to when the probe was created.
+
+    Create it before building the model; call :meth:`reset` right before the measured step and
+    :meth:`peak_bytes` right after it.
+
+    >>> probe = MemoryProbe("cpu", isolated=False)
+    >>> probe.reset(); probe.peak_bytes() is None
+    True
+    """
+
+    def __init__(self, device: str, *, isolated: bool) -> None:
+        self.device = device
+        self.enabled = device == "cuda" or (isolated and sys.platform.startswith("linux"))
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            self._baseline = torch.cuda.memory_allocated()
+        elif self.enabled:
+            self._baseline = _proc_status_kib("VmRSS") * 1024
+        else:
+            self._baseline = 0
+
+    def reset(self) -> None:
+        """Starts the measured stretch: forgets earlier peaks."""
+        if not self.enabled:
+            return
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            # "5" resets the peak resident set size to the current one (Linux >= 4.0).
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+                clear_refs.write("5")
+        except OSError:
+            # Without the reset the peak covers the whole (fresh) process: the same steps, so
+            # the same peak, plus the one-off allocations of the first step.
+            logger.warning("MemoryProbe: cannot reset VmHWM; the peak covers the whole process")
+
+    def peak_bytes(self) -> int | None:
+        """Peak bytes since :meth:`reset`, above the probe's baseline; None when not measurable."""
+        if not self.enabled:
+            return None
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return int(torch.cuda.max_memory_allocated() - self._baseline)
+        return max(0, _proc_status_kib("VmHWM") * 1024 - self._baseline)
+
+
+# ------------------------------------------------------------------------------ isolation
+def load_callable(target: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"load_callable: expected 'module:function', got {target!r}")
+    return getattr(importlib.import_module(module_name), attribute)  # type: ignore[no-any-return]
+
+
+def run_isolated(target: str, payload: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    """Calls ``target(payload)`` in a fresh Python process and returns its (JSON) result.
+
+    The child runs from the repository root with glibc's mmap threshold pinned (see the module
+    docstring). A child that crashes, times out or prints no result gives
+    ``{"error": "<what happened>"}`` instead of raising, so one configuration cannot end a run.
+    """
+    env = dict(os.environ)
+    env["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
+    command = [sys.executable, "-m", "benchmarks.harness", target, json.dumps(payload)]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(_RESULT_MARKER):
+            return json.loads(line[len(_RESULT_MARKER):])  # type: ignore[no-any-return]
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return {"error": f"subprocess exited with {done.returncode}: {' | '.join(tail)}"}
+
+
+# ------------------------------------------------------------------------------ suites
+@dataclass(frozen=True)
+class TargetCheck:
+    """One quantitative target of the issue, evaluated on measured numbers (never asserted)."""
+
+    #: the target in words, e.g. "psg hooks time <= 0.8 x Opacus hooks".
+    target: str
+    #: where it was evaluated, e.g. "cnn, K=1".
+    subject: str
+    #: the measured ratio (or value); None when a needed row is missing or failed.
+    value: float | None
+    #: the bound the value is compared with.
+    threshold: float
+    #: True / False, or None when not evaluable.
+    met: bool | None
+    #: how the value was formed, e.g. "412.0 ms / 530.1 ms".
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A named group of benchmarks.
+
+    ``run(options)`` returns JSON-ready rows; ``render(rows)`` the suite's Markdown section;
+    ``targets(rows)`` the target checks; ``plot(rows, out_dir, machine)`` writes PNGs and returns
+    their paths.
+    """
+
+    name: str
+    description: str
+    run: Callable[[RunOptions], list[dict[str, Any]]]
+    render: Callable[[Sequence[dict[str, Any]]], str]
+    targets: Callable[[Sequence[dict[str, Any]]], list[TargetCheck]] = field(default=lambda rows: [])
+    plot: Callable[[Sequence[dict[str, Any]], Path, str], list[Path]] = field(
+        default=lambda rows, out_dir, machine: [])
+
+
+SUITES: dict[str, Suite] = {}
+
+
+def register_suite(suite: Suite) -> Suite:
+    """Adds ``suite`` to :data:`SUITES` (a second suite with the same name is an error)."""
+    if suite.name in SUITES and SUITES[suite.name] is not suite:
+        raise ValueError(f"register_suite: a suite named {suite.name!r} is already registered")
+    SUITES[suite.name] = suite
+    return suite
+
+
+def _child_main(argv: list[str]) -> int:
+    """``python -m benchmarks.harness module:function '<json payload>'`` (used by run_isolated)."""
+    if len(argv) != 2:
+        sys.stderr.write("usage: python -m benchmarks.harness module:function '<json payload>'\n")
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    result = load_callable(argv[0])(json.loads(argv[1]))
+    sys.stdout.write(_RESULT_MARKER + json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child_main(sys.argv[1:]))

@@ -1,0 +1,522 @@
+"""The ``training`` suite: one DP-SGD step, psg against Opacus against non-private training.
+
+A *step* is the same work for every private method: forward, backward, per-sample gradients (or
+per-sample norms, for ghost clipping), flat clipping at ``C``, the sum over samples, Gaussian noise
+``N(0, (sigma C)^2)``, division by the batch size and an SGD step. The non-private step is forward,
+backward and the SGD step.
+
+With augmentation multiplicity K the batch holds ``N*K`` rows. psg clips per *sample* (the K
+copies' gradients are averaged first, ``augmentation_multiplicity=K``); Opacus has no notion of K,
+so it runs the ``N*K`` rows as independent samples, its best option (De et al., 2022, average the
+copies before clipping, which Opacus cannot express).
+
+>>> [m.name for m in METHODS.values()][:2]
+['non-private', 'psg-hooks']
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, memory_method,
+                                register_suite, run_isolated, time_steps)
+from benchmarks.models import MODELS, Variant, opacus_available
+
+__all__ = ["Case", "Method", "METHODS", "run_case", "prepare_step", "TRAINING_SUITE"]
+
+logger = logging.getLogger(__name__)
+
+#: C: flat clipping bound, the same on both sides.
+MAX_GRAD_NORM = 1.0
+#: sigma: noise multiplier, the same on both sides.
+NOISE_MULTIPLIER = 1.0
+LEARNING_RATE = 0.05
+_MIB = 2.0 ** 20
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: a model, a method and K, at one scale on one device."""
+
+    model: str
+    method: str
+    K: int
+    size: str = "full"
+    device: str = "cpu"
+    warmup: int = 2
+    repeats: int = 7
+    threads: int | None = None
+    seed: int = 0
+    measure_memory: bool = True
+    #: the psg methods' clipping and noise (the test sets noise 0 to compare gradients).
+    noise_multiplier: float = NOISE_MULTIPLIER
+    learning_rate: float = LEARNING_RATE
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Step:
+    """One prepared training step: call it to run a step."""
+
+    def __init__(self, run: Callable[[], None], per_sample_bytes: Callable[[], int | None],
+                 model: nn.Module) -> None:
+        self._run = run
+        self._per_sample_bytes = per_sample_bytes
+        #: the bare model, whose ``p.grad`` holds the (noisy, normalised) gradient after a step.
+        self.model = model
+
+    def __call__(self) -> None:
+        self._run()
+
+    def per_sample_bytes(self) -> int | None:
+        """Bytes of per-sample gradients the last step held (None: never materialised)."""
+        return self._per_sample_bytes()
+
+
+@dataclass(frozen=True)
+class Method:
+    """A way to train: its library, the model variant it needs and how to prepare a step."""
+
+    name: str
+    library: str
+    variant: Variant
+    prepare: Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]
+    label: str
+
+    def available(self) -> bool:
+        return self.library != "opacus" or opacus_available()
+
+
+# ------------------------------------------------------------------------------ helpers
+def _sgd(model: nn.Module, case: Case) -> torch.optim.SGD:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=case.learning_rate)
+
+
+def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _nbytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _noise_generator(case: Case) -> torch.Generator:
+    return torch.Generator(device=case.device).manual_seed(case.seed)
+
+
+def _apply_private_gradient(model: nn.Module, summed: dict[str, torch.Tensor], num_samples: int,
+                            case: Case, generator: torch.Generator,
+                            optimizer: torch.optim.Optimizer) -> None:
+    """Noise once on the clipped sum, divide by N, hand it to the optimizer: the DP-SGD update."""
+    from psg_core.noise import add_noise
+
+    noisy = add_noise(summed, noise_multiplier=case.noise_multiplier, max_grad_norm=MAX_GRAD_NORM,
+                      generator=generator)
+    for name, p in _trainable(model).items():
+        p.grad = noisy[name].div_(num_samples)
+    optimizer.step()
+
+
+# ------------------------------------------------------------------------------ methods
+def _non_private(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
+    optimizer = _sgd(model, case)
+
+    def run() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(*inputs), targets).backward()
+        optimizer.step()
+
+    return Step(run, lambda: None, model)
+
+
+def _psg_hooks(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
+    from psg_core import GradSampleModule
+    from psg_core.clipping import clip_and_sum
+
+    wrapped = GradSampleModule(model, augmentation_multiplicity=case.K)
+    optimizer, generator = _sgd(model, case), _noise_generator(case)
+    params = _trainable(model)
+    num_samples = targets.shape[0] // case.K
+
+    def run() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        wrapped.clear_grad_samples()
+        F.cross_entropy(wrapped(*inputs), targets).backward()
+        clipped = clip_and_sum({name: p.grad_sample for name, p in params.items()},
+                               max_grad_norm=MAX_GRAD_NORM)
+        _apply_private_gradient(model, clipped.grads, num_samples, case, generator, optimizer)
+
+    return Step(run, lambda: _nbytes([getattr(p, "grad_sample", None) for p in params.values()]), model)
+
+
+def _psg_functional(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]:
+    def prepare(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
+        from psg_core import per_sample_gradients
+        from psg_core.clipping import clip_and_sum
+
+        optimizer, generator = _sgd(model, case), _noise_generator(case)
+        loss_fn = nn.CrossEntropyLoss(reduction="none")
+        num_samples = targets.shape[0] // case.K
+        held: dict[str, int] = {"bytes": 0}
+
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            per_sample = per_sample_gradients(model, inputs, targets, loss_fn=loss_fn, mode=mode,
+                                              augmentation_multiplicity=case.K)
+            held["bytes"] = _nbytes(list(per_sample.values()))
+            clipped = clip_and_sum(per_sample, max_grad_norm=MAX_GRAD_NORM)
+            del per_sample
+            _apply_private_gradient(model, clipped.grads, num_samples, case, generator, optimizer)
+
+        return Step(run, lambda: held["bytes"], model)
+
+    return prepare
+
+
+def _psg_ghost(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
+    from psg_core.config import DPConfig
+    from psg_core.dp import dp_gradient
+
+    config = DPConfig(mode="ghost", augmentation_multiplicity=case.K, max_grad_norm=MAX_GRAD_NORM)
+    optimizer, generator = _sgd(model, case), _noise_generator(case)
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+
+    def run() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        result = dp_gradient(model, inputs, targets, loss_fn=loss_fn, config=config)
+        _apply_private_gradient(model, result.grads, result.num_samples, case, generator, optimizer)
+
+    return Step(run, lambda: None, model)
+
+
+def _opacus_per_sample(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]:
+    def prepare(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
+        from opacus.grad_sample import GradSampleModule as OpacusGradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        wrapped = OpacusGradSampleModule(model, batch_first=True, loss_reduction="mean",
+                                         force_functorch=mode == "functorch")
+        # Opacus treats all N*K rows as samples: its batch is N*K.
+        optimizer = DPOptimizer(_sgd(model, case), noise_multiplier=case.noise_multiplier,
+                                max_grad_norm=MAX_GRAD_NORM, expected_batch_size=targets.shape[0],
+                                loss_reduction="mean")
+        params = _trainable(model)
+
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(wrapped(*inputs), targets).backward()
+            optimizer.step()
+
+        return Step(run, lambda: _nbytes([getattr(p, "grad_sample", None) for p in params.values()]),
+                    model)
+
+    return prepare
+
+
+def _opacus_ghost(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    wrapped = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
+                                                   max_grad_norm=MAX_GRAD_NORM, use_ghost_clipping=True)
+    optimizer = DPOptimizerFastGradientClipping(_sgd(model, case), noise_multiplier=case.noise_multiplier,
+                                                max_grad_norm=MAX_GRAD_NORM,
+                                                expected_batch_size=targets.shape[0], loss_reduction="mean")
+    criterion = DPLossFastGradientClipping(wrapped, optimizer, nn.CrossEntropyLoss(), "mean")
+
+    def run() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        criterion(wrapped(*inputs), targets).backward()
+        optimizer.step()
+
+    return Step(run, lambda: None, model)
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("non-private", "torch", Variant.TORCH, _non_private, "non-private (fused torch layers)"),
+    Method("psg-hooks", "psg", Variant.PSG, _psg_hooks, "psg GradSampleModule (hooks)"),
+    Method("psg-functorch", "psg", Variant.PSG, _psg_functional("functorch"),
+           "psg per_sample_gradients(mode='functorch')"),
+    Method("psg-ew", "psg", Variant.PSG, _psg_functional("ew"), "psg per_sample_gradients(mode='ew')"),
+    Method("psg-ghost", "psg", Variant.PSG, _psg_ghost, "psg ghost clipping (dp_gradient, mode='ghost')"),
+    Method("opacus-hooks", "opacus", Variant.OPACUS, _opacus_per_sample("hooks"),
+           "Opacus GradSampleModule (hooks) + DPOptimizer"),
+    Method("opacus-functorch", "opacus", Variant.OPACUS, _opacus_per_sample("functorch"),
+           "Opacus GradSampleModule(force_functorch=True) + DPOptimizer"),
+    Method("opacus-ghost", "opacus", Variant.OPACUS, _opacus_ghost,
+           "Opacus GradSampleModuleFastGradientClipping + DPLossFastGradientClipping"),
+)}
+
+
+# ------------------------------------------------------------------------------ one case
+def prepare_step(case: Case) -> Step:
+    """Builds the model, the batch and the method's step for ``case`` (on ``case.device``)."""
+    spec, method = MODELS[case.model], METHODS[case.method]
+    device = torch.device(case.device)
+    model = spec.build(method.variant, case.size, seed=case.seed).to(device)
+    rows = spec.samples(case.size) * case.K
+    inputs, targets = spec.make_batch(rows=rows, size=case.size,
+                                      generator=torch.Generator().manual_seed(case.seed + 1))
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    return method.prepare(model, inputs, targets.to(device), case)
+
+
+def _import_method_dependencies(method: Method) -> None:
+    # Imported before the memory baseline, so that module code does not count as step memory.
+    import psg_core.backends.ghost  # noqa: F401
+    import psg_core.dp  # noqa: F401
+    import psg_core.clipping  # noqa: F401
+    import psg_core.noise  # noqa: F401
+    if method.library == "opacus":
+        import opacus  # noqa: F401
+
+
+def run_case(payload: dict[str, Any], *, isolated: bool = True) -> dict[str, Any]:
+    """Runs one :class:`Case` (given as its JSON dict) and returns its measurements.
+
+    The order is: imports, memory baseline, build, warm-up steps, one memory-measured step, then
+    the timed steps. An exception becomes ``{"error": ...}`` so that one unsupported
+    configuration does not end a run.
+    """
+    case = Case(**payload)
+    method = METHODS[case.method]
+    result: dict[str, Any] = {"model": case.model, "method": case.method, "library": method.library,
+                              "K": case.K, "samples": MODELS[case.model].samples(case.size),
+                              "rows": MODELS[case.model].samples(case.size) * case.K}
+    if case.threads:
+        torch.set_num_threads(case.threads)
+    try:
+        _import_method_dependencies(method)
+        probe = MemoryProbe(case.device, isolated=isolated)
+        step = prepare_step(case)
+        result["parameters"] = sum(p.numel() for p in step.model.parameters() if p.requires_grad)
+        for _ in range(max(1, case.warmup)):
+            step()
+        peak = None
+        if case.measure_memory:
+            probe.reset()
+            step()
+            peak = probe.peak_bytes()
+        per_sample = step.per_sample_bytes()
+        timing = time_steps(step, warmup=0, repeats=case.repeats, device=case.device)
+    except Exception as err:  # noqa: BLE001 - recorded in the table, the run goes on
+        logger.warning("training suite: %s / %s / K=%d failed: %s", case.model, case.method, case.K, err)
+        result["error"] = f"{type(err).__name__}: {err}"
+        return result
+    finally:
+        gc.collect()
+    result.update(
+        median_ms=timing.median * 1e3, min_ms=timing.minimum * 1e3, max_ms=timing.maximum * 1e3,
+        times_ms=[s * 1e3 for s in timing.seconds],
+        peak_memory_mib=None if peak is None else peak / _MIB,
+        per_sample_grad_mib=None if per_sample is None else per_sample / _MIB)
+    return result
+
+
+def run_case_in_child(payload: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of the isolated subprocess (see :func:`benchmarks.harness.run_isolated`)."""
+    return run_case(payload, isolated=True)
+
+
+# ------------------------------------------------------------------------------ the suite
+def _cases(options: RunOptions) -> list[Case]:
+    models = options.models or tuple(MODELS)
+    cases = []
+    for model in models:
+        if model not in MODELS:
+            raise ValueError(f"training suite: unknown model {model!r}; expected one of {list(MODELS)}")
+        for K in options.multiplicities:
+            for method in METHODS.values():
+                if not method.available():
+                    continue
+                cases.append(Case(model=model, method=method.name, K=K, size=options.size,
+                                  device=options.device, warmup=options.warmup, repeats=options.repeats,
+                                  threads=options.threads, measure_memory=options.measure_memory))
+    return cases
+
+
+def run_suite(options: RunOptions) -> list[dict[str, Any]]:
+    """Runs every (model, K, method) case; each in its own subprocess when ``options.isolate``."""
+    if not opacus_available():
+        logger.warning("training suite: opacus is not installed; the Opacus rows are skipped "
+                       "(pip install 'psg[bench]')")
+    rows = []
+    cases = _cases(options)
+    for index, case in enumerate(cases, 1):
+        logger.info("training suite [%d/%d] %s / %s / K=%d", index, len(cases), case.model,
+                    case.method, case.K)
+        if options.isolate:
+            result = run_isolated("benchmarks.training:run_case_in_child", case.to_json(),
+                                  timeout_s=options.timeout_s)
+            result = {"model": case.model, "method": case.method, "K": case.K,
+                      "library": METHODS[case.method].library, **result}
+        else:
+            result = run_case(case.to_json(), isolated=False)
+        rows.append(result)
+    return rows
+
+
+def _find(rows: Sequence[dict[str, Any]], model: str, method: str, K: int) -> dict[str, Any] | None:
+    for row in rows:
+        if row["model"] == model and row["method"] == method and row["K"] == K and "error" not in row:
+            return row
+    return None
+
+
+def _ratio(rows: Sequence[dict[str, Any]], model: str, K: int, num: str, den: str, key: str,
+           den_K: int | None = None) -> tuple[float | None, str]:
+    top, bottom = _find(rows, model, num, K), _find(rows, model, den, K if den_K is None else den_K)
+    if top is None or bottom is None or top.get(key) is None or not bottom.get(key):
+        missing = [name for name, row in ((num, top), (den, bottom)) if row is None or row.get(key) is None]
+        return None, f"missing: {', '.join(missing) or den}"
+    unit = "ms" if key.endswith("ms") else "MiB"
+    return top[key] / bottom[key], f"{top[key]:.1f} {unit} / {bottom[key]:.1f} {unit}"
+
+
+def _check(target: str, subject: str, ratio: tuple[float | None, str], threshold: float) -> TargetCheck:
+    value, detail = ratio
+    return TargetCheck(target=target, subject=subject, value=value, threshold=threshold,
+                       met=None if value is None else value <= threshold + 1e-9, detail=detail)
+
+
+def suite_targets(rows: Sequence[dict[str, Any]]) -> list[TargetCheck]:
+    """The issue's targets, evaluated on the measured rows."""
+    checks = []
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    multiplicities = sorted({row["K"] for row in rows})
+    for model in models:
+        for K in multiplicities:
+            subject = f"{model}, K={K}"
+            checks.append(_check("psg hooks time <= 0.8 x Opacus hooks", subject,
+                                 _ratio(rows, model, K, "psg-hooks", "opacus-hooks", "median_ms"), 0.8))
+            checks.append(_check("psg hooks peak memory <= Opacus hooks", subject,
+                                 _ratio(rows, model, K, "psg-hooks", "opacus-hooks", "peak_memory_mib"), 1.0))
+    for K in multiplicities:
+        if "transformer" in models:
+            subject = f"transformer, K={K}"
+            checks.append(_check("psg ghost time <= 1.6 x non-private", subject,
+                                 _ratio(rows, "transformer", K, "psg-ghost", "non-private", "median_ms"), 1.6))
+            checks.append(_check("psg ghost peak memory <= 1.3 x non-private", subject,
+                                 _ratio(rows, "transformer", K, "psg-ghost", "non-private",
+                                        "peak_memory_mib"), 1.3))
+    big = [K for K in multiplicities if K > 1]
+    if 1 in multiplicities:
+        for model in models:
+            for K in big:
+                subject = f"{model}, K={K}"
+                checks.append(_check(f"psg per-sample grad memory at K={K} = at K=1", subject,
+                                     _ratio(rows, model, K, "psg-hooks", "psg-hooks", "per_sample_grad_mib",
+                                            den_K=1), 1.0))
+    for model in models:
+        for K in big:
+            subject = f"{model}, K={K}"
+            checks.append(_check("psg hooks time <= 1.1 x Opacus hooks on N*K rows", subject,
+                                 _ratio(rows, model, K, "psg-hooks", "opacus-hooks", "median_ms"), 1.1))
+    return checks
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def render(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one table per model, a row per (K, method), plus the failures."""
+    lines: list[str] = []
+    failures: list[str] = []
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    for model in models:
+        spec = MODELS.get(model)
+        params = next((row.get("parameters") for row in rows if row["model"] == model and row.get("parameters")),
+                      None)
+        samples = next((row.get("samples") for row in rows if row["model"] == model and row.get("samples")), None)
+        header = f"#### {model}: {spec.description if spec else ''}"
+        details = []
+        if params:
+            details.append(f"{params:,} parameters")
+        if samples:
+            details.append(f"N = {samples} samples per batch (N·K rows)")
+        lines += [header, "", "; ".join(details) + ".", "",
+                  "| K | method | median step (ms) | min–max (ms) | peak memory (MiB) | per-sample grads (MiB) "
+                  "| time vs Opacus hooks | time vs non-private |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for K in sorted({row["K"] for row in rows if row["model"] == model}):
+            for row in (r for r in rows if r["model"] == model and r["K"] == K):
+                if "error" in row:
+                    failures.append(f"{model} / {row['method']} / K={K}: {row['error']}")
+                    lines.append(f"| {K} | {row['method']} | n/a | | | | | |")
+                    continue
+                vs_opacus, _ = _ratio(rows, model, K, row["method"], "opacus-hooks", "median_ms")
+                vs_plain, _ = _ratio(rows, model, K, row["method"], "non-private", "median_ms")
+                lines.append(
+                    f"| {K} | {row['method']} | {_fmt(row['median_ms'])} | "
+                    f"{_fmt(row['min_ms'])}–{_fmt(row['max_ms'])} | {_fmt(row.get('peak_memory_mib'))} | "
+                    f"{_fmt(row.get('per_sample_grad_mib'))} | "
+                    f"{_fmt(vs_opacus, 2) + '×' if vs_opacus is not None else '—'} | "
+                    f"{_fmt(vs_plain, 2) + '×' if vs_plain is not None else '—'} |")
+        lines.append("")
+    if failures:
+        lines += ["Configurations that did not run (the error each raised):", ""]
+        lines += [f"* {failure}" for failure in failures]
+        lines.append("")
+    lines += ["Methods: " + "; ".join(f"`{m.name}` = {m.label}" for m in METHODS.values()) + ".", ""]
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict[str, Any]], out_dir: Path, machine: str) -> list[Path]:
+    """Two PNGs: median step time and peak memory, one panel per model, bars per method and K."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    methods = [m for m in METHODS if any(row["method"] == m for row in rows)]
+    multiplicities = sorted({row["K"] for row in rows})
+    paths = []
+    for key, label, stem in (("median_ms", "median step time (ms)", "time"),
+                             ("peak_memory_mib", "peak memory (MiB)", "memory")):
+        if not any(row.get(key) is not None for row in rows):
+            continue
+        columns = min(2, len(models))
+        figure, axes = plt.subplots(math.ceil(len(models) / columns), columns,
+                                    figsize=(7 * columns, 3.6 * math.ceil(len(models) / columns)),
+                                    squeeze=False)
+        width = 0.8 / max(1, len(multiplicities))
+        for axis, model in zip(axes.flat, models):
+            for index, K in enumerate(multiplicities):
+                values = [(_find(rows, model, m, K) or {}).get(key) for m in methods]
+                positions = [i + (index - (len(multiplicities) - 1) / 2) * width for i in range(len(methods))]
+                axis.bar(positions, [v if v is not None else 0.0 for v in values], width, label=f"K={K}")
+            axis.set_title(model)
+            axis.set_xticks(range(len(methods)))
+            axis.set_xticklabels(methods, rotation=35, ha="right", fontsize=8)
+            axis.set_ylabel(label)
+            axis.legend(fontsize=8)
+        for axis in list(axes.flat)[len(models):]:
+            axis.set_visible(False)
+        figure.suptitle(f"training step, {machine}")
+        figure.tight_layout()
+        path = out_dir / f"{machine}_training_{stem}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+TRAINING_SUITE = register_suite(Suite(
+    name="training",
+    description=("one DP-SGD step (forward, backward, per-sample clipping, sum, noise, SGD step): psg "
+                 "backends vs Opacus vs non-private training"),
+    run=run_suite, render=render, targets=suite_targets, plot=plot))

@@ -1,0 +1,169 @@
+"""Rot guard for ``benchmarks/``: every benchmark configuration runs one tiny step.
+
+No timing is asserted (benchmarks report their targets, they never assert them). The Opacus rows
+run only when opacus is importable; everything else runs without it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.harness import RunOptions, run_isolated
+from benchmarks.models import MODELS, Variant, opacus_available
+from benchmarks.report import load_results, render_markdown, write_report
+from benchmarks.run import main as bench_main
+from benchmarks.training import METHODS, Case, prepare_step, run_case, suite_targets
+
+pytestmark = [
+    # Opacus' hooks register full backward hooks on modules whose inputs need no gradient (the
+    # first layer) and torch warns about it; harmless for the gradients Opacus computes.
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning"),
+    # Opacus' functorch path enters CPU autocast with fp32, which torch disables with a warning.
+    pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported:UserWarning"),
+    # torch.func has no batching rule for embedding_bag and falls back to a loop (correct, slower).
+    pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented "
+                               "the batching rule:UserWarning"),
+]
+
+#: (model, method) pairs whose library cannot run them, with the error they raise.
+KNOWN_UNSUPPORTED = {
+    ("embedding_bag", "psg-ew"): "UnsupportedModuleError",  # torch's ExpandedWeights has no embedding_bag
+    ("embedding_bag", "opacus-functorch"): "NotImplementedError",  # Opacus' functorch path refuses it
+}
+
+
+def _needs_opacus(method: str) -> None:
+    if METHODS[method].library == "opacus" and not opacus_available():
+        pytest.skip("opacus is not installed")
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_case_runs_one_tiny_step(model: str, method: str) -> None:
+    """K = 2 (K = 1 runs in the command-line test and the Opacus comparison)."""
+    _needs_opacus(method)
+    K = 2
+    row = run_case(Case(model=model, method=method, K=K, size="tiny", warmup=0, repeats=1).to_json(),
+                   isolated=False)
+    expected_error = KNOWN_UNSUPPORTED.get((model, method))
+    if expected_error is not None:
+        assert row.get("error", "").startswith(expected_error), row
+        return
+    assert "error" not in row, row
+    assert row["median_ms"] > 0 and row["rows"] == row["samples"] * K and row["parameters"] > 0
+    assert row["peak_memory_mib"] is None  # in-process on CPU: not measurable, so not reported
+    if method in ("psg-hooks", "psg-functorch", "psg-ew"):
+        # psg holds one gradient per sample, whatever K.
+        assert row["per_sample_grad_mib"] == pytest.approx(row["samples"] * row["parameters"] * 4 / 2 ** 20)
+    elif method in ("opacus-hooks", "opacus-functorch"):
+        assert row["per_sample_grad_mib"] == pytest.approx(row["rows"] * row["parameters"] * 4 / 2 ** 20)
+    else:
+        assert row["per_sample_grad_mib"] is None
+
+
+def _private_gradient(model: str, method: str, K: int) -> dict[str, torch.Tensor]:
+    """``p.grad`` after one step without noise and with lr=0: the clipped sum divided by the batch."""
+    step = prepare_step(Case(model=model, method=method, K=K, size="tiny", noise_multiplier=0.0,
+                             learning_rate=0.0))
+    step()
+    return {name: p.grad.clone() for name, p in step.model.named_parameters()}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_psg_methods_compute_the_same_step(model: str) -> None:
+    """Every psg row does the same work: the same clipped, averaged gradient at K = 2."""
+    reference = _private_gradient(model, "psg-hooks", 2)
+    for method in ("psg-functorch", "psg-ew", "psg-ghost"):
+        if (model, method) in KNOWN_UNSUPPORTED:
+            continue
+        grads = _private_gradient(model, method, 2)
+        for name, grad in reference.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"{method} {name}")
+
+
+@pytest.mark.skipif(not opacus_available(), reason="opacus is not installed")
+@pytest.mark.parametrize("model", ["cnn", "transformer", "embedding_bag"])
+def test_opacus_rows_compute_the_same_step_at_k1(model: str) -> None:
+    """Where both libraries run the same modules, the Opacus rows clip and average like psg (K=1)."""
+    assert MODELS[model].build(Variant.PSG, "tiny").state_dict().keys() == \
+        MODELS[model].build(Variant.OPACUS, "tiny").state_dict().keys()
+    reference = _private_gradient(model, "psg-hooks", 1)
+    for method in ("opacus-hooks", "opacus-ghost"):
+        grads = _private_gradient(model, method, 1)
+        for name, grad in reference.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"{method} {name}")
+
+
+def test_isolated_case_reports_peak_memory() -> None:
+    row = run_isolated("benchmarks.training:run_case_in_child",
+                       Case(model="cnn", method="psg-hooks", K=2, size="tiny", warmup=0, repeats=1).to_json(),
+                       timeout_s=300)
+    assert "error" not in row, row
+    assert row["median_ms"] > 0 and row["per_sample_grad_mib"] > 0
+    if Path("/proc/self/status").exists():
+        assert row["peak_memory_mib"] is not None and row["peak_memory_mib"] > 0
+
+
+def test_isolated_failure_becomes_an_error_row() -> None:
+    row = run_isolated("benchmarks.training:run_case_in_child", {"model": "cnn", "method": "nope", "K": 1},
+                       timeout_s=300)
+    assert "KeyError" in row["error"]
+
+
+def test_targets_are_evaluated_not_asserted() -> None:
+    rows = [
+        {"model": "transformer", "method": "psg-hooks", "K": 1, "median_ms": 70.0, "peak_memory_mib": 50.0,
+         "per_sample_grad_mib": 2.0},
+        {"model": "transformer", "method": "opacus-hooks", "K": 1, "median_ms": 100.0, "peak_memory_mib": 40.0,
+         "per_sample_grad_mib": 2.0},
+        {"model": "transformer", "method": "non-private", "K": 1, "median_ms": 50.0, "peak_memory_mib": 30.0},
+        {"model": "transformer", "method": "psg-ghost", "K": 1, "error": "RuntimeError: boom"},
+        {"model": "transformer", "method": "psg-hooks", "K": 4, "median_ms": 200.0, "peak_memory_mib": 60.0,
+         "per_sample_grad_mib": 2.0},
+        {"model": "transformer", "method": "opacus-hooks", "K": 4, "median_ms": 150.0,
+         "peak_memory_mib": 90.0, "per_sample_grad_mib": 8.0},
+    ]
+    checks = {(c.target, c.subject): c for c in suite_targets(rows)}
+    time_k1 = checks[("psg hooks time <= 0.8 x Opacus hooks", "transformer, K=1")]
+    assert time_k1.met is True and time_k1.value == pytest.approx(0.7)
+    assert checks[("psg hooks peak memory <= Opacus hooks", "transformer, K=1")].met is False
+    assert checks[("psg ghost time <= 1.6 x non-private", "transformer, K=1")].met is None  # failed row
+    assert checks[("psg per-sample grad memory at K=4 = at K=1", "transformer, K=4")].met is True
+    assert checks[("psg hooks time <= 1.1 x Opacus hooks on N*K rows", "transformer, K=4")].met is False
+
+
+def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
+    out, markdown = tmp_path / "results", tmp_path / "BENCHMARKS.md"
+    (out / "unrelated.json").parent.mkdir(parents=True)
+    (out / "unrelated.json").write_text(json.dumps({"rows": []}))  # other tools' files are ignored
+    code = bench_main(["--size", "tiny", "--in-process", "--models", "cnn", "-K", "1",
+                       "--warmup", "0", "--repeats", "1", "--machine", "test-machine",
+                       "--out", str(out), "--markdown", str(markdown)])
+    assert code == 0
+    document = json.loads((out / "test-machine.json").read_text())
+    rows = document["suites"]["training"]["rows"]
+    expected = [m for m in METHODS if METHODS[m].available()]
+    assert [row["method"] for row in rows] == expected
+    assert all("error" not in row for row in rows), rows
+    assert document["suites"]["training"]["targets"]
+    text = markdown.read_text()
+    assert "## test-machine" in text and "| K | method | median step (ms)" in text
+    assert "### Targets" in text and "test-machine_training_time.png" in text
+    assert (out / "test-machine_training_time.png").stat().st_size > 0
+    assert [d["machine"] for d in load_results(out)] == ["test-machine"]
+
+
+def test_report_keeps_suites_not_run_again(tmp_path: Path) -> None:
+    options = RunOptions(size="tiny", isolate=False)
+    row = run_case(Case(model="cnn", method="non-private", K=1, size="tiny", warmup=0, repeats=1).to_json(),
+                   isolated=False)
+    markdown = tmp_path / "B.md"
+    write_report("m", options, {"training": [row]}, out_dir=tmp_path, markdown_path=markdown)
+    write_report("m", options, {}, out_dir=tmp_path, markdown_path=markdown)
+    documents = load_results(tmp_path)
+    assert documents[0]["suites"]["training"]["rows"] == [row]
+    assert render_markdown(documents, out_dir=tmp_path, markdown_path=markdown) == markdown.read_text()
