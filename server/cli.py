@@ -1,6 +1,10 @@
 """``psg-server``: run the gradient service until SIGINT/SIGTERM.
 
+Shards run on the Ray worker pool unless ``--executor inprocess`` says otherwise: an embedded local
+Ray by default, or the cluster at ``--ray-address`` / ``RAY_ADDRESS``.
+
     psg-server --host 0.0.0.0 --port 50051 --tokens-file tokens.txt --tls-cert cert.pem --tls-key key.pem
+    psg-server --ray-address 10.0.0.1:6379 --cpus-per-worker 4
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``psg-server`` console script; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = ServerConfig.from_args(argv)
+        config = ServerConfig.from_args(argv, defaults={"executor": "ray"})
     except PsgError as err:
         logger.error("%s", err)
         return 2

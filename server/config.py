@@ -1,7 +1,8 @@
 """The server's configuration: one frozen dataclass, parsed once from flags and environment.
 
 Every flag has an environment variable ``PSG_<FLAG>`` (``--max-batch-rows`` <-> ``PSG_MAX_BATCH_ROWS``);
-a flag given on the command line wins over the environment. Tokens come from ``--tokens-file``
+a flag given on the command line wins over the environment (``--ray-address`` also reads Ray's own
+``RAY_ADDRESS``). Tokens come from ``--tokens-file``
 (one token per line, optionally ``label token``; ``#`` starts a comment) or from ``PSG_TOKENS``
 (comma-separated), never from a flag, so they do not show up in process listings.
 
@@ -92,8 +93,16 @@ class ServerConfig:
     parameter_memory_bytes: int = 16 * _GIB
     #: Largest shard in samples; a batch is split into at least one shard per worker.
     max_shard_samples: int = 1024
-    #: In-process executor threads (the Ray pool has its own flags).
-    num_workers: int = 1
+    #: Where shards run: "inprocess" (threads of this process; the library default) or "ray" (the
+    #: worker pool; the ``psg-server`` command's default).
+    executor: str = "inprocess"
+    #: Workers: in-process threads (None = 1) or Ray actors (None = one per GPU, or one per
+    #: ``cpus_per_worker`` CPUs on a cluster without GPUs).
+    num_workers: int | None = None
+    #: CPU cores Ray reserves for each worker, and its torch threads.
+    cpus_per_worker: int = 1
+    #: Ray cluster to join (``host:port``); None starts an embedded local Ray.
+    ray_address: str | None = None
     #: Server-side cap on one step; a client deadline can only shorten it.
     step_timeout_seconds: float = 600.0
     #: Accountant used when a session does not name one: "rdp" or "pld".
@@ -122,13 +131,18 @@ class ServerConfig:
             raise ConfigError(f"ServerConfig: chunk_bytes must be in 1..max_message_bytes - "
                               f"{_FRAME_OVERHEAD}, got {self.chunk_bytes}")
         for name in ("max_tensor_bytes", "max_request_bytes", "max_batch_rows", "max_model_bytes",
-                     "max_sessions", "parameter_memory_bytes", "max_shard_samples", "num_workers"):
+                     "max_sessions", "parameter_memory_bytes", "max_shard_samples", "num_workers",
+                     "cpus_per_worker"):
             value = getattr(self, name)
+            if name == "num_workers" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ServerConfig: {name} must be an int >= 1, got {value!r}")
         for name in ("session_idle_seconds", "step_timeout_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ServerConfig: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.executor not in ("inprocess", "ray"):
+            raise ConfigError(f"ServerConfig: executor must be 'inprocess' or 'ray', got {self.executor!r}")
         if self.default_accountant not in ("rdp", "pld"):
             raise ConfigError(f"ServerConfig: default_accountant must be 'rdp' or 'pld', got "
                               f"{self.default_accountant!r}")
@@ -153,9 +167,13 @@ class ServerConfig:
         return f"{host}:{self.port}"
 
     @classmethod
-    def from_args(cls, argv: Sequence[str] | None = None,
-                  environ: Mapping[str, str] | None = None) -> ServerConfig:
-        """Parses flags (``argv``, default ``sys.argv[1:]``) over ``PSG_*`` environment variables."""
+    def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None, *,
+                  defaults: Mapping[str, object] | None = None) -> ServerConfig:
+        """Parses flags (``argv``, default ``sys.argv[1:]``) over ``PSG_*`` environment variables.
+
+        ``defaults`` replaces field defaults for fields that neither a flag nor the environment
+        sets (the ``psg-server`` command passes ``{"executor": "ray"}``).
+        """
         environ = os.environ if environ is None else environ
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -167,6 +185,10 @@ class ServerConfig:
             env_value = environ.get(f"PSG_{item.name.upper()}")
             if value is None and env_value is not None:
                 value = _from_env(item.name, env_value)
+            if value is None and item.name == "ray_address":
+                value = environ.get("RAY_ADDRESS") or None
+            if value is None and defaults is not None:
+                value = defaults.get(item.name)
             if value is not None:
                 values[item.name] = value
         values["tokens"] = _tokens(args.tokens_file or environ.get("PSG_TOKENS_FILE"),
@@ -176,7 +198,7 @@ class ServerConfig:
 
 _INT_FIELDS = {"port", "max_message_bytes", "chunk_bytes", "max_tensor_bytes", "max_request_bytes",
                "max_batch_rows", "max_model_bytes", "max_sessions", "parameter_memory_bytes",
-               "max_shard_samples", "num_workers", "metrics_port"}
+               "max_shard_samples", "num_workers", "cpus_per_worker", "metrics_port"}
 _FLOAT_FIELDS = {"session_idle_seconds", "step_timeout_seconds"}
 _PATH_FIELDS = {"tls_cert", "tls_key", "tls_client_ca"}
 
@@ -228,7 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--session-idle-seconds", type=float)
     add("--parameter-memory-bytes", type=int)
     add("--max-shard-samples", type=int)
-    add("--num-workers", type=int, help="in-process shard executor threads")
+    add("--executor", choices=("ray", "inprocess"),
+        help="where shards run: the Ray worker pool (psg-server's default) or threads of this process")
+    add("--workers", "--num-workers", dest="num_workers", type=int,
+        help="workers (Ray actors or threads); default: one per GPU, or per --cpus-per-worker CPUs "
+             "(Ray), 1 (in-process)")
+    add("--cpus-per-worker", type=int, help="CPU cores (and torch threads) of each Ray worker (default 1)")
+    add("--ray-address", help="Ray cluster to join, host:port (or RAY_ADDRESS); default: start an "
+                              "embedded local Ray")
     add("--step-timeout-seconds", type=float)
     add("--default-accountant", choices=("rdp", "pld"))
     add("--tokens-file", help="bearer tokens, one per line ('token' or 'label token'); "

@@ -87,6 +87,8 @@ class WorkerDescription:
 
     id: str
     device: str
+    #: Where the worker runs: empty for in-process workers, ``<ip>/<node id>`` for Ray workers.
+    node: str = ""
 
 
 @runtime_checkable
@@ -112,12 +114,17 @@ class ShardExecutor(Protocol):
 
     async def run(self, spec: SessionSpec, parameters: ParameterSet,
                   shards: Sequence[Shard]) -> list[DPGradient]:
-        """One :class:`DPGradient` per shard, in shard order; cancelling the awaiting task cancels
-        the shards that have not started."""
+        """The shards' results in sample order; cancelling the awaiting task cancels the shards.
+
+        The results cover the shards' samples in order, so :meth:`DPGradient.merge` of them is the
+        step's result. An executor may regroup the samples (the Ray pool re-cuts the shards in
+        proportion to its workers' throughput), keeping the K rows of a sample together; the
+        in-process executor returns exactly one result per shard.
+        """
         ...
 
     async def release(self, session_id: str) -> None:
-        """Drops whatever the workers cache for a closed session."""
+        """Drops whatever the workers cache for a closed (or expired) session."""
         ...
 
 
@@ -153,6 +160,16 @@ class ShardRunner:
     def release(self, session_id: str) -> None:
         """Forgets the session's model."""
         self._cache.pop(session_id, None)
+
+    def sessions(self) -> list[str]:
+        """Ids of the sessions whose model is cached."""
+        return list(self._cache)
+
+    def has_parameters(self, spec: SessionSpec, version: int) -> bool:
+        """Whether the session's model is cached with parameter ``version`` loaded, so a caller
+        that must fetch parameters from afar (a Ray worker) can skip fetching them."""
+        cached = self._cache.get(spec.session_id)
+        return cached is not None and cached[0] == spec and cached[1] == version
 
     def _model(self, spec: SessionSpec, parameters: ParameterSet) -> tuple[nn.Module, nn.Module]:
         cached = self._cache.get(spec.session_id)

@@ -17,6 +17,8 @@ True
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -78,7 +80,9 @@ class GradientServicer:
                            max_tensor_bytes=config.max_tensor_bytes,
                            max_request_bytes=config.max_request_bytes, chunk_bytes=config.chunk_bytes,
                            max_model_bytes=config.max_model_bytes)
-        workers = [pb.WorkerInfo(id=w.id, device=w.device) for w in self._executor.workers()]
+        # The wire's WorkerInfo has no node field: a Ray worker's id carries it as "<name>@<node>".
+        workers = [pb.WorkerInfo(id=f"{w.id}@{w.node}" if w.node else w.id, device=w.device)
+                   for w in self._executor.workers()]
         return pb.ServerInfo(version=psg_core.__version__, backends=[m.value for m in GradSampleMode],
                              workers=workers, limits=limits, losses=sorted(LOSSES))
 
@@ -206,17 +210,44 @@ def _stream_stream(name: str, implementation: Callable[..., Any], parse: Callabl
     return handle
 
 
+#: Seconds between two looks at the executor's readiness (health follows it).
+_HEALTH_POLL_S = 0.5
+
+
+async def _set_health(health: health_aio.HealthServicer, serving: bool) -> None:
+    response = health_pb2.HealthCheckResponse
+    status = response.SERVING if serving else response.NOT_SERVING
+    for service in ("", SERVICE_NAME):
+        await health.set(service, status)
+
+
+async def _follow_readiness(health: health_aio.HealthServicer, executor: ShardExecutor,
+                            serving: bool) -> None:
+    """Keeps the health status at SERVING while the executor has workers, NOT_SERVING otherwise
+    (``serving``: the status already set)."""
+    while True:
+        await asyncio.sleep(_HEALTH_POLL_S)
+        ready = executor.ready
+        if ready != serving:
+            await _set_health(health, ready)
+            logger.warning("psg-server: %s", "workers are back: SERVING" if ready else
+                           "no live worker: NOT_SERVING")
+            serving = ready
+
+
 class PsgServer:
     """A running server: the gRPC server plus what it owns (executor, metrics endpoint, health)."""
 
     def __init__(self, server: aio.Server, executor: ShardExecutor, metrics: Metrics,
-                 health: health_aio.HealthServicer, metrics_port: int | None) -> None:
+                 health: health_aio.HealthServicer, metrics_port: int | None,
+                 health_task: asyncio.Task[None] | None = None) -> None:
         self.grpc_server = server
         self.executor = executor
         self.metrics = metrics
         self.health = health
         #: The bound Prometheus port, when the endpoint is on.
         self.metrics_port = metrics_port
+        self._health_task = health_task
 
     async def wait_for_termination(self) -> None:
         """Blocks until the server stops."""
@@ -225,6 +256,11 @@ class PsgServer:
     async def stop(self, grace: float | None = 5.0) -> None:
         """Marks the service NOT_SERVING, stops accepting RPCs (in-flight ones get ``grace`` seconds),
         then closes the executor and the metrics endpoint."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(grace)
         await self.executor.close()
@@ -237,14 +273,16 @@ async def create_server(config: ServerConfig, *, executor: ShardExecutor | None 
 
     Args:
         config: the server's configuration.
-        executor: where shards run; default an :class:`InProcessExecutor` with
-            ``config.num_workers`` threads. It is started here and closed by :meth:`PsgServer.stop`.
+        executor: where shards run; default from ``config.executor``: a
+            :class:`~psg_server.pool.WorkerPool` ("ray") or an :class:`InProcessExecutor` with
+            ``config.num_workers`` threads. It is started here and closed by :meth:`PsgServer.stop`;
+            health stays NOT_SERVING until it is ready, and whenever it has no live worker.
         registry: the model registry; default the built-ins plus ``config.model_plugins``.
     """
     check_bind_allowed(config)
     registry = registry if registry is not None else default_registry(config.model_plugins)
     if executor is None:
-        executor = InProcessExecutor(registry, num_workers=config.num_workers)
+        executor = _default_executor(config, registry)
     metrics = Metrics()
     authenticator = TokenAuthenticator(config.tokens)
     options = [("grpc.max_send_message_length", config.max_message_bytes),
@@ -262,17 +300,29 @@ async def create_server(config: ServerConfig, *, executor: ShardExecutor | None 
     credentials = server_credentials(config)
     port = (server.add_secure_port(config.address, credentials) if credentials is not None
             else server.add_insecure_port(config.address))
-    for service in ("", SERVICE_NAME):
-        await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await _set_health(health, False)
     await server.start()
-    await executor.start()
+    try:
+        await executor.start()
+    except BaseException:
+        await server.stop(None)
+        raise
     metrics_port = None
     if config.metrics_port is not None:
         metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
-    for service in ("", SERVICE_NAME):
-        serving = health_pb2.HealthCheckResponse.SERVING if executor.ready else \
-            health_pb2.HealthCheckResponse.NOT_SERVING
-        await health.set(service, serving)
+    serving = executor.ready
+    await _set_health(health, serving)
+    health_task = asyncio.create_task(_follow_readiness(health, executor, serving), name="psg-health")
     logger.info("psg-server listening on %s:%d (%s, %s)", config.host, port,
                 "TLS" if credentials else "plaintext", "tokens" if authenticator.enabled else "no auth")
-    return PsgServer(server, executor, metrics, health, metrics_port), port
+    return PsgServer(server, executor, metrics, health, metrics_port, health_task), port
+
+
+def _default_executor(config: ServerConfig, registry: ModelRegistry) -> ShardExecutor:
+    if config.executor == "ray":
+        from psg_server.pool import WorkerPool  # Ray is imported only when the pool is used
+
+        return WorkerPool(plugins=registry.plugins, num_workers=config.num_workers,
+                          cpus_per_worker=config.cpus_per_worker, ray_address=config.ray_address,
+                          max_shard_samples=config.max_shard_samples)
+    return InProcessExecutor(registry, num_workers=config.num_workers or 1)

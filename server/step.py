@@ -185,7 +185,9 @@ class StepRunner:
         async with session.lock:
             parameters = session.parameters_for(header.param_version)
             with metrics.phase("validate"):
-                session.check_budget()  # refuse before computing, not after
+                # Refuse before computing, not after. Accounting (here and below) can take a good
+                # fraction of a second under PLD, so it runs on a thread, off the event loop.
+                await _off_loop(session.check_budget)
             with metrics.phase("compute"):
                 num_shards = max(len(self._executor.workers()),
                                  math.ceil(batch.num_samples / self._config.max_shard_samples))
@@ -205,7 +207,7 @@ class StepRunner:
             with metrics.phase("noise"):
                 grads = self._noise_and_normalise(session, merged, step_seed)
             with metrics.phase("account"):
-                step = session.record_step()
+                step = await _off_loop(session.record_step)
         metrics.samples.inc(merged.num_samples)
         stats = _stats(session, merged, step=step, version=parameters.version,
                        seconds=time.perf_counter() - started)
@@ -227,6 +229,17 @@ class StepRunner:
                            secure_rng=session.secure_rng)
         scale = session.normaliser
         return {name: grad.div_(scale) for name, grad in noised.items()}
+
+
+async def _off_loop(function: Callable[[], Any]) -> Any:
+    """``function()`` on a worker thread. If the caller is cancelled meanwhile, the call still
+    finishes before the cancellation goes on, so the session lock covers the accountant's update."""
+    future = asyncio.get_running_loop().run_in_executor(None, function)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise
 
 
 def _stats(session: Session, merged: DPGradient, *, step: int, version: int,

@@ -1,0 +1,192 @@
+"""Ray pool scaling: DP-step throughput (samples/s) with 1 and 2 workers, one torch thread each.
+
+Each configuration runs the same step (``dp_gradient`` of a small CNN, hooks backend, a batch
+split into one shard per worker) through :class:`psg_server.pool.WorkerPool` on a local Ray, after
+warm-up steps; the figure is the batch size over the median step time. An in-process run on one
+thread (:class:`psg_server.executor.ShardRunner`, no Ray) is the reference: the gap between it and
+the 1-worker pool is the pool's per-step overhead (object store, actor calls).
+
+    python -m benchmarks.ray_scaling [--quick] [--device cpu|cuda]
+
+prints the table and writes ``benchmarks/results/ray_scaling-<device>-<size>.{json,md}``.
+``run(quick, device)`` is the entry point other drivers (``benchmarks.run``) call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from psg_core.config import DPConfig
+from psg_core.modes import GradSampleMode
+from psg_server.executor import ParameterSet, SessionSpec, ShardRunner
+from psg_server.models import default_registry
+from psg_server.pool import WorkerPool
+from psg_server.step import Batch, split_shards
+
+__all__ = ["main", "render", "run"]
+
+logger = logging.getLogger(__name__)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_MODEL = "cnn_groupnorm"
+
+
+def _workload(quick: bool) -> dict[str, Any]:
+    # A step is compute-bound (hundreds of ms on one thread) yet fits a 2-core machine.
+    return {"model_kwargs": {"in_channels": 3, "image_size": 32, "channels": [16, 32], "groups": 4,
+                             "num_classes": 10},
+            "samples": 64 if quick else 256, "warmup": 2, "repeats": 5 if quick else 10}
+
+
+def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """Measures 1- and 2-worker pool throughput (and the in-process reference); returns the rows.
+
+    Args:
+        quick: smaller images and batch, fewer timed steps.
+        device: "cpu" (one thread per worker) or "cuda" (one GPU per worker; needs 2 GPUs for the
+            2-worker row).
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"ray_scaling.run: device must be 'cpu' or 'cuda', got {device!r}")
+    work = _workload(quick)
+    registry = default_registry()
+    kwargs = registry.parse_kwargs(_MODEL, json.dumps(work["model_kwargs"]))
+    torch.manual_seed(0)
+    model = registry.build(_MODEL, kwargs)
+    parameters = ParameterSet(version=1, tensors={n: p.detach().clone() for n, p in model.named_parameters()})
+    config = DPConfig(mode=GradSampleMode.HOOKS, max_grad_norm=1.0)
+    spec = SessionSpec(session_id="bench", model=_MODEL, loss="cross_entropy", dp_config=config,
+                       model_kwargs_json=json.dumps(kwargs, sort_keys=True))
+    generator = torch.Generator().manual_seed(0)
+    size = work["model_kwargs"]["image_size"]
+    samples = work["samples"]
+    images = torch.randn(samples, 3, size, size, generator=generator)  # (N, C, H, W)
+    labels = torch.randint(0, 10, (samples,), generator=generator)  # (N,)
+    batch = Batch(inputs=(images,), targets=labels, num_samples=samples)
+    rows: list[dict[str, Any]] = []
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = ShardRunner(registry, "cuda" if device == "cuda" else "cpu")
+        (whole,) = split_shards(batch, augmentation_multiplicity=1, batch_first=True, num_shards=1)
+        seconds = _time(lambda: runner.run_shard(spec, parameters, whole), work, device)
+        rows.append(_row("in-process (no Ray)", 1, samples, seconds))
+    finally:
+        torch.set_num_threads(threads)
+
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        gpus = torch.cuda.device_count() if device == "cuda" else 0
+        ray.init(address="local", num_cpus=2, num_gpus=gpus, include_dashboard=False,
+                 object_store_memory=256 << 20, log_to_driver=False)
+    try:
+        available_gpus = int(ray.cluster_resources().get("GPU", 0))
+        for workers in (1, 2):
+            if device == "cuda" and available_gpus < workers:
+                logger.warning("ray_scaling: %d worker(s) need %d GPUs; the cluster has %d", workers,
+                               workers, available_gpus)
+                continue
+            rows.append(asyncio.run(_pool_row(spec, parameters, batch, workers, device, work)))
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    base = next((r["samples_per_s"] for r in rows if r["executor"] == "Ray pool" and r["workers"] == 1), None)
+    for row in rows:
+        row["speedup_vs_1_worker"] = round(row["samples_per_s"] / base, 2) if base else None
+    return {"suite": "ray_scaling", "device": device, "size": "quick" if quick else "full",
+            "model": _MODEL, "model_kwargs": work["model_kwargs"], "samples": samples,
+            "mode": config.mode.value,
+            "warmup": work["warmup"], "repeats": work["repeats"], "threads_per_worker": 1,
+            "torch": torch.__version__, "ray": ray.__version__, "host_cpus": os.cpu_count(),
+            "machine": platform.machine(), "rows": rows}
+
+
+async def _pool_row(spec: SessionSpec, parameters: ParameterSet, batch: Batch, workers: int, device: str,
+                    work: dict[str, Any]) -> dict[str, Any]:
+    pool = WorkerPool(num_workers=workers, cpus_per_worker=1, use_gpus=device == "cuda")
+    await pool.start()
+    try:
+        shards = split_shards(batch, augmentation_multiplicity=1, batch_first=True, num_shards=workers)
+        timings = []
+        for step in range(work["warmup"] + work["repeats"]):
+            started = time.perf_counter()
+            await pool.run(spec, parameters, shards)
+            if step >= work["warmup"]:
+                timings.append(time.perf_counter() - started)
+        return _row("Ray pool", workers, batch.num_samples, timings)
+    finally:
+        await pool.close()
+
+
+def _time(step: Any, work: dict[str, Any], device: str) -> list[float]:
+    timings = []
+    for index in range(work["warmup"] + work["repeats"]):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if index >= work["warmup"]:
+            timings.append(time.perf_counter() - started)
+    return timings
+
+
+def _row(executor: str, workers: int, samples: int, seconds: Sequence[float]) -> dict[str, Any]:
+    median = statistics.median(seconds)
+    return {"executor": executor, "workers": workers, "median_step_ms": round(1000 * median, 1),
+            "min_step_ms": round(1000 * min(seconds), 1), "samples_per_s": round(samples / median, 1)}
+
+
+def render(result: dict[str, Any]) -> str:
+    """The result as a Markdown section."""
+    lines = [f"# Ray pool scaling ({result['device']}, {result['size']})", "",
+             f"{result['model']} {result['model_kwargs']}, {result['samples']} samples per step, mode "
+             f"{result['mode']}, one torch thread per worker; median of {result['repeats']} steps after "
+             f"{result['warmup']} warm-up; host with {result['host_cpus']} CPUs, torch {result['torch']}, "
+             f"ray {result['ray']}. Timings on a shared machine are noisy.", "",
+             "| executor | workers | median step (ms) | min (ms) | samples/s | speedup vs 1 worker |",
+             "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['executor']} | {row['workers']} | {row['median_step_ms']} | "
+                     f"{row['min_step_ms']} | {row['samples_per_s']} | {row['speedup_vs_1_worker']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark, prints the table and writes the results; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ray_scaling", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller images and batch, fewer steps")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    result = run(quick=args.quick, device=args.device)
+    text = render(result)
+    sys.stdout.write(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"ray_scaling-{result['device']}-{result['size']}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(text)
+    logger.warning("ray_scaling: wrote %s.json and .md", stem)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""The Ray side of the pool: :class:`GradientWorker`, one device's shard computations.
+
+``GradientWorker`` is a plain class around a :class:`~psg_server.executor.ShardRunner`; the pool
+turns it into an actor only when it creates one (``ray.remote(GradientWorker).options(...)``), so
+the class can be built and called directly too. Inside an actor it runs its shards one after
+another on one thread (the default concurrency group), while :meth:`ping` and :meth:`describe`
+answer from a second thread (the ``control`` group), so a health probe never waits for a long
+shard.
+
+Parameters travel as a Ray object reference wrapped in a tuple, which Ray does not resolve: the
+worker fetches the set only when its cached model does not already hold that version, so steps of
+an unchanged version never copy the parameters again.
+
+>>> from psg_server.worker import GradientWorker
+>>> worker = GradientWorker(name="w0", num_threads=1)
+>>> worker.describe().device
+'cpu'
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+
+from psg_core.config import DPGradient
+from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardRunner, WorkerDescription
+from psg_server.models import default_registry
+
+__all__ = ["CONTROL_GROUP", "GradientWorker"]
+
+logger = logging.getLogger(__name__)
+
+#: Concurrency group of the methods that must answer while a shard runs.
+CONTROL_GROUP = "control"
+
+
+class GradientWorker:
+    """Computes shards on one device (a GPU, or ``num_threads`` CPU threads), caching one model per
+    session.
+
+    Args:
+        name: the worker's name in ``GetServerInfo`` (the pool uses ``ray-worker-<slot>``).
+        plugins: model plugin modules to load, as the frontend's registry did.
+        num_threads: torch intra-op threads (the CPU cores Ray reserved for this worker).
+        use_gpu: run on the GPU Ray assigned to this actor (``num_gpus=1``).
+    """
+
+    def __init__(self, *, name: str, plugins: Sequence[str] = (), num_threads: int = 1,
+                 use_gpu: bool = False) -> None:
+        if num_threads < 1:
+            raise ValueError(f"GradientWorker: num_threads must be >= 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
+        if use_gpu and not torch.cuda.is_available():
+            raise RuntimeError(f"GradientWorker {name}: use_gpu=True, but torch sees no CUDA device")
+        # Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU, which torch then calls cuda:0.
+        device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        self._registry = default_registry(plugins)
+        self._runner = ShardRunner(self._registry, device)
+        self._description = WorkerDescription(id=name, device=_device_label(device), node=_node_label())
+        self._shards_run = 0
+        logger.info("worker %s on %s (%s), %d torch thread(s)", name, self._description.device,
+                    self._description.node or "no Ray node", num_threads)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def describe(self) -> WorkerDescription:
+        """Who and where this worker is."""
+        return self._description
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def ping(self) -> int:
+        """Liveness probe; returns the worker's process id."""
+        return os.getpid()
+
+    def stats(self) -> dict[str, Any]:
+        """Shards run so far and the sessions whose model is cached.
+
+        In the default group, so it answers after the calls queued before it (a :meth:`release`).
+        """
+        return {"shards_run": self._shards_run, "sessions": self._runner.sessions()}
+
+    def run_shard(self, spec: SessionSpec, version: int, parameters: tuple[Any], shard: Shard) -> DPGradient:
+        """``dp_gradient`` of the session's model at parameter ``version`` on one shard.
+
+        Args:
+            spec: the session.
+            version: the parameter version the step uses.
+            parameters: a 1-tuple holding the :class:`ParameterSet` or a Ray reference to it;
+                fetched only when the cached model lacks ``version``.
+            shard: the samples (K rows each).
+        """
+        if self._runner.has_parameters(spec, version):
+            # The cached model already holds this version, and the runner never reads the tensors
+            # of a version it has loaded: no need to fetch the set again.
+            current = ParameterSet(version=version, tensors={})
+        else:
+            current = _resolve(parameters[0])
+            if current.version != version:
+                raise RuntimeError(f"GradientWorker.run_shard: parameters of version {current.version} "
+                                   f"arrived for a step at version {version}")
+        for plugin in spec.plugins:
+            if plugin not in self._registry.plugins:
+                self._registry.load_plugin(plugin)
+        result = self._runner.run_shard(spec, current, shard)
+        self._shards_run += 1
+        return result
+
+    def release(self, session_id: str) -> None:
+        """Drops the session's cached model."""
+        self._runner.release(session_id)
+
+
+def _resolve(parameters: ParameterSet | ray.ObjectRef) -> ParameterSet:
+    if isinstance(parameters, ray.ObjectRef):
+        return ray.get(parameters)
+    return parameters
+
+
+def _device_label(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    # Report the physical GPU, not the cuda:0 that CUDA_VISIBLE_DEVICES makes of it.
+    return f"cuda:{gpu_ids[0]}" if gpu_ids else "cuda:0"
+
+
+def _node_label() -> str:
+    if not ray.is_initialized():
+        return ""
+    context = ray.get_runtime_context()
+    return f"{ray.util.get_node_ip_address()}/{context.get_node_id()[:12]}"

@@ -1,0 +1,395 @@
+"""The Ray worker pool: exact results for any worker count, balancing, the parameter cache, worker
+loss (ray.kill and SIGKILL mid-step), deadlines, no-worker errors and health, and the flags that
+select it. All tests share the session's local Ray (``ray_session`` in tests/conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from psg_client import GradientClient, ServiceError
+from psg_core.config import DPConfig, DPGradient
+from psg_server.config import ServerConfig
+from psg_server.errors import NoWorkersError
+from psg_server.executor import InProcessExecutor, ParameterSet, SessionSpec, Shard
+from psg_server.models import default_registry
+from psg_server.step import Batch, split_shards
+from tests.server.service_harness import FAST_RETRY, MLP_KWARGS, build, client_for, local_dp, mlp_batch, serve
+
+MODES = ("hooks", "functorch", "ew", "ghost")
+PLUGIN = "tests.server.pool_models"
+#: Forward-pass sleep of the slow model: long enough to kill a worker while its shard runs.
+SLOW_MS = 800
+
+
+class LoopThread:
+    """An event loop on a thread: pools live on it, tests call into it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def submit(self, coroutine: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def call(self, coroutine: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
+        return self.submit(coroutine).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    running = LoopThread()
+    yield running
+    running.close()
+
+
+def make_pool(loop_thread: LoopThread, **kwargs: Any) -> Any:
+    from psg_server.pool import WorkerPool
+
+    kwargs.setdefault("plugins", (PLUGIN,))
+    kwargs.setdefault("probe_interval_s", 0.5)
+    kwargs.setdefault("start_timeout_s", 60.0)
+    pool = WorkerPool(**kwargs)
+    loop_thread.call(pool.start())
+    assert pool.ready and len(pool.workers()) == kwargs.get("num_workers", 1)
+    return pool
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
+def pool(request: pytest.FixtureRequest, ray_session: Any, loop_thread: LoopThread) -> Iterator[Any]:
+    started = make_pool(loop_thread, num_workers=request.param)
+    yield started
+    loop_thread.call(started.close())
+
+
+@pytest.fixture(scope="module")
+def reference(loop_thread: LoopThread) -> Iterator[InProcessExecutor]:
+    executor = InProcessExecutor(default_registry((PLUGIN,)), num_workers=1)
+    loop_thread.call(executor.start())
+    yield executor
+    loop_thread.call(executor.close())
+
+
+def session_spec(config: DPConfig, *, session_id: str = "session", model: str = "mlp",
+                 kwargs: dict[str, Any] | None = None) -> SessionSpec:
+    registry = default_registry((PLUGIN,))
+    parsed = registry.parse_kwargs(model, json.dumps(MLP_KWARGS if kwargs is None else kwargs))
+    return SessionSpec(session_id=session_id, model=model,
+                       model_kwargs_json=json.dumps(parsed, sort_keys=True), loss="cross_entropy",
+                       dp_config=config, plugins=(PLUGIN,))
+
+
+def parameters_of(model: torch.nn.Module, version: int = 1) -> ParameterSet:
+    return ParameterSet(version=version, tensors={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def shards_for(config: DPConfig, samples: int, num_shards: int, *, seed: int = 0) -> list[Shard]:
+    K = config.augmentation_multiplicity
+    inputs, targets = mlp_batch(samples * K, seed=seed)
+    batch = Batch(inputs=(inputs,), targets=targets, num_samples=samples)
+    return split_shards(batch, augmentation_multiplicity=K, batch_first=True, num_shards=num_shards)
+
+
+def assert_same(results: list[DPGradient], expected: DPGradient) -> None:
+    merged = DPGradient.merge(results)
+    assert merged.grads.keys() == expected.grads.keys()
+    for name, grad in merged.grads.items():
+        torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged.per_sample_norms, expected.per_sample_norms, rtol=1e-5, atol=1e-6)
+    assert merged.loss_sum == pytest.approx(expected.loss_sum, rel=1e-5)
+    assert (merged.num_samples, merged.num_clipped) == (expected.num_samples, expected.num_clipped)
+
+
+def worker_handles(pool: Any) -> list[Any]:
+    """The live workers' actor handles (test-only peek inside the pool)."""
+    return [worker.handle for worker in pool._live()]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+# ------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_pool_equals_in_process_executor(pool: Any, reference: InProcessExecutor, loop_thread: LoopThread,
+                                         mode: str, K: int) -> None:
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.5)
+    spec = session_spec(config, session_id=f"{mode}-{K}")
+    model = build(seed=K)
+    parameters = parameters_of(model)
+    num_workers = len(pool.workers())
+    shards = shards_for(config, 7, num_workers, seed=K)
+    results = loop_thread.call(pool.run(spec, parameters, shards))
+    expected = loop_thread.call(reference.run(spec, parameters, shards))
+    assert_same(results, DPGradient.merge(expected))
+    inputs = torch.cat([s.inputs[0] for s in shards])
+    targets = torch.cat([s.targets for s in shards])
+    assert_same(results, local_dp(model, inputs, targets, config))
+    # every worker took part
+    assert all(rate is not None and rate > 0 for rate in pool.throughputs().values())
+    loop_thread.call(pool.release(spec.session_id))
+
+
+def test_more_shards_than_workers_are_queued(pool: Any, reference: InProcessExecutor,
+                                             loop_thread: LoopThread) -> None:
+    config = DPConfig(augmentation_multiplicity=2, max_grad_norm=0.5)
+    spec = session_spec(config, session_id="queued")
+    parameters = parameters_of(build(seed=3))
+    shards = shards_for(config, 9, len(pool.workers()) + 3)
+    results = loop_thread.call(pool.run(spec, parameters, shards))
+    assert len(results) == len(shards)
+    assert_same(results, DPGradient.merge(loop_thread.call(reference.run(spec, parameters, shards))))
+    loop_thread.call(pool.release(spec.session_id))
+
+
+def test_uneven_workers_get_shares_proportional_to_throughput(pool: Any, reference: InProcessExecutor,
+                                                              loop_thread: LoopThread) -> None:
+    workers = pool._live()
+    if len(workers) < 2:
+        pytest.skip("balancing needs two workers")
+    config = DPConfig(max_grad_norm=0.5)
+    for worker, rate in zip(workers, (300.0, 100.0, 100.0)):
+        worker.rate = rate
+    from psg_server.pool import _proportional_sizes
+
+    shards = shards_for(config, 12, len(workers))
+    sizes, pinned = pool._plan([s.targets.shape[0] for s in shards])
+    assert pinned == workers and sizes == _proportional_sizes(12, [w.rate for w in workers])
+    assert sizes[0] > sizes[1] and sizes[0] > 12 // len(workers)
+    spec = session_spec(config, session_id="uneven")
+    parameters = parameters_of(build(seed=4))
+    results = loop_thread.call(pool.run(spec, parameters, shards))
+    assert [r.num_samples for r in results] == sizes
+    assert_same(results, DPGradient.merge(loop_thread.call(reference.run(spec, parameters, shards))))
+    loop_thread.call(pool.release(spec.session_id))
+
+
+def test_one_put_per_version_and_release_drops_cached_models(pool: Any, loop_thread: LoopThread,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    puts: list[int] = []
+    original_put = ray.put
+
+    def counting_put(value: Any, **kwargs: Any) -> Any:
+        if isinstance(value, ParameterSet):
+            puts.append(value.version)
+        return original_put(value, **kwargs)
+
+    monkeypatch.setattr(ray, "put", counting_put)
+    config = DPConfig(max_grad_norm=0.5)
+    spec = session_spec(config, session_id="versions")
+    shards = shards_for(config, 6, len(pool.workers()))
+    first, second = build(seed=5), build(seed=6)
+    for parameters in (parameters_of(first, 1), parameters_of(first, 1), parameters_of(second, 2)):
+        results = loop_thread.call(pool.run(spec, parameters, shards))
+    assert puts == [1, 2]
+    inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
+    assert_same(results, local_dp(second, inputs, targets, config))  # the new version was loaded
+    stats = [ray.get(handle.stats.remote(), timeout=30) for handle in worker_handles(pool)]
+    assert all("versions" in s["sessions"] for s in stats)
+    loop_thread.call(pool.release(spec.session_id))
+    stats = [ray.get(handle.stats.remote(), timeout=30) for handle in worker_handles(pool)]
+    assert all("versions" not in s["sessions"] for s in stats)
+
+
+# ----------------------------------------------------------------------------- faults
+@pytest.mark.parametrize("how, num_workers", [("ray_kill", 2), ("sigkill", 2), ("sigkill", 1)])
+def test_worker_killed_mid_step_costs_latency_not_the_step(ray_session: Any, loop_thread: LoopThread,
+                                                           how: str, num_workers: int) -> None:
+    pool = make_pool(loop_thread, num_workers=num_workers)
+    try:
+        config = DPConfig(max_grad_norm=0.5)
+        kwargs = {**MLP_KWARGS, "delay_ms": SLOW_MS}
+        kwargs.pop("hidden")
+        spec = session_spec(config, session_id=f"kill-{how}", model="slow_mlp", kwargs=kwargs)
+        model = default_registry((PLUGIN,)).build("slow_mlp", json.loads(spec.model_kwargs_json))
+        parameters = parameters_of(model)
+        shards = shards_for(config, 4, num_workers)
+        inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
+        expected = local_dp(model, inputs, targets, config)
+        victim = worker_handles(pool)[0]
+        pid = ray_session.get(victim.ping.remote(), timeout=30)
+        step = loop_thread.submit(pool.run(spec, parameters, shards))
+        time.sleep(SLOW_MS / 2000)  # the shards are running now
+        assert not step.done()
+        if how == "ray_kill":
+            ray_session.kill(victim, no_restart=True)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        assert_same(step.result(timeout=90), expected)
+        wait_until(lambda: len(pool.workers()) == num_workers, 90, "the replacement worker")
+        assert victim not in worker_handles(pool)
+        assert_same(loop_thread.call(pool.run(spec, parameters, shards)), expected)
+    finally:
+        loop_thread.call(pool.close())
+
+
+def test_deadline_cancels_in_flight_shards(ray_session: Any, loop_thread: LoopThread,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = make_pool(loop_thread, num_workers=1)
+    cancelled: list[Any] = []
+    original_cancel = ray_session.cancel
+
+    def recording_cancel(ref: Any, **kwargs: Any) -> None:
+        cancelled.append(ref)
+        original_cancel(ref, **kwargs)
+
+    monkeypatch.setattr(ray_session, "cancel", recording_cancel)
+    try:
+        config = DPConfig(max_grad_norm=0.5)
+        kwargs = {"in_features": 6, "num_classes": 3, "delay_ms": SLOW_MS}
+        spec = session_spec(config, session_id="deadline", model="slow_mlp", kwargs=kwargs)
+        model = default_registry((PLUGIN,)).build("slow_mlp", json.loads(spec.model_kwargs_json))
+        parameters = parameters_of(model)
+        running = loop_thread.submit(pool.run(spec, parameters, shards_for(config, 2, 1)))
+        time.sleep(0.2)
+        # A second step queues behind the first on the only worker, and times out there.
+        with pytest.raises(asyncio.TimeoutError):
+            loop_thread.call(asyncio.wait_for(pool.run(spec, parameters, shards_for(config, 2, 1)), 0.3))
+        assert len(cancelled) == 1
+        running.result(timeout=60)
+        handle = worker_handles(pool)[0]
+        assert ray_session.get(handle.stats.remote(), timeout=30)["shards_run"] == 1  # never ran
+        loop_thread.call(pool.run(spec, parameters, shards_for(config, 2, 1)))  # still serving
+    finally:
+        loop_thread.call(pool.close())
+
+
+def test_no_live_worker_is_unavailable_and_not_serving_until_one_returns(
+        ray_session: Any, loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    from psg_server.pool import WorkerPool
+
+    # The server starts the pool on its own loop and closes it when it stops.
+    pool = WorkerPool(num_workers=1, worker_wait_s=0.5, probe_interval_s=0.2)
+    spawn = pool._spawn
+    try:
+        with serve(executor=pool) as server, GradientClient(server.target, retry=FAST_RETRY) as client:
+            monkeypatch.setattr(pool, "_spawn", lambda slot: None)  # replacements cannot start for now
+            health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
+
+            def status() -> int:
+                return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+            assert status() == health_pb2.HealthCheckResponse.SERVING
+            (worker,) = client.server_info().workers
+            assert worker.id.startswith("ray-worker-0@") and worker.device == "cpu"
+            config = DPConfig(max_grad_norm=0.5)
+            model = build()
+            with client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy",
+                                       expected_batch_size=4, config=config) as session:
+                session.push_parameters(model)
+                inputs, targets = mlp_batch(4)
+                session.compute_gradients(inputs, targets)
+                ray_session.kill(worker_handles(pool)[0], no_restart=True)
+                wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
+                with pytest.raises(ServiceError) as failure:
+                    session.compute_gradients(inputs, targets)
+                assert failure.value.code == grpc.StatusCode.UNAVAILABLE
+                assert not client.server_info().workers
+                monkeypatch.setattr(pool, "_spawn", spawn)
+                wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 90, "SERVING again")
+                result = session.compute_gradients(inputs, targets)
+            expected = local_dp(model, inputs, targets, config)
+            for name, grad in result.grads.items():
+                torch.testing.assert_close(grad, expected.grads[name] / 4, rtol=1e-5, atol=1e-6)
+    finally:
+        monkeypatch.setattr(pool, "_spawn", spawn)
+    assert not pool.ready
+    with pytest.raises(NoWorkersError, match="not running"):
+        loop_thread.call(pool.run(session_spec(DPConfig()), parameters_of(build()),
+                                  shards_for(DPConfig(), 2, 1)))
+
+
+def test_accounting_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PLD accounting can take a good fraction of a second: it must not stall other RPCs meanwhile.
+    from psg_core.accounting import PrivacyAccountant
+
+    original = PrivacyAccountant.epsilon
+
+    def slow_epsilon(self: PrivacyAccountant, delta: float | None = None) -> float:
+        time.sleep(1.5)
+        return original(self, delta)
+
+    monkeypatch.setattr(PrivacyAccountant, "epsilon", slow_epsilon)
+    with serve() as server, client_for(server) as client:
+        config = DPConfig(max_grad_norm=0.5, noise_multiplier=1.0)
+        with client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4,
+                                   config=config, sample_rate=0.01, delta=1e-5) as session:
+            session.push_parameters(build())
+            inputs, targets = mlp_batch(4)
+            step = threading.Thread(target=session.compute_gradients, args=(inputs, targets), daemon=True)
+            step.start()
+            time.sleep(0.5)  # the step is in its accounting phase now
+            started = time.monotonic()
+            client.server_info()
+            answered = time.monotonic() - started
+            step.join(timeout=30)
+            assert not step.is_alive() and session.info().steps == 1
+    assert answered < 0.75, f"GetServerInfo waited {answered:.2f} s behind the accounting"
+
+
+# ----------------------------------------------------------------- pure parts, flags
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_recut_keeps_samples_whole_and_in_order(batch_first: bool) -> None:
+    from psg_server.pool import _proportional_sizes, _recut
+
+    K, samples = 3, 10
+    batch_dim = 0 if batch_first else 1
+    rows = torch.arange(samples * K, dtype=torch.float32)  # (N*K,)
+    inputs = rows.view(-1, 1, 1).expand(-1, 2, 4) if batch_first else rows.view(1, -1, 1).expand(2, -1, 4)
+    batch = Batch(inputs=(inputs.contiguous(),), targets=rows.long(), num_samples=samples)
+    shards = split_shards(batch, augmentation_multiplicity=K, batch_first=batch_first, num_shards=3)
+    sizes = _proportional_sizes(samples, [2.0, 1.0])
+    assert sizes == [7, 3]
+    pieces = _recut(shards, sizes, K, batch_dim)
+    assert [p.targets.tolist() for p in pieces] == [list(range(21)), list(range(21, 30))]
+    for piece in pieces:
+        torch.testing.assert_close(piece.inputs[0].select(1 - batch_dim, 0)[..., 0], piece.targets.float())
+        assert piece.inputs[0].untyped_storage().nbytes() == piece.inputs[0].numel() * 4  # compact
+    same = _recut(shards, [s.targets.shape[0] // K for s in shards], K, batch_dim)
+    assert all(torch.equal(a.inputs[0], b.inputs[0]) for a, b in zip(same, shards))
+    assert _proportional_sizes(5, [1.0] * 5) == [1] * 5 and _proportional_sizes(11, [1.0, 1.0]) == [6, 5]
+
+
+def test_flags_select_the_pool() -> None:
+    environ = {"RAY_ADDRESS": "10.0.0.1:6379"}
+    cli = ServerConfig.from_args(["--workers", "3", "--cpus-per-worker", "2"], environ=environ,
+                                 defaults={"executor": "ray"})
+    assert (cli.executor, cli.num_workers, cli.cpus_per_worker) == ("ray", 3, 2)
+    assert cli.ray_address == "10.0.0.1:6379"
+    flag = ServerConfig.from_args(["--ray-address", "h:1", "--executor", "inprocess"], environ=environ,
+                                  defaults={"executor": "ray"})
+    assert (flag.executor, flag.ray_address, flag.num_workers) == ("inprocess", "h:1", None)
+    assert ServerConfig().executor == "inprocess"
+    from_env = ServerConfig.from_args([], environ={"PSG_EXECUTOR": "inprocess"}, defaults={"executor": "ray"})
+    assert from_env.executor == "inprocess"
+    from psg_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="executor"):
+        ServerConfig(executor="threads")
+    with pytest.raises(ConfigError, match="cpus_per_worker"):
+        ServerConfig(cpus_per_worker=0)
