@@ -44,7 +44,7 @@ PLUGIN = "tests.server.pool_models"
 SLOW_MS = 1500
 #: Node failure detection in seconds rather than Ray's default ~30 s (head only).
 FAST_HEALTH_CHECKS = json.dumps({"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
-                                 "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3})
+                                 "health_check_timeout_ms": 1000, "health_check_failure_threshold": 5})
 
 
 def free_port() -> int:

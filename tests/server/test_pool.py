@@ -165,6 +165,17 @@ def test_more_shards_than_workers_are_queued(pool: Any, reference: InProcessExec
     loop_thread.call(pool.release(spec.session_id))
 
 
+def test_fewer_samples_than_workers(pool: Any, reference: InProcessExecutor, loop_thread: LoopThread) -> None:
+    config = DPConfig(augmentation_multiplicity=3, max_grad_norm=0.5)
+    spec = session_spec(config, session_id="few")
+    parameters = parameters_of(build(seed=7))
+    shards = shards_for(config, 2, 1)  # one shard of two samples, whatever the worker count
+    results = loop_thread.call(pool.run(spec, parameters, shards))
+    assert [r.num_samples for r in results] == ([2] if len(pool.workers()) == 1 else [1, 1])
+    assert_same(results, DPGradient.merge(loop_thread.call(reference.run(spec, parameters, shards))))
+    loop_thread.call(pool.release(spec.session_id))
+
+
 def test_uneven_workers_get_shares_proportional_to_throughput(pool: Any, reference: InProcessExecutor,
                                                               loop_thread: LoopThread) -> None:
     workers = pool._live()
@@ -337,8 +348,9 @@ def test_accounting_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(PrivacyAccountant, "epsilon", slow_epsilon)
     with serve() as server, client_for(server) as client:
         config = DPConfig(max_grad_norm=0.5, noise_multiplier=1.0)
-        with client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4,
-                                   config=config, sample_rate=0.01, delta=1e-5) as session:
+        with client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy",
+                                   expected_batch_size=4, config=config, sample_rate=0.01,
+                                   delta=1e-5) as session:
             session.push_parameters(build())
             inputs, targets = mlp_batch(4)
             step = threading.Thread(target=session.compute_gradients, args=(inputs, targets), daemon=True)
