@@ -1,0 +1,529 @@
+"""The deploy files, checked without Docker or Kubernetes (DESIGN.md §4).
+
+* docker-compose.yml (and the CPU override) validate against the Compose Specification schema,
+  vendored in tests/data/compose-spec.json from check-jsonschema's built-in copy (Apache-2.0,
+  tests/data/LICENSE.compose-spec); nothing is fetched at test time.
+* Topology: every command parses with the real CLI it names (psg-server's parser, Ray's click
+  commands, psg-health's parser), addresses and ports agree across services, the GPU worker reserves
+  GPUs and can be scaled, secrets and the Ray token reach every node.
+* Dockerfiles, by rule: a pinned base tag, a non-root USER, a psg-health HEALTHCHECK, no secrets,
+  every COPY source present and let through .dockerignore, versions that agree across images.
+* k8s manifests parse and agree with the compose file on image, ports and commands.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import ray.scripts.scripts as ray_cli
+import yaml
+from packaging.requirements import Requirement
+
+from psg_server.config import ServerConfig, build_parser
+from psg_server.health import build_parser as health_parser
+from psg_server.security import check_bind_allowed
+from tests.integration.compose_model import (COMPOSE, COMPOSE_CPU, COMPOSE_TLS, DEPLOY, DOCKERFILE, DOCKERFILE_CPU,
+                                             REPO, active_services, command_of, dependencies, environment_of,
+                                             flag_value, healthcheck_command, load_compose, load_yaml,
+                                             parse_dockerfile, start_order)
+
+SCHEMA = REPO / "tests" / "data" / "compose-spec.json"
+CONSTRAINTS = DEPLOY / "docker" / "constraints.txt"
+K8S = DEPLOY / "k8s"
+HEAD, GPU_WORKER, CPU_WORKER, FRONTEND = "ray-head", "gpu-worker", "cpu-worker", "frontend"
+RAY_TOKEN_PATH = "/run/secrets/ray_auth_token"
+
+
+@pytest.fixture(scope="module")
+def schema_validator() -> jsonschema.Draft202012Validator:
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+@pytest.fixture(scope="module")
+def gpu_model() -> dict[str, Any]:
+    return load_compose(COMPOSE)
+
+
+@pytest.fixture(scope="module")
+def cpu_model() -> dict[str, Any]:
+    return load_compose(COMPOSE, COMPOSE_CPU)
+
+
+def _errors(validator: jsonschema.Draft202012Validator, document: Any) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
+
+
+# ------------------------------------------------------------------------------------ compose schema
+@pytest.mark.parametrize("paths", [(COMPOSE,), (COMPOSE_CPU,), (COMPOSE, COMPOSE_CPU)],
+                         ids=["base", "cpu-override", "merged"])
+def test_compose_files_validate_against_the_compose_spec(schema_validator: jsonschema.Draft202012Validator,
+                                                         paths: tuple[Path, ...]) -> None:
+    if len(paths) == 1:  # as written, before interpolation
+        assert _errors(schema_validator, load_yaml(paths[0])) == []
+    assert _errors(schema_validator, load_compose(*paths)) == []
+    overridden = load_compose(*paths, environ={"PSG_GPUS_PER_WORKER": "2", "PSG_PORT": "443"})
+    assert _errors(schema_validator, overridden) == []
+
+
+def test_the_schema_catches_mistakes(schema_validator: jsonschema.Draft202012Validator,
+                                     gpu_model: dict[str, Any]) -> None:
+    broken = json.loads(json.dumps(gpu_model))
+    broken["services"][GPU_WORKER]["shm_sise"] = "2gb"
+    broken["services"][FRONTEND]["depends_on"][HEAD]["condition"] = "service_ready"
+    errors = "\n".join(_errors(schema_validator, broken))
+    assert "services/gpu-worker: Unevaluated properties are not allowed ('shm_sise' was unexpected)" in errors
+    assert "services/frontend/depends_on: {'ray-head': {'condition': 'service_ready'}" in errors
+
+
+# ---------------------------------------------------------------------------------- compose topology
+def test_tls_override_configures_server_and_probe(schema_validator: jsonschema.Draft202012Validator,
+                                                  tmp_path: Path) -> None:
+    assert _errors(schema_validator, load_yaml(COMPOSE_TLS)) == []
+    for paths in ((COMPOSE, COMPOSE_TLS), (COMPOSE, COMPOSE_CPU, COMPOSE_TLS)):
+        model = load_compose(*paths)
+        assert _errors(schema_validator, model) == []
+        frontend = model["services"][FRONTEND]
+        environment = environment_of(frontend)
+        local = {}  # the container's /run/secrets/<name>, as files here
+        for name in frontend["secrets"]:
+            declared = (COMPOSE.parent / model["secrets"][name]["file"]).resolve()
+            assert declared.parent in (DEPLOY / "secrets", DEPLOY / "secrets" / "tls"), declared
+            local[f"/run/secrets/{name}"] = tmp_path / name
+            (tmp_path / name).write_text("trainer a-token-of-at-least-16-chars\n")
+        for key in ("PSG_TLS_CERT", "PSG_TLS_KEY", "PSG_HEALTH_TLS_CA"):
+            assert environment[key] in local, key
+        environ = {key: str(local.get(value, value)) for key, value in environment.items()}
+        command = [str(local.get(arg, arg)) for arg in command_of(frontend)]
+        config = ServerConfig.from_args(command[1:], environ=environ)
+        assert config.tls and config.tls_cert == local["/run/secrets/tls_cert"] and config.tokens
+        probe = health_parser(environ=environ).parse_args(healthcheck_command(frontend)[1:])
+        assert probe.tls_ca == local["/run/secrets/tls_ca"] and probe.tls_server_name == "localhost"
+
+
+def _head_address(model: dict[str, Any]) -> str:
+    head = command_of(model["services"][HEAD])
+    assert head[:3] == ["ray", "start", "--head"]
+    return f"{HEAD}:{flag_value(head, '--port')}"
+
+
+def _ray_start_params(command: list[str]) -> dict[str, Any]:
+    assert command[:2] == ["ray", "start"], command
+    return ray_cli.start.make_context("start", command[2:]).params  # raises on unknown flags
+
+
+def test_every_command_parses_with_the_cli_it_names(gpu_model: dict[str, Any], cpu_model: dict[str, Any],
+                                                    tmp_path: Path) -> None:
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["psg-server"] == "psg_server.cli:main" and scripts["psg-health"] == "psg_server.health:main"
+    for model in (gpu_model, cpu_model):
+        for name, service in active_services(model).items():
+            command = command_of(service)
+            if command[0] == "ray":
+                params = _ray_start_params(command)
+                assert params["block"], f"{name}: a container's Ray node must stay in the foreground"
+                assert params["disable_usage_stats"]
+            else:
+                assert command[0] in scripts, f"{name}: {command[0]} is not a console script of psg"
+                args = build_parser().parse_args(command[1:])
+                tokens = tmp_path / "tokens"
+                tokens.write_text("trainer a-token-of-at-least-16-chars\n")
+                config = ServerConfig.from_args([tokens.as_posix() if a == args.tokens_file else a
+                                                 for a in command[1:]], environ={})
+                check_bind_allowed(config)  # 0.0.0.0 is allowed because tokens are required
+                assert config.executor == "ray" or "--executor" not in command
+            probe = healthcheck_command(service)
+            if probe[0] == "psg-health":
+                health_parser(environ={}).parse_args(probe[1:])
+            elif probe[0] == "ray":
+                ray_cli.cli.commands[probe[1]].make_context(probe[1], probe[2:])
+            else:
+                assert probe[:2] == ["python", "-c"], probe
+                compile(probe[2], f"<{name} healthcheck>", "exec")
+
+
+def test_addresses_and_ports_agree(gpu_model: dict[str, Any]) -> None:
+    services = gpu_model["services"]
+    address = _head_address(gpu_model)
+    head = command_of(services[HEAD])
+    assert healthcheck_command(services[HEAD]) == ["ray", "health-check", "--address", address]
+    worker = command_of(services[GPU_WORKER])
+    assert flag_value(worker, "--address") == address
+    frontend = command_of(services[FRONTEND])
+    assert flag_value(frontend, "--ray-address") == address
+    assert environment_of(services[FRONTEND])["PSG_RAY_JOIN"] == address
+    # The frontend publishes its gRPC port and probes it.
+    port = flag_value(frontend, "--port")
+    assert flag_value(frontend, "--host") == "0.0.0.0"
+    assert [p.rsplit(":", 1)[1] for p in services[FRONTEND]["ports"]] == [port]
+    assert services[FRONTEND]["ports"] == [f"50051:{port}"]  # PSG_PORT unset: same port outside
+    probe = healthcheck_command(services[FRONTEND])
+    assert flag_value(probe, "--target") == f"127.0.0.1:{port}"
+    # The dashboard is published on the host's loopback only; the agent probe hits its own port.
+    assert services[HEAD]["ports"] == [f"127.0.0.1:8265:{flag_value(head, '--dashboard-port')}"]
+    agent_port = flag_value(worker, "--dashboard-agent-listen-port")
+    assert f"http://127.0.0.1:{agent_port}/api/local_raylet_healthz" in healthcheck_command(services[GPU_WORKER])[2]
+    assert "ports" not in services[GPU_WORKER]
+
+
+def test_the_gpu_worker_reserves_gpus_and_scales(gpu_model: dict[str, Any]) -> None:
+    services = gpu_model["services"]
+    worker = services[GPU_WORKER]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert any("gpu" in d["capabilities"] and d.get("driver") == "nvidia" for d in devices)
+    assert devices[0]["count"] == "all"
+    assert "container_name" not in worker and "ports" not in worker  # --scale needs both absent
+    assert _bytes(worker["shm_size"]) >= 1 << 30
+    for name in (HEAD, FRONTEND):
+        assert "deploy" not in services[name], f"{name} must not hold GPUs"
+        assert _bytes(services[name]["shm_size"]) >= 1 << 30
+    # The head and the frontend's node offer nothing to schedule on: shards go to workers.
+    head = _ray_start_params(command_of(services[HEAD]))
+    assert head["num_cpus"] == 0 and head["num_gpus"] == 0
+    entrypoint = (DEPLOY / "docker" / "entrypoint.sh").read_text()
+    assert "--num-cpus=0 --num-gpus=0" in entrypoint
+
+
+def test_start_order_and_health_conditions(gpu_model: dict[str, Any], cpu_model: dict[str, Any]) -> None:
+    assert start_order(active_services(gpu_model)) == [HEAD, GPU_WORKER, FRONTEND]
+    assert start_order(active_services(cpu_model)) == [HEAD, CPU_WORKER, FRONTEND]
+    for model in (gpu_model, cpu_model):
+        services = active_services(model)
+        for name, service in services.items():
+            assert service["healthcheck"]["test"], f"{name} has no healthcheck"
+            assert service.get("init") is True and service.get("restart") == "unless-stopped"
+            for dependency, spec in dependencies(service).items():
+                if dependency in services:
+                    assert spec["condition"] == "service_healthy", (name, dependency)
+        assert set(dependencies(services[FRONTEND])) >= {HEAD}
+        worker = CPU_WORKER if CPU_WORKER in services else GPU_WORKER
+        assert dependencies(services[FRONTEND])[worker]["condition"] == "service_healthy"
+        assert dependencies(services[worker]) == {HEAD: {"condition": "service_healthy", "required": True}}
+
+
+def test_secrets_and_the_ray_token_reach_every_node(gpu_model: dict[str, Any], cpu_model: dict[str, Any]) -> None:
+    for model in (gpu_model, cpu_model):
+        declared = model["secrets"]
+        for name, service in active_services(model).items():
+            environment = environment_of(service)
+            assert environment["RAY_AUTH_MODE"] == "token", name
+            assert environment["RAY_AUTH_TOKEN_PATH"] == RAY_TOKEN_PATH, name
+            assert "ray_auth_token" in service["secrets"], name
+            for secret in service["secrets"]:
+                assert secret in declared
+        frontend = model["services"][FRONTEND]
+        tokens_file = flag_value(command_of(frontend), "--tokens-file")
+        assert tokens_file is not None and tokens_file.startswith("/run/secrets/")
+        assert tokens_file.removeprefix("/run/secrets/") in frontend["secrets"]
+    for secret in gpu_model["secrets"].values():
+        path = (COMPOSE.parent / secret["file"]).resolve()
+        assert path.parent == DEPLOY / "secrets"
+    ignore = (DEPLOY / "secrets" / ".gitignore").read_text().split()
+    assert ignore[ignore.index("*"):] == ["*", "!.gitignore"]
+    assert subprocess.run(["sh", "-n", str(DEPLOY / "make-secrets.sh")], check=False).returncode == 0
+
+
+def test_one_image_per_topology(gpu_model: dict[str, Any], cpu_model: dict[str, Any]) -> None:
+    for model, image, dockerfile in ((gpu_model, "psg:0.1.0-gpu", DOCKERFILE),
+                                     (cpu_model, "psg:0.1.0-cpu", DOCKERFILE_CPU)):
+        for name, service in active_services(model).items():
+            assert service["image"] == image, name
+            context = (COMPOSE.parent / service["build"]["context"]).resolve()
+            assert context == REPO and context / service["build"]["dockerfile"] == dockerfile, name
+    gpu, cpu = gpu_model["services"], cpu_model["services"]
+    assert command_of(cpu[CPU_WORKER]) == command_of(gpu[GPU_WORKER])
+    assert healthcheck_command(cpu[CPU_WORKER]) == healthcheck_command(gpu[GPU_WORKER])
+    assert environment_of(cpu[CPU_WORKER]) == environment_of(gpu[GPU_WORKER])
+    assert "deploy" not in cpu[CPU_WORKER] and GPU_WORKER not in active_services(cpu_model)
+    for name in (HEAD, FRONTEND):
+        assert command_of(cpu[name]) == command_of(gpu[name])
+
+
+def _bytes(size: str | int) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"(\d+)\s*([kmg]?)b?", size.lower())
+    assert match is not None, size
+    return int(match.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[match.group(2)]
+
+
+# ---------------------------------------------------------------------------------------- Dockerfiles
+def _args(instructions: list[Instruction]) -> dict[str, str]:
+    values = {}
+    for item in instructions:
+        if item.keyword == "ARG" and "=" in item.arguments:
+            name, value = item.arguments.split("=", 1)
+            values[name] = value
+    return values
+
+
+def _dockerignore_excludes(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore leaves ``path`` (relative, '/'-separated) out of the build context:
+    the last pattern matching the path or one of its parents wins; '!' lets a path back in."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    excluded = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        body = pattern[1:] if negated else pattern
+        body = body.strip("/")
+        regex = fnmatch.translate(body).replace(".*", "[^/]*")
+        if body.startswith("**/"):
+            regex = "(?:.*/)?" + fnmatch.translate(body[3:]).replace(".*", "[^/]*")
+        if any(re.fullmatch(regex, candidate) for candidate in candidates):
+            excluded = not negated
+    return excluded
+
+
+def _dockerignore() -> list[str]:
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def _files_under(path: Path) -> Iterator[str]:
+    if path.is_file():
+        yield path.relative_to(REPO).as_posix()
+        return
+    for item in sorted(path.rglob("*")):
+        if item.is_file():
+            yield item.relative_to(REPO).as_posix()
+
+
+def test_dockerignore_matcher_follows_docker_rules() -> None:
+    patterns = ["*", "!server", "**/__pycache__", "!deploy/docker/x.sh"]
+    assert _dockerignore_excludes(".venv/bin/python", patterns)
+    assert not _dockerignore_excludes("server/cli.py", patterns)
+    assert _dockerignore_excludes("server/__pycache__/cli.cpython-311.pyc", patterns)
+    assert not _dockerignore_excludes("deploy/docker/x.sh", patterns)
+    assert _dockerignore_excludes("deploy/docker/Dockerfile", patterns)
+
+
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, DOCKERFILE_CPU], ids=["gpu", "cpu"])
+def test_dockerfile_rules(dockerfile: Path) -> None:
+    instructions = parse_dockerfile(dockerfile)
+    keywords = [i.keyword for i in instructions]
+    # A single stage on a base pinned by a version tag (not latest, no variable).
+    (base,) = [i for i in instructions if i.keyword == "FROM"]
+    image = base.arguments.split()[0]
+    assert "$" not in image and ":" in image, image
+    tag = image.rsplit(":", 1)[1].split("@")[0]
+    assert tag != "latest" and re.match(r"\d+\.\d+(\.\d+)?-", tag), f"base tag {tag!r} is not a pinned version"
+    # Runs as an unprivileged user from the first command on.
+    users = [i for i in instructions if i.keyword == "USER"]
+    assert users and users[-1].arguments.split(":")[0] not in ("root", "0")
+    assert keywords.index("USER") < keywords.index("ENTRYPOINT") and keywords.index("USER") < keywords.index("CMD")
+    # A health check through psg-health, with flags psg-health accepts.
+    (health,) = [i for i in instructions if i.keyword == "HEALTHCHECK"]
+    options, _, command = health.arguments.partition("CMD ")
+    probe = json.loads(command)
+    assert probe[0] == "psg-health"
+    health_parser(environ={}).parse_args(probe[1:])
+    assert re.search(r"--timeout=\d+s", options) and re.search(r"--start-period=\d+s", options)
+    # Entry point: the join-then-exec script, installed by COPY; default command psg-server.
+    assert instructions[keywords.index("ENTRYPOINT")].json_args() == ["psg-entrypoint"]
+    assert instructions[keywords.index("CMD")].json_args()[0] == "psg-server"
+    # The package comes from the repository, with the exact Ray pin.
+    runs = " ".join(i.arguments for i in instructions if i.keyword == "RUN")
+    assert 'pip install --constraint deploy/docker/constraints.txt' in runs and '".[server]"' in runs
+    assert "ADD" not in keywords, "COPY only: ADD fetches URLs and unpacks archives"
+    exposed = {port for i in instructions if i.keyword == "EXPOSE" for port in i.arguments.split()}
+    assert {"50051", "6379", "8265", "52365"} <= exposed
+
+
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, DOCKERFILE_CPU], ids=["gpu", "cpu"])
+def test_dockerfile_copies_exist_and_pass_dockerignore(dockerfile: Path) -> None:
+    patterns = _dockerignore()
+    copies = [i for i in parse_dockerfile(dockerfile) if i.keyword == "COPY"]
+    assert copies
+    destinations = []
+    for copy in copies:
+        words = [w for w in shlex.split(copy.arguments) if not w.startswith("--")]
+        assert not any(w.startswith("--from") for w in shlex.split(copy.arguments))
+        *sources, destination = words
+        destinations.append(destination)
+        for source in sources:
+            path = REPO / source
+            assert path.exists(), f"{dockerfile.name} line {copy.line}: COPY source {source} does not exist"
+            files = list(_files_under(path))
+            assert files, source
+            let_through = [f for f in files if not _dockerignore_excludes(f, patterns)]
+            python_files = [f for f in files if f.endswith((".py", ".toml", ".md", ".txt", ".sh", ".typed"))]
+            assert set(python_files) <= set(let_through), \
+                f"{dockerfile.name}: .dockerignore drops {sorted(set(python_files) - set(let_through))[:3]}"
+    assert "/usr/local/bin/psg-entrypoint" in destinations
+    # What must never reach a build context.
+    for secret_like in (".venv/bin/python", ".git/config", "deploy/secrets/psg_tokens.txt",
+                        "deploy/secrets/ray_auth_token", "tests/data/compose-spec.json", "server/tls.key"):
+        assert _dockerignore_excludes(secret_like, patterns), secret_like
+
+
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE|CREDENTIAL)", re.I)
+
+
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, DOCKERFILE_CPU], ids=["gpu", "cpu"])
+def test_dockerfile_holds_no_secrets(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    assert "PRIVATE KEY" not in text and "Bearer " not in text
+    for item in parse_dockerfile(dockerfile):
+        if item.keyword in ("ENV", "ARG"):
+            for name in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", item.arguments) or [item.arguments.split()[0]]:
+                assert not _SECRET_NAME.search(name), f"{dockerfile.name} line {item.line}: {item.keyword} {name}"
+        if item.keyword == "COPY":
+            assert "secrets" not in item.arguments and ".pem" not in item.arguments and ".key" not in item.arguments
+
+
+def test_images_agree_on_python_torch_and_ray() -> None:
+    gpu, cpu = parse_dockerfile(DOCKERFILE), parse_dockerfile(DOCKERFILE_CPU)
+    gpu_base = next(i for i in gpu if i.keyword == "FROM").arguments
+    cpu_base = next(i for i in cpu if i.keyword == "FROM").arguments
+    torch_version = re.search(r":(\d+\.\d+\.\d+)-cuda", gpu_base)
+    assert torch_version is not None, gpu_base
+    assert _args(cpu)["TORCH_VERSION"] == torch_version.group(1)
+    python = _args(gpu)["PYTHON_VERSION"]
+    assert _args(cpu)["PYTHON_VERSION"] == python and re.search(rf":{re.escape(python)}\.\d+-slim", cpu_base)
+    assert _args(gpu)["PSG_UID"] == _args(cpu)["PSG_UID"] == "1000"
+    # Torch and Python within what the package supports.
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    assert requirements["torch"].specifier.contains(torch_version.group(1))
+    assert Requirement(f"python{project['requires-python']}").specifier.contains(f"{python}.0")
+    # The exact Ray pin satisfies the package's range, and KubeRay is told the same version.
+    pins = [Requirement(line) for line in CONSTRAINTS.read_text().splitlines() if line and not line.startswith("#")]
+    (ray_pin,) = [p for p in pins if p.name == "ray"]
+    (pinned,) = [s.version for s in ray_pin.specifier if s.operator == "=="]
+    ray_requirement = next(Requirement(r) for r in project["optional-dependencies"]["server"]
+                           if Requirement(r).name == "ray")
+    assert ray_requirement.specifier.contains(pinned)
+    (cluster,) = [d for d in _k8s_documents() if d["kind"] == "RayCluster"]
+    assert cluster["spec"]["rayVersion"] == pinned
+
+
+def test_entrypoint_script() -> None:
+    script = DEPLOY / "docker" / "entrypoint.sh"
+    assert script.stat().st_mode & 0o111, "entrypoint.sh must be executable"
+    assert subprocess.run(["sh", "-n", str(script)], check=False).returncode == 0
+    text = script.read_text()
+    assert text.startswith("#!/bin/sh\n") and "set -eu" in text and 'exec "$@"' in text
+
+
+# --------------------------------------------------------------------------------------- Kubernetes
+def _k8s_documents() -> list[dict[str, Any]]:
+    documents = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        with path.open() as handle:
+            documents.extend(d for d in yaml.safe_load_all(handle) if d is not None)
+    return documents
+
+
+def _pod_specs(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    spec = document["spec"]
+    if document["kind"] == "RayCluster":
+        yield "head", spec["headGroupSpec"]["template"]["spec"]
+        for group in spec["workerGroupSpecs"]:
+            yield group["groupName"], group["template"]["spec"]
+    elif document["kind"] == "Deployment":
+        yield document["metadata"]["name"], spec["template"]["spec"]
+
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(pod.get("initContainers", [])) + list(pod["containers"])
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container.get("env", [])}
+
+
+def test_k8s_manifests_parse_and_are_complete() -> None:
+    documents = _k8s_documents()
+    kinds = sorted((d["apiVersion"], d["kind"]) for d in documents)
+    assert kinds == [("apps/v1", "Deployment"), ("ray.io/v1", "RayCluster"), ("v1", "Service")]
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).is_file(), resource
+    assert [i["name"] for i in kustomization["images"]] == ["psg"]
+
+
+def test_k8s_agrees_with_compose(gpu_model: dict[str, Any]) -> None:
+    services = gpu_model["services"]
+    documents = {d["kind"]: d for d in _k8s_documents()}
+    cluster, deployment, service = documents["RayCluster"], documents["Deployment"], documents["Service"]
+    head_service = f"{cluster['metadata']['name']}-head-svc"  # the Service KubeRay creates for the head
+    compose_address = _head_address(gpu_model)
+    gcs_port = compose_address.rsplit(":", 1)[1]
+    k8s_address = f"{head_service}:{gcs_port}"
+    # One image everywhere, the compose file's.
+    for document in (cluster, deployment):
+        for _, pod in _pod_specs(document):
+            for container in _containers(pod):
+                assert container["image"] == services[FRONTEND]["image"], container["name"]
+            assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+            for container in _containers(pod):
+                env = _env(container)
+                assert env["RAY_AUTH_MODE"] == "token", container["name"]
+                assert env["RAY_AUTH_TOKEN"]["secretKeyRef"] == {"name": "psg-ray-auth", "key": "auth_token"}
+    # The head: no work scheduled on it, like the compose head; GCS on the compose port.
+    head_params = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    compose_head = _ray_start_params(command_of(services[HEAD]))
+    assert int(head_params["num-cpus"]) == compose_head["num_cpus"] == 0
+    assert int(head_params["num-gpus"]) == compose_head["num_gpus"] == 0
+    (head_container,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in head_container["ports"]}["gcs-server"] == int(gcs_port)
+    # GPU workers hold a GPU each.
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    (worker,) = group["template"]["spec"]["containers"]
+    assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    # The frontend: the compose command with the head's Kubernetes address, through the entry point.
+    pod = deployment["spec"]["template"]["spec"]
+    (frontend,) = pod["containers"]
+    assert "command" not in frontend, "the image's entry point must run (it joins the Ray cluster)"
+    expected = [k8s_address if arg == compose_address else arg for arg in command_of(services[FRONTEND])]
+    assert frontend["args"] == expected
+    assert _env(frontend)["PSG_RAY_JOIN"] == k8s_address
+    port = int(flag_value(frontend["args"], "--port") or 0)
+    ports = {p["name"]: p["containerPort"] for p in frontend["ports"]}
+    assert ports["grpc"] == port and ports["metrics"] == int(flag_value(frontend["args"], "--metrics-port") or 0)
+    assert frontend["readinessProbe"]["grpc"]["port"] == port
+    assert frontend["livenessProbe"]["tcpSocket"]["port"] == port
+    # The tokens file the args name is mounted from the psg-tokens Secret.
+    tokens_file = Path(flag_value(frontend["args"], "--tokens-file") or "")
+    (mount,) = [m for m in frontend["volumeMounts"] if m["mountPath"] == str(tokens_file.parent)]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    items = [item for source in volume["projected"]["sources"] for item in source["secret"]["items"]]
+    assert {"key": "psg_tokens", "path": tokens_file.name} in items
+    # The init container waits on the same cluster, and its script compiles.
+    (wait,) = pod["initContainers"]
+    assert _env(wait)["PSG_RAY_JOIN"] == k8s_address and _env(wait)["PSG_WAIT_RESOURCE"] == "GPU"
+    assert wait["command"][:2] == ["python", "-c"]
+    compile(wait["command"][2], "<wait-for-workers>", "exec")
+    # The Service routes the gRPC port to the frontend pods.
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc_port["port"] == port and grpc_port["targetPort"] == "grpc"
+
+
+# ----------------------------------------------------------------------------------------- README
+def test_deploy_readme_names_files_and_commands_that_exist() -> None:
+    text = (DEPLOY / "README.md").read_text()
+    paths = set(re.findall(r"\b(deploy/[\w./-]+\w)", text))
+    assert paths
+    for path in paths:
+        assert (REPO / path).exists() or path.startswith("deploy/secrets/"), path
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    # Used as a command with flags (not a container or Secret name given to --name / create secret).
+    commands = set(re.findall(r"(?<!--name )(?<!generic )\b(psg-[a-z]+) --", text))
+    assert {"psg-server", "psg-health"} <= commands <= set(scripts)
