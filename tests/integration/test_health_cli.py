@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
-import ipaddress
 import socket
 import subprocess
 import sys
