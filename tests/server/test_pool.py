@@ -176,11 +176,11 @@ def test_fewer_samples_than_workers(pool: Any, reference: InProcessExecutor, loo
     loop_thread.call(pool.release(spec.session_id))
 
 
+@pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=lambda n: f"{n}workers")  # balancing needs >= 2
 def test_uneven_workers_get_shares_proportional_to_throughput(pool: Any, reference: InProcessExecutor,
                                                               loop_thread: LoopThread) -> None:
     workers = pool._live()
-    if len(workers) < 2:
-        pytest.skip("balancing needs two workers")
+    assert len(workers) >= 2
     config = DPConfig(max_grad_norm=0.5)
     for worker, rate in zip(workers, (300.0, 100.0, 100.0)):
         worker.rate = rate
