@@ -248,7 +248,7 @@ class WorkerPool:
         config = spec.dp_config
         K = config.augmentation_multiplicity
         batch_dim = 0 if config.batch_first else 1
-        sizes = [shard.targets.shape[0] // K for shard in shards]
+        sizes = [shard.targets.shape[batch_dim] // K for shard in shards]
         piece_sizes, pinned = self._plan(sizes)
         loop = asyncio.get_running_loop()
         cut = functools.partial(_recut, shards, piece_sizes, K, batch_dim)
@@ -492,7 +492,7 @@ def _recut(shards: Sequence[Shard], sizes: Sequence[int], K: int, batch_dim: int
     would drag its whole storage into the object store)."""
     spans, start = [], 0
     for shard in shards:
-        samples = shard.targets.shape[0] // K
+        samples = shard.targets.shape[batch_dim] // K
         spans.append((start, start + samples))
         start += samples
     pieces, start = [], 0
@@ -506,8 +506,8 @@ def _recut(shards: Sequence[Shard], sizes: Sequence[int], K: int, batch_dim: int
                 continue
             for parts, tensor in zip(inputs, shard.inputs):
                 parts.append(tensor.narrow(batch_dim, (low - first) * K, (high - low) * K))  # (n*K, ...)
-            targets.append(shard.targets.narrow(0, (low - first) * K, (high - low) * K))  # (n*K, ...)
+            targets.append(shard.targets.narrow(batch_dim, (low - first) * K, (high - low) * K))  # (n*K, ...)
         pieces.append(Shard(index=index, inputs=tuple(torch.cat(parts, batch_dim) for parts in inputs),
-                            targets=torch.cat(targets, 0)))
+                            targets=torch.cat(targets, batch_dim)))
         start = end
     return pieces

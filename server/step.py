@@ -58,7 +58,7 @@ def _rows_check(session: Session, max_rows: int) -> Any:
         if name != _TARGETS and not (name.startswith(_INPUT_PREFIX) and name[len(_INPUT_PREFIX):].isdigit()):
             raise InvalidRequestError(f"ComputeGradients: unexpected tensor {name!r}; send "
                                       f"'{_INPUT_PREFIX}0', '{_INPUT_PREFIX}1', ... and '{_TARGETS}'")
-        dim = 0 if name == _TARGETS else batch_dim
+        dim = batch_dim  # targets follow the inputs' layout
         if len(shape) > dim and shape[dim] > max_rows:
             raise LimitExceededError(f"ComputeGradients: {name!r} has {shape[dim]} rows, more than the "
                                      f"server's max_batch_rows={max_rows}")
@@ -115,15 +115,15 @@ def validate_batch(session: Session, tensors: Mapping[str, torch.Tensor]) -> Bat
     if None in rows.values() or len(set(rows.values())) != 1:
         raise BatchLayoutError(f"ComputeGradients: every input needs the same number of rows on dimension "
                                f"{batch_dim}; got shapes {[list(tensors[n].shape) for n in names]}")
+    # Zero rows is legal: Poisson sampling draws empty batches, which still get noise and a step.
     num_rows = int(next(iter(rows.values())))  # type: ignore[arg-type]
-    if num_rows == 0:
-        raise BatchLayoutError("ComputeGradients: the batch is empty")
     num_samples = check_rows(num_rows, config.augmentation_multiplicity, where="ComputeGradients")
     dtype = next(p.dtype for p in session.parameter_info if p.dtype.is_floating_point)
     inputs = tuple(_prepare_input(i, tensors[name], signature.inputs[i] if signature else None,
                                   batch_dim=batch_dim, dtype=dtype) for i, name in enumerate(names))
     targets = prepare_targets(session.loss, tensors[_TARGETS], rows=num_rows,
-                              num_outputs=signature.num_outputs if signature else None, dtype=dtype)
+                              num_outputs=signature.num_outputs if signature else None, dtype=dtype,
+                              batch_dim=batch_dim)
     return Batch(inputs=inputs, targets=targets, num_samples=num_samples)
 
 
@@ -144,7 +144,7 @@ def split_shards(batch: Batch, *, augmentation_multiplicity: int, batch_first: b
     for index in range(num_shards):
         samples = base + (index < extra)
         inputs = tuple(t.narrow(batch_dim, start * K, samples * K) for t in batch.inputs)  # (n*K, ...)
-        targets = batch.targets.narrow(0, start * K, samples * K)  # (n*K, ...)
+        targets = batch.targets.narrow(batch_dim, start * K, samples * K)  # (n*K, ...)
         shards.append(Shard(index=index, inputs=inputs, targets=targets))
         start += samples
     return shards
@@ -246,7 +246,8 @@ def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
            seconds: float) -> pb.StepStats:
     norms = merged.per_sample_norms.detach().to(torch.float64).cpu()  # (N,)
     levels = torch.tensor(NORM_QUANTILES, dtype=torch.float64)  # (Q,)
-    values = torch.quantile(norms, levels).tolist()  # validation guarantees N >= 1
+    # An empty (Poisson) batch has no norms: report no quantiles rather than invent some.
+    values = torch.quantile(norms, levels).tolist() if norms.numel() else []
     samples = max(merged.num_samples, 1)
     return pb.StepStats(step=step, param_version=version, samples=merged.num_samples,
                         mean_loss=merged.loss_sum / samples,

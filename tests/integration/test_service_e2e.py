@@ -184,3 +184,45 @@ def test_server_info_models_and_session_lifecycle(client: GradientClient, server
     with pytest.raises(ServiceError) as err:
         session.info()
     assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_empty_poisson_batch_is_a_step_with_noise_only() -> None:
+    # Poisson sampling draws empty batches; they still cost a step of privacy and carry noise.
+    with serve(num_workers=2) as running, client_for(running) as client:
+        config = DPConfig(max_grad_norm=1.0, noise_multiplier=1.0)
+        with client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4,
+                                   config=config, sample_rate=0.01, delta=1e-5, seed=3) as session:
+            model = build(seed=1)
+            session.push_parameters(model)
+            inputs, targets = mlp_batch(0)
+            result = session.compute_gradients(inputs, targets, step_seed=0)
+            assert (result.samples, result.step) == (1 - 1, 1)
+            assert math.isfinite(result.epsilon_spent) and result.epsilon_spent > 0
+            for name, param in model.named_parameters():
+                grad = result.grads[name]
+                assert grad.shape == param.shape and bool(torch.isfinite(grad).all())
+                assert grad.abs().sum() > 0  # noise sigma*C/B per coordinate, nothing else
+            assert math.isnan(result.mean_loss) or result.mean_loss == 0.0
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_sequence_first_plugin_model_with_token_targets(K: int) -> None:
+    from tests.server.plugin_models import seq_first_tagger
+
+    with serve(num_workers=2, max_shard_samples=2, model_plugins=("tests.server.plugin_models",)) as running, \
+            client_for(running) as client:
+        config = DPConfig(augmentation_multiplicity=K, max_grad_norm=0.5, batch_first=False)
+        torch.manual_seed(K)
+        model = seq_first_tagger()
+        generator = torch.Generator().manual_seed(K)
+        tokens = torch.randint(0, 11, (4, 3 * K), generator=generator)  # (T, N*K)
+        labels = torch.randint(0, 3, (4, 3 * K), generator=generator)  # (T, N*K)
+        with client.create_session("seq_first_tagger", loss="cross_entropy", expected_batch_size=3,
+                                   config=config) as session:
+            session.push_parameters(model)
+            result = session.compute_gradients(tokens, labels)
+        local = local_dp(model, tokens, labels, config)
+        assert result.samples == 3
+        for name, grad in result.grads.items():
+            torch.testing.assert_close(grad, local.grads[name] / 3, rtol=1e-5, atol=1e-6)
+        assert result.mean_loss == pytest.approx(local.loss_sum / 3, rel=1e-5)

@@ -373,16 +373,18 @@ def test_recut_keeps_samples_whole_and_in_order(batch_first: bool) -> None:
     batch_dim = 0 if batch_first else 1
     rows = torch.arange(samples * K, dtype=torch.float32)  # (N*K,)
     inputs = rows.view(-1, 1, 1).expand(-1, 2, 4) if batch_first else rows.view(1, -1, 1).expand(2, -1, 4)
-    batch = Batch(inputs=(inputs.contiguous(),), targets=rows.long(), num_samples=samples)
+    # targets follow the inputs' layout: (N*K,) batch first, (1, N*K) otherwise
+    targets = rows.long() if batch_first else rows.long().view(1, -1)
+    batch = Batch(inputs=(inputs.contiguous(),), targets=targets, num_samples=samples)
     shards = split_shards(batch, augmentation_multiplicity=K, batch_first=batch_first, num_shards=3)
     sizes = _proportional_sizes(samples, [2.0, 1.0])
     assert sizes == [7, 3]
     pieces = _recut(shards, sizes, K, batch_dim)
-    assert [p.targets.tolist() for p in pieces] == [list(range(21)), list(range(21, 30))]
+    assert [p.targets.flatten().tolist() for p in pieces] == [list(range(21)), list(range(21, 30))]
     for piece in pieces:
-        torch.testing.assert_close(piece.inputs[0].select(1 - batch_dim, 0)[..., 0], piece.targets.float())
+        torch.testing.assert_close(piece.inputs[0].select(1 - batch_dim, 0)[..., 0], piece.targets.flatten().float())
         assert piece.inputs[0].untyped_storage().nbytes() == piece.inputs[0].numel() * 4  # compact
-    same = _recut(shards, [s.targets.shape[0] // K for s in shards], K, batch_dim)
+    same = _recut(shards, [s.targets.shape[batch_dim] // K for s in shards], K, batch_dim)
     assert all(torch.equal(a.inputs[0], b.inputs[0]) for a, b in zip(same, shards))
     assert _proportional_sizes(5, [1.0] * 5) == [1] * 5 and _proportional_sizes(11, [1.0, 1.0]) == [6, 5]
 
