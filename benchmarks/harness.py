@@ -1,7 +1,9 @@
 """Timing, peak memory, process isolation and the registry of benchmark suites.
 
 Timing: every step is timed on its own (``time.perf_counter``, with ``torch.cuda.synchronize``
-around it on CUDA) after warm-up steps; the reported figure is the median.
+around it on CUDA) after warm-up steps; the reported figure is the median. Steps that are compared
+with each other can be timed interleaved (:func:`time_interleaved`: round after round, one step of
+each), so that load drifting on a shared machine affects them alike.
 
 Peak memory (see :func:`memory_method`):
 
@@ -9,8 +11,9 @@ Peak memory (see :func:`memory_method`):
   it counts every tensor the step holds, model and batch included (memory allocated before the
   model was built is subtracted).
 * CPU: the process's resident-set high-water mark (``VmHWM`` in ``/proc/self/status``, reset
-  through ``/proc/self/clear_refs`` just before the measured step) minus the resident set measured
-  after the imports and before the model was built, in a fresh subprocess per configuration.
+  through ``/proc/self/clear_refs`` just before the measured step), less its file-backed pages
+  (library code paged in by the warm-up steps), less the anonymous memory measured after the
+  imports and before the model was built, in a fresh subprocess per configuration.
   glibc's mmap threshold is pinned low in that subprocess (``MALLOC_MMAP_THRESHOLD_``), so every
   tensor larger than 64 KiB lives in its own mapping that is returned to the system when freed:
   the resident set follows the live tensors instead of malloc's cached heap. An in-process run on
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 
 __all__ = ["RunOptions", "Timing", "MemoryProbe", "TargetCheck", "Suite", "SUITES", "register_suite",
-           "time_steps", "memory_method", "run_isolated", "load_callable"]
+           "time_steps", "time_interleaved", "memory_method", "run_isolated", "load_callable"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +151,41 @@ def time_steps(step: Callable[[], Any], *, warmup: int, repeats: int, device: st
     return Timing(tuple(seconds))
 
 
+def time_interleaved(steps: dict[str, Callable[[], Any]], *, warmup: int, repeats: int,
+                     device: str) -> dict[str, Timing]:
+    """Times several steps in rounds: each round runs every step once, in order.
+
+    On a shared or throttling machine the load drifts over a run; interleaving spreads that drift
+    evenly over the steps being compared, so their ratios stay meaningful even when the absolute
+    times move. Each step gets ``warmup`` untimed calls first.
+
+    >>> timings = time_interleaved({"a": lambda: None, "b": lambda: None}, warmup=0, repeats=2,
+    ...                            device="cpu")
+    >>> sorted(timings), len(timings["a"].seconds)
+    (['a', 'b'], 2)
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    _synchronize(device)
+    gc.collect()
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for name, step in steps.items():
+                _synchronize(device)
+                start = time.perf_counter()
+                step()
+                _synchronize(device)
+                seconds[name].append(time.perf_counter() - start)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: Timing(tuple(values)) for name, values in seconds.items()}
+
+
 # ------------------------------------------------------------------------------ memory
 def memory_method(device: str, *, isolate: bool) -> str:
     """One line naming how peak memory is measured (stored with the results)."""
@@ -155,9 +193,9 @@ def memory_method(device: str, *, isolate: bool) -> str:
         return ("torch.cuda.max_memory_allocated over one step (model, batch, optimizer state and "
                 "step transients)")
     if isolate:
-        return ("process RSS high-water mark (VmHWM, reset via /proc/self/clear_refs) over one step, "
-                "minus the RSS before the model was built; fresh subprocess per configuration, "
-                f"MALLOC_MMAP_THRESHOLD_={_MMAP_THRESHOLD}")
+        return ("process RSS high-water mark over one step (VmHWM, reset via /proc/self/clear_refs), "
+                "less file-backed pages (library code) and the anonymous RSS before the model was built; "
+                f"fresh subprocess per configuration, MALLOC_MMAP_THRESHOLD_={_MMAP_THRESHOLD}")
     return "not measured (CPU peak memory needs one subprocess per configuration)"
 
 
@@ -188,7 +226,7 @@ class MemoryProbe:
             torch.cuda.synchronize()
             self._baseline = torch.cuda.memory_allocated()
         elif self.enabled:
-            self._baseline = _proc_status_kib("VmRSS") * 1024
+            self._baseline = _proc_status_kib("RssAnon") * 1024
         else:
             self._baseline = 0
 
@@ -217,7 +255,11 @@ class MemoryProbe:
         if self.device == "cuda":
             torch.cuda.synchronize()
             return int(torch.cuda.max_memory_allocated() - self._baseline)
-        return max(0, _proc_status_kib("VmHWM") * 1024 - self._baseline)
+        # VmHWM counts file-backed pages too: shared-library code that the first steps paged in
+        # (tens of MiB of libtorch kernels). Those pages stay resident, so the ones present now
+        # are the ones present at the peak; what remains is anonymous memory: tensors and heap.
+        file_backed = (_proc_status_kib("RssFile") + _proc_status_kib("RssShmem")) * 1024
+        return max(0, _proc_status_kib("VmHWM") * 1024 - file_backed - self._baseline)
 
 
 # ------------------------------------------------------------------------------ isolation

@@ -169,7 +169,8 @@ def render_markdown(documents: list[dict[str, Any]], *, out_dir: Path, markdown_
                 lines += [f"(no renderer loaded for suite {name!r})", ""]
                 continue
             lines += [f"{suite.description}. Scale `{options.get('size', '?')}`, "
-                      f"{options.get('warmup', '?')} warm-up + {options.get('repeats', '?')} timed steps.", ""]
+                      f"{options.get('warmup', '?')} warm-up + {options.get('repeats', '?')} timed steps.",
+                      ""]
             lines.append(suite.render(section.get("rows", [])))
             pngs = sorted(out_dir.glob(f"{machine}_{name}_*.png"))
             lines += [f"![{png.stem}]({rel}/{png.name})" for png in pngs]

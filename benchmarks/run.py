@@ -31,7 +31,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="smaller models and batches, 1 warm-up + 3 timed steps (= --size quick)")
+                        help="smaller models and batches, 3 timed rounds (= --size quick)")
     parser.add_argument("--size", choices=("full", "quick", "tiny"), default=None,
                         help="model scale (default full; tiny is for smoke tests)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -45,8 +45,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path, default=MARKDOWN_PATH, help="Markdown report to write")
     parser.add_argument("--machine", default=None, help="name of the results file (default: derived "
                         "from the CPU or GPU model)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2, quick 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed steps (default 7, quick 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per method (default 1)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed rounds, one step of every method each (default 5, quick 3)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: 1 on CPU, where single-threaded steps "
                         "give stable numbers on a shared machine; torch's default on CUDA; 0: torch's "
@@ -70,8 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     small = size != "full"
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else 0)
     options = RunOptions(device=args.device, size=size, models=tuple(args.models or ()),
-                         warmup=args.warmup if args.warmup is not None else (1 if small else 2),
-                         repeats=args.repeats if args.repeats is not None else (3 if small else 7),
+                         warmup=args.warmup if args.warmup is not None else 1,
+                         repeats=args.repeats if args.repeats is not None else (3 if small else 5),
                          threads=threads or None, isolate=not args.in_process,
                          multiplicities=tuple(args.multiplicities))
     suites = load_suites()

@@ -10,12 +10,17 @@ copies' gradients are averaged first, ``augmentation_multiplicity=K``); Opacus h
 so it runs the ``N*K`` rows as independent samples, its best option (De et al., 2022, average the
 copies before clipping, which Opacus cannot express).
 
+The methods of one (model, K) are timed interleaved in one process, round after round, so that a
+drifting machine load hits them alike; each method's peak memory is measured alone, in a fresh
+process (see :mod:`benchmarks.harness`).
+
 >>> [m.name for m in METHODS.values()][:2]
 ['non-private', 'psg-hooks']
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -28,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, memory_method,
-                                register_suite, run_isolated, time_steps)
+from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, Timing, register_suite,
+                                run_isolated, time_interleaved, time_steps)
 from benchmarks.models import MODELS, Variant, opacus_available
 
 __all__ = ["Case", "Method", "METHODS", "run_case", "prepare_step", "TRAINING_SUITE"]
@@ -283,22 +288,52 @@ def _import_method_dependencies(method: Method) -> None:
         import opacus  # noqa: F401
 
 
-def run_case(payload: dict[str, Any], *, isolated: bool = True) -> dict[str, Any]:
-    """Runs one :class:`Case` (given as its JSON dict) and returns its measurements.
+def _prime_runtime(case: Case) -> None:
+    """Runs the case's method once on the tiny model, then drops it.
 
-    The order is: imports, memory baseline, build, warm-up steps, one memory-measured step, then
-    the timed steps. An exception becomes ``{"error": ...}`` so that one unsupported
+    The first step of a process initialises runtime state that stays resident whatever the model
+    (thread pools, oneDNN/MKL buffers, functorch and autograd machinery: tens of MiB on CPU). Doing
+    that before the memory baseline keeps it out of the configuration's peak.
+    """
+    step = prepare_step(dataclasses.replace(case, size="tiny"))
+    step()
+    del step
+    gc.collect()
+
+
+def _row_header(case: Case) -> dict[str, Any]:
+    samples = MODELS[case.model].samples(case.size)
+    return {"model": case.model, "method": case.method, "library": METHODS[case.method].library,
+            "K": case.K, "samples": samples, "rows": samples * case.K}
+
+
+def _error(case: Case, err: BaseException) -> str:
+    logger.warning("training suite: %s / %s / K=%d failed: %s", case.model, case.method, case.K, err)
+    return f"{type(err).__name__}: {err}"
+
+
+def _timing_fields(timing: Timing) -> dict[str, Any]:
+    return {"median_ms": timing.median * 1e3, "min_ms": timing.minimum * 1e3,
+            "max_ms": timing.maximum * 1e3, "times_ms": [s * 1e3 for s in timing.seconds]}
+
+
+def run_case(payload: dict[str, Any], *, isolated: bool = True) -> dict[str, Any]:
+    """Runs one :class:`Case` (given as its JSON dict) alone and returns its measurements.
+
+    The order is: imports, a primer step on the tiny model (see :func:`_prime_runtime`), memory
+    baseline, build, warm-up steps, one memory-measured step, then
+    ``repeats`` timed steps (none when ``repeats`` is 0: the suite times cases interleaved, see
+    :func:`run_group`). An exception becomes ``{"error": ...}`` so that one unsupported
     configuration does not end a run.
     """
     case = Case(**payload)
-    method = METHODS[case.method]
-    result: dict[str, Any] = {"model": case.model, "method": case.method, "library": method.library,
-                              "K": case.K, "samples": MODELS[case.model].samples(case.size),
-                              "rows": MODELS[case.model].samples(case.size) * case.K}
+    result = _row_header(case)
     if case.threads:
         torch.set_num_threads(case.threads)
     try:
-        _import_method_dependencies(method)
+        _import_method_dependencies(METHODS[case.method])
+        if case.measure_memory:
+            _prime_runtime(case)
         probe = MemoryProbe(case.device, isolated=isolated)
         step = prepare_step(case)
         result["parameters"] = sum(p.numel() for p in step.model.parameters() if p.requires_grad)
@@ -310,18 +345,16 @@ def run_case(payload: dict[str, Any], *, isolated: bool = True) -> dict[str, Any
             step()
             peak = probe.peak_bytes()
         per_sample = step.per_sample_bytes()
-        timing = time_steps(step, warmup=0, repeats=case.repeats, device=case.device)
+        if case.repeats:
+            timing = time_steps(step, warmup=0, repeats=case.repeats, device=case.device)
+            result.update(_timing_fields(timing))
     except Exception as err:  # noqa: BLE001 - recorded in the table, the run goes on
-        logger.warning("training suite: %s / %s / K=%d failed: %s", case.model, case.method, case.K, err)
-        result["error"] = f"{type(err).__name__}: {err}"
+        result["error"] = _error(case, err)
         return result
     finally:
         gc.collect()
-    result.update(
-        median_ms=timing.median * 1e3, min_ms=timing.minimum * 1e3, max_ms=timing.maximum * 1e3,
-        times_ms=[s * 1e3 for s in timing.seconds],
-        peak_memory_mib=None if peak is None else peak / _MIB,
-        per_sample_grad_mib=None if per_sample is None else per_sample / _MIB)
+    result.update(peak_memory_mib=None if peak is None else peak / _MIB,
+                  per_sample_grad_mib=None if per_sample is None else per_sample / _MIB)
     return result
 
 
@@ -330,41 +363,94 @@ def run_case_in_child(payload: dict[str, Any]) -> dict[str, Any]:
     return run_case(payload, isolated=True)
 
 
+def run_group(payload: dict[str, Any]) -> dict[str, Any]:
+    """Times several cases of one model and K *interleaved* (round after round, one step of each).
+
+    ``payload`` is ``{"cases": [case JSON, ...]}``; returns ``{"rows": [...]}``, one row per case
+    with its timing, per-sample gradient bytes and parameter count (no peak memory: that needs a
+    process per case, see :func:`run_case`). A case that fails to build or to step gets an
+    ``error`` and leaves the others running.
+    """
+    cases = [Case(**case) for case in payload["cases"]]
+    if cases and cases[0].threads:
+        torch.set_num_threads(cases[0].threads)
+    rows: dict[str, dict[str, Any]] = {}
+    steps: dict[str, Step] = {}
+    for case in cases:
+        rows[case.method] = _row_header(case)
+        try:
+            _import_method_dependencies(METHODS[case.method])
+            step = prepare_step(case)
+            for _ in range(max(1, case.warmup)):
+                step()
+        except Exception as err:  # noqa: BLE001 - recorded in the table, the run goes on
+            rows[case.method]["error"] = _error(case, err)
+            continue
+        steps[case.method] = step
+        rows[case.method]["parameters"] = sum(p.numel() for p in step.model.parameters() if p.requires_grad)
+    if steps:
+        first = cases[0]
+        timings = time_interleaved(dict(steps), warmup=0, repeats=first.repeats, device=first.device)
+        for name, timing in timings.items():
+            per_sample = steps[name].per_sample_bytes()
+            rows[name].update(_timing_fields(timing),
+                              per_sample_grad_mib=None if per_sample is None else per_sample / _MIB)
+    return {"rows": [rows[case.method] for case in cases]}
+
+
 # ------------------------------------------------------------------------------ the suite
-def _cases(options: RunOptions) -> list[Case]:
-    models = options.models or tuple(MODELS)
-    cases = []
-    for model in models:
+def _groups(options: RunOptions) -> list[list[Case]]:
+    """The cases, grouped by (model, K): each group is timed interleaved."""
+    groups = []
+    for model in options.models or tuple(MODELS):
         if model not in MODELS:
             raise ValueError(f"training suite: unknown model {model!r}; expected one of {list(MODELS)}")
         for K in options.multiplicities:
-            for method in METHODS.values():
-                if not method.available():
-                    continue
-                cases.append(Case(model=model, method=method.name, K=K, size=options.size,
-                                  device=options.device, warmup=options.warmup, repeats=options.repeats,
-                                  threads=options.threads, measure_memory=options.measure_memory))
-    return cases
+            groups.append([Case(model=model, method=method.name, K=K, size=options.size,
+                                device=options.device, warmup=options.warmup, repeats=options.repeats,
+                                threads=options.threads, measure_memory=options.measure_memory)
+                           for method in METHODS.values() if method.available()])
+    return groups
 
 
 def run_suite(options: RunOptions) -> list[dict[str, Any]]:
-    """Runs every (model, K, method) case; each in its own subprocess when ``options.isolate``."""
+    """Runs every (model, K, method) case.
+
+    Per (model, K): the methods are timed interleaved in one process (a fresh subprocess when
+    ``options.isolate``), then, when ``options.measure_memory``, each method's peak memory is
+    measured alone in its own subprocess (in-process on CPU it cannot be, and is left out).
+    """
     if not opacus_available():
         logger.warning("training suite: opacus is not installed; the Opacus rows are skipped "
                        "(pip install 'psg[bench]')")
-    rows = []
-    cases = _cases(options)
-    for index, case in enumerate(cases, 1):
-        logger.info("training suite [%d/%d] %s / %s / K=%d", index, len(cases), case.model,
-                    case.method, case.K)
+    rows: list[dict[str, Any]] = []
+    groups = _groups(options)
+    for index, group in enumerate(groups, 1):
+        model, K = group[0].model, group[0].K
+        logger.info("training suite [%d/%d] %s, K=%d: timing %d methods interleaved", index, len(groups),
+                    model, K, len(group))
+        payload = {"cases": [case.to_json() for case in group]}
         if options.isolate:
-            result = run_isolated("benchmarks.training:run_case_in_child", case.to_json(),
-                                  timeout_s=options.timeout_s)
-            result = {"model": case.model, "method": case.method, "K": case.K,
-                      "library": METHODS[case.method].library, **result}
+            timed = run_isolated("benchmarks.training:run_group", payload, timeout_s=options.timeout_s)
+            group_rows = timed.get("rows") or [{**_row_header(case), "error": timed.get("error", "no result")}
+                                               for case in group]
         else:
-            result = run_case(case.to_json(), isolated=False)
-        rows.append(result)
+            group_rows = run_group(payload)["rows"]
+        for case, row in zip(group, group_rows):
+            # In-process CPU runs cannot attribute resident memory to one case (see harness).
+            measurable = options.isolate or options.device == "cuda"
+            if options.measure_memory and measurable and "error" not in row:
+                logger.info("training suite [%d/%d] %s, K=%d: peak memory of %s", index, len(groups), model,
+                            K, case.method)
+                memory_case = dataclasses.replace(case, repeats=0).to_json()
+                measured = (run_isolated("benchmarks.training:run_case_in_child", memory_case,
+                                         timeout_s=options.timeout_s)
+                            if options.isolate else run_case(memory_case, isolated=False))
+                row["peak_memory_mib"] = measured.get("peak_memory_mib")
+                if "error" in measured:
+                    row["memory_error"] = measured["error"]
+            row.setdefault("peak_memory_mib", None)
+            rows.append(row)
     return rows
 
 
@@ -407,7 +493,8 @@ def suite_targets(rows: Sequence[dict[str, Any]]) -> list[TargetCheck]:
         if "transformer" in models:
             subject = f"transformer, K={K}"
             checks.append(_check("psg ghost time <= 1.6 x non-private", subject,
-                                 _ratio(rows, "transformer", K, "psg-ghost", "non-private", "median_ms"), 1.6))
+                                 _ratio(rows, "transformer", K, "psg-ghost", "non-private", "median_ms"),
+                                 1.6))
             checks.append(_check("psg ghost peak memory <= 1.3 x non-private", subject,
                                  _ratio(rows, "transformer", K, "psg-ghost", "non-private",
                                         "peak_memory_mib"), 1.3))
@@ -438,9 +525,9 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     models = list(dict.fromkeys(row["model"] for row in rows))
     for model in models:
         spec = MODELS.get(model)
-        params = next((row.get("parameters") for row in rows if row["model"] == model and row.get("parameters")),
-                      None)
-        samples = next((row.get("samples") for row in rows if row["model"] == model and row.get("samples")), None)
+        of_model = [row for row in rows if row["model"] == model]
+        params = next((row["parameters"] for row in of_model if row.get("parameters")), None)
+        samples = next((row["samples"] for row in of_model if row.get("samples")), None)
         header = f"#### {model}: {spec.description if spec else ''}"
         details = []
         if params:
@@ -448,8 +535,8 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
         if samples:
             details.append(f"N = {samples} samples per batch (N·K rows)")
         lines += [header, "", "; ".join(details) + ".", "",
-                  "| K | method | median step (ms) | min–max (ms) | peak memory (MiB) | per-sample grads (MiB) "
-                  "| time vs Opacus hooks | time vs non-private |",
+                  "| K | method | median step (ms) | min–max (ms) | peak memory (MiB) "
+                  "| per-sample grads (MiB) | time vs Opacus hooks | time vs non-private |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for K in sorted({row["K"] for row in rows if row["model"] == model}):
             for row in (r for r in rows if r["model"] == model and r["K"] == K):

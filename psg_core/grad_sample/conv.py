@@ -38,8 +38,8 @@ from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.grad_sample._utils import split_k, wants_grad
 from psg_core.grad_sample.registry import register_grad_sampler
 
-__all__ = ["ConvFactors", "conv_unfold", "conv_weight_factors", "conv_grad_sample",
-           "conv_transpose_grad_sample"]
+__all__ = ["ConvFactors", "conv_unfold", "conv_weight_factors", "conv_weight_per_sample",
+           "conv_grad_sample", "conv_transpose_grad_sample"]
 
 _ConvLayer = nn.Conv1d | nn.Conv2d | nn.Conv3d
 _ConvTransposeLayer = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
@@ -193,7 +193,7 @@ def conv_unfold(layer: _ConvLayer, x: torch.Tensor) -> torch.Tensor:
 
 
 def conv_weight_factors(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
-                        backprop: torch.Tensor) -> ConvFactors:
+                        backprop: torch.Tensor, augmentation_multiplicity: int = 1) -> ConvFactors:
     """Factors ``(patches, output_grads)`` of a (transposed) convolution's per-row weight gradient.
 
     For ``nn.ConvNd`` the patches are :func:`conv_unfold` of the input and the other factor is the
@@ -206,22 +206,58 @@ def conv_weight_factors(layer: _ConvLayer | _ConvTransposeLayer, activation: tor
         layer: the convolution.
         activation: ``(rows, C_in, *in_spatial)`` its input.
         backprop: ``(rows, C_out, *out_spatial)`` the gradient of the loss w.r.t. its output.
+        augmentation_multiplicity: K. With K > 1 the factors are per *sample*: rows ``n*K ..
+        n*K+K-1`` are folded into the position axis, ``(N, G, I, K*L)`` and ``(N, G, O, K*L)``,
+        in the single copy that takes the patches out of their strided view (folding
+        ``(rows, G, I, L)`` factors afterwards would copy them again).
 
     Returns:
         :class:`ConvFactors`; ``contract("rgil,rgol->rgoi", *factors)`` reshaped to
-        ``(rows, *weight.shape)`` is each row's weight gradient.
+        ``(rows, *weight.shape)`` is each row's weight gradient (each sample's, summed over its
+        K rows, when K > 1).
 
     >>> deconv = nn.ConvTranspose1d(4, 6, 3, stride=2, groups=2)
-    >>> x = torch.randn(3, 4, 5)
+    >>> x = torch.randn(4, 4, 5)
     >>> factors = conv_weight_factors(deconv, x, torch.randn_like(deconv(x)))
     >>> factors.patches.shape, factors.output_grads.shape
-    (torch.Size([3, 2, 9, 5]), torch.Size([3, 2, 2, 5]))
+    (torch.Size([4, 2, 9, 5]), torch.Size([4, 2, 2, 5]))
+    >>> folded = conv_weight_factors(deconv, x, torch.randn_like(deconv(x)), augmentation_multiplicity=2)
+    >>> folded.patches.shape, folded.output_grads.shape
+    (torch.Size([2, 2, 9, 10]), torch.Size([2, 2, 2, 10]))
     """
+    K = augmentation_multiplicity
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1 or activation.shape[0] % K:
+        raise BatchLayoutError(f"conv_weight_factors: augmentation_multiplicity must be an int >= 1 that "
+                               f"divides the {activation.shape[0]} rows, got {K!r}")
     windows, other = _factor_views(layer, activation, backprop)  # (B, C_w, *k, *L), (B, C_o, *L)
-    rows, groups = windows.shape[0], layer.groups
-    patches = windows.reshape(rows, groups, windows.shape[1] // groups * math.prod(layer.kernel_size),
-                              -1)  # (B, G, I, L)
-    return ConvFactors(patches, other.reshape(rows, groups, -1, patches.shape[-1]))  # (B, G, O, L)
+    return ConvFactors(_fold_windows(windows, groups=layer.groups, K=K),  # (N, G, I, K*L)
+                       _fold_other(other, groups=layer.groups, K=K))  # (N, G, O, K*L)
+
+
+def conv_weight_per_sample(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                           backprop: torch.Tensor, augmentation_multiplicity: int = 1) -> torch.Tensor:
+    """``(N, *weight.shape)``: each sample's weight gradient, summed over its K rows.
+
+    The fastest route per layer type: a grouped-convolution weight gradient for ``nn.ConvNd``
+    (no unfolded patches), one batched matmul of the folded factors for transposed convolutions.
+    What the conv grad samplers use, and what a backend that materialises a conv layer's
+    per-sample gradients (e.g. ghost clipping, when that is cheaper than Gram matrices) can call.
+
+    >>> conv = nn.Conv2d(2, 4, 3, padding=1)
+    >>> conv_weight_per_sample(conv, torch.randn(6, 2, 5, 5), torch.randn(6, 4, 5, 5), 3).shape
+    torch.Size([2, 4, 2, 3, 3])
+    """
+    K = augmentation_multiplicity
+    if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if isinstance(K, bool) or not isinstance(K, int) or K < 1 or activation.shape[0] % K:
+            raise BatchLayoutError(f"conv_weight_per_sample: augmentation_multiplicity must be an int >= 1 "
+                                   f"that divides the {activation.shape[0]} rows, got {K!r}")
+        _check_batched("conv_weight_per_sample", layer, activation, _spatial_dims(layer), "input")
+        _check_batched("conv_weight_per_sample", layer, backprop, _spatial_dims(layer), "output gradient")
+        return _conv_weight_by_grouped_conv(layer, activation, backprop, K)  # (N, *weight)
+    patches, other = conv_weight_factors(layer, activation, backprop, K)  # (N, G, I, K*L), (N, G, O, K*L)
+    grad = contract("ngoj,ngij->ngoi", other, patches)  # (N, G, O, I)
+    return grad.reshape(grad.shape[0], *layer.weight.shape)  # (N, *weight)
 
 
 def _factor_views(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
@@ -291,18 +327,8 @@ def _conv_weight_by_grouped_conv(layer: _ConvLayer, activation: torch.Tensor, ba
 def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
                      backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
     out: dict[nn.Parameter, torch.Tensor] = {}
-    if wants_grad(layer.weight) and isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        _check_batched("conv_grad_sample", layer, activation, _spatial_dims(layer), "input")
-        _check_batched("conv_grad_sample", layer, backprops, _spatial_dims(layer), "output gradient")
-        out[layer.weight] = _conv_weight_by_grouped_conv(layer, activation, backprops, K)  # (N, *weight)
-    elif wants_grad(layer.weight):
-        windows, other = _factor_views(layer, activation, backprops)  # (B, C_w, *k, *L), (B, C_o, *L)
-        # The K copies are folded next to the positions while the patches are copied out of the
-        # strided view, so the contraction over (copies, positions) is one batched matmul.
-        patches = _fold_windows(windows, groups=layer.groups, K=K)  # (N, G, I, K*L)
-        other = _fold_other(other, groups=layer.groups, K=K)  # (N, G, O, K*L)
-        grad = contract("ngoj,ngij->ngoi", other, patches)  # (N, G, O, I)
-        out[layer.weight] = grad.reshape(grad.shape[0], *layer.weight.shape)  # (N, *weight)
+    if wants_grad(layer.weight):
+        out[layer.weight] = conv_weight_per_sample(layer, activation, backprops, K)  # (N, *weight)
     if wants_grad(layer.bias):
         g = split_k(backprops.flatten(2), K)  # (N, K, C_out, L_out)
         out[layer.bias] = contract("nkol->no", g)  # (N, C_out)

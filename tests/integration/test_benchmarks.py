@@ -105,7 +105,18 @@ def test_isolated_case_reports_peak_memory() -> None:
     assert "error" not in row, row
     assert row["median_ms"] > 0 and row["per_sample_grad_mib"] > 0
     if Path("/proc/self/status").exists():
-        assert row["peak_memory_mib"] is not None and row["peak_memory_mib"] > 0
+        # The tiny model's step holds well under a few MiB once the runtime is primed.
+        assert row["peak_memory_mib"] is not None and 0 <= row["peak_memory_mib"] < 64
+
+
+def test_isolated_group_times_methods_interleaved() -> None:
+    cases = [Case(model="transformer", method=method, K=2, size="tiny", warmup=0, repeats=2).to_json()
+             for method in ("non-private", "psg-hooks", "psg-ghost")]
+    result = run_isolated("benchmarks.training:run_group", {"cases": cases}, timeout_s=300)
+    rows = result["rows"]
+    assert [row["method"] for row in rows] == ["non-private", "psg-hooks", "psg-ghost"]
+    assert all(len(row["times_ms"]) == 2 and row["median_ms"] > 0 for row in rows), rows
+    assert rows[1]["per_sample_grad_mib"] > 0 and rows[2]["per_sample_grad_mib"] is None
 
 
 def test_isolated_failure_becomes_an_error_row() -> None:
@@ -118,8 +129,8 @@ def test_targets_are_evaluated_not_asserted() -> None:
     rows = [
         {"model": "transformer", "method": "psg-hooks", "K": 1, "median_ms": 70.0, "peak_memory_mib": 50.0,
          "per_sample_grad_mib": 2.0},
-        {"model": "transformer", "method": "opacus-hooks", "K": 1, "median_ms": 100.0, "peak_memory_mib": 40.0,
-         "per_sample_grad_mib": 2.0},
+        {"model": "transformer", "method": "opacus-hooks", "K": 1, "median_ms": 100.0,
+         "peak_memory_mib": 40.0, "per_sample_grad_mib": 2.0},
         {"model": "transformer", "method": "non-private", "K": 1, "median_ms": 50.0, "peak_memory_mib": 30.0},
         {"model": "transformer", "method": "psg-ghost", "K": 1, "error": "RuntimeError: boom"},
         {"model": "transformer", "method": "psg-hooks", "K": 4, "median_ms": 200.0, "peak_memory_mib": 60.0,
