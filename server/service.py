@@ -81,7 +81,7 @@ class GradientServicer:
                            max_request_bytes=config.max_request_bytes, chunk_bytes=config.chunk_bytes,
                            max_model_bytes=config.max_model_bytes)
         # The wire's WorkerInfo has no node field: a Ray worker's id carries it as "<name>@<node>".
-        workers = [pb.WorkerInfo(id=f"{w.id}@{w.node}" if w.node else w.id, device=w.device)
+        workers = [pb.WorkerInfo(id=w.id, device=w.device, node=w.node or "")
                    for w in self._executor.workers()]
         return pb.ServerInfo(version=psg_core.__version__, backends=[m.value for m in GradSampleMode],
                              workers=workers, limits=limits, losses=sorted(LOSSES))

@@ -12,12 +12,14 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "device")
+    __slots__ = ("id", "device", "node")
     ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     id: str
     device: str
-    def __init__(self, id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    node: str
+    def __init__(self, id: _Optional[str] = ..., device: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_batch_rows", "max_message_bytes", "max_tensor_bytes", "max_request_bytes", "chunk_bytes", "max_model_bytes")

@@ -319,7 +319,7 @@ def test_a_dp_step_through_the_cluster(topology: Topology) -> None:
     with GradientClient(topology.frontend_target, token=topology.token, retry=retry, timeout_s=120) as client:
         info = client.server_info()
         assert len(info.workers) == 1, info.workers  # one CPU on the worker node, one actor
-        assert info.workers[0].device == "cpu" and "@" in info.workers[0].id  # "<worker>@<node>"
+        assert info.workers[0].device == "cpu" and "/" in info.workers[0].node  # "<ip>/<node id>"
         with client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4,
                                    config=config) as session:
             session.push_parameters(model)

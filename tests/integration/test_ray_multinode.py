@@ -211,7 +211,7 @@ def test_shards_run_on_both_nodes_and_survive_losing_one(processes: Processes) -
     server_port = int(processes.wait_log("server", r"serving on port (\d+)", timeout=120).group(1))
     with GradientClient(f"127.0.0.1:{server_port}", retry=FAST_RETRY, timeout_s=120) as client:
         workers = client.server_info().workers
-        node_of = {w.id: w.id.split("@", 1)[1].split("/", 1)[1] for w in workers}
+        node_of = {w.id: w.node.split("/", 1)[1] for w in workers}  # node = "<ip>/<node id>"
         assert len(workers) == 2 and {w.device for w in workers} == {"cpu"}
         assert sorted(node_of.values()) == sorted(n[:12] for n in nodes.values()), node_of
 
@@ -229,25 +229,40 @@ def test_shards_run_on_both_nodes_and_survive_losing_one(processes: Processes) -
                     torch.testing.assert_close(grad, expected.grads[name] / 6, rtol=1e-5, atol=1e-6)
 
             check(session.compute_gradients(inputs, targets))
-            outcome: dict[str, Any] = {}
+            results: list[Any] = []
+            errors: list[BaseException] = []
+            stop = threading.Event()
 
-            def step() -> None:
-                try:
-                    outcome["result"] = session.compute_gradients(inputs, targets)
-                except Exception as error:  # reported by the main thread
-                    outcome["error"] = error
+            def steps() -> None:  # steps back to back, so shards keep running on both nodes
+                while not stop.is_set():
+                    try:
+                        results.append(session.compute_gradients(inputs, targets))
+                    except Exception as error:  # reported by the main thread
+                        errors.append(error)
+                        return
 
-            in_flight = threading.Thread(target=step, daemon=True)
-            in_flight.start()
-            # Ray titles a worker process after the task it runs: a shard is running on each node.
-            for node in ("head", "node2"):
-                wait_for(lambda: running_shard(processes.tree(node)), 30, f"a shard running on {node}")
+            trainer = threading.Thread(target=steps, daemon=True)
+            trainer.start()
+            seen: set[str] = set()
+
+            def both_seen_and_node2_busy() -> bool:
+                # Ray titles a worker process after the task it runs.
+                busy = {node for node in ("head", "node2") if running_shard(processes.tree(node))}
+                seen.update(busy)
+                return bool(errors) or (seen == {"head", "node2"} and "node2" in busy)
+
+            wait_for(both_seen_and_node2_busy, 120, "a shard running on each node")
+            assert not errors, errors
             raylets = [pid for pid in processes.tree("node2") if process_name(pid) == "raylet"]
             assert len(raylets) == 1
-            os.kill(raylets[0], signal.SIGKILL)
-            in_flight.join(timeout=120)
-            assert not in_flight.is_alive() and "error" not in outcome, outcome.get("error")
-            check(outcome["result"])
+            done_before_kill = len(results)
+            os.kill(raylets[0], signal.SIGKILL)  # mid-shard on node2
+            wait_for(lambda: errors or len(results) >= done_before_kill + 2, 180, "two steps after the kill")
+            stop.set()
+            trainer.join(timeout=120)
+            assert not trainer.is_alive() and not errors, errors
+            for result in results:
+                check(result)
             check(session.compute_gradients(inputs, targets))
 
         workers = client.server_info().workers
