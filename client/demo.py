@@ -118,7 +118,9 @@ def local_server(workers: int, timeout: float) -> Iterator[str]:
     command = [sys.executable, "-m", "psg_server", "--host", "127.0.0.1", "--port", str(port),
                "--workers", str(workers), "--cpus-per-worker", "1"]
     logger.info("psg-demo: starting %s", " ".join(command))
-    process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # gRPC's C core logs fork notices at INFO when Ray forks workers: keep the demo's output readable.
+    env = {"GRPC_VERBOSITY": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, env=env)
     target = f"127.0.0.1:{port}"
     try:
         wait_serving(target, timeout)

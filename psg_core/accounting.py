@@ -92,11 +92,25 @@ def _event(noise_multiplier: float, sample_rate: float) -> dpe.DpEvent:
     return dpe.PoissonSampledDpEvent(sample_rate, dpe.GaussianDpEvent(noise_multiplier))
 
 
+class _DropUnconvergedOrders(logging.Filter):
+    """dp_accounting warns when a fractional RDP order's series does not converge; it then drops
+    that order (infinite RDP, the conservative choice), which is expected for orders near 1."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to converge" not in record.getMessage()
+
+
 @functools.lru_cache(maxsize=64)
 def _rdp_per_step(noise_multiplier: float, sample_rate: float) -> np.ndarray:
     """RDP of one step at every default order; composition multiplies it by the count."""
     accountant = rdp_lib.RdpAccountant()
-    accountant.compose(_event(noise_multiplier, sample_rate))
+    quiet = _DropUnconvergedOrders()
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(quiet)
+    try:
+        accountant.compose(_event(noise_multiplier, sample_rate))
+    finally:
+        absl_logger.removeFilter(quiet)
     return np.asarray(accountant.rdp, dtype=np.float64)
 
 
