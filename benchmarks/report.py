@@ -25,8 +25,8 @@ import torch
 from benchmarks.harness import SUITES, RunOptions, TargetCheck, memory_method
 from benchmarks.models import opacus_available
 
-__all__ = ["machine_name", "machine_info", "write_results", "load_results", "render_markdown",
-           "write_report", "RESULTS_DIR", "MARKDOWN_PATH"]
+__all__ = ["machine_name", "machine_info", "write_results", "set_note", "load_results", "render_markdown",
+           "write_markdown", "write_report", "RESULTS_DIR", "MARKDOWN_PATH"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,19 @@ def _results_path(out_dir: Path, machine: str) -> Path:
     return out_dir / f"{machine}.json"
 
 
+def set_note(machine: str, note: str, out_dir: Path) -> Path:
+    """Stores a free-text note (conditions of the run, e.g. a shared machine) in a results file."""
+    path = _results_path(out_dir, machine)
+    if not path.exists():
+        raise FileNotFoundError(f"set_note: no results file {path}")
+    document = json.loads(path.read_text())
+    document["note"] = note
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    return path
+
+
 def write_results(machine: str, options: RunOptions, suite_rows: Mapping[str, list[dict[str, Any]]],
-                  out_dir: Path) -> Path:
+                  out_dir: Path, *, note: str | None = None) -> Path:
     """Writes (or updates) ``<out_dir>/<machine>.json``; suites not run this time are kept."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = _results_path(out_dir, machine)
@@ -97,6 +108,8 @@ def write_results(machine: str, options: RunOptions, suite_rows: Mapping[str, li
         suites[name] = {"rows": rows, "targets": [t.to_json() for t in suite.targets(rows)],
                         "options": options.to_json(), "created": now}
     document = {"machine": machine, "info": machine_info(options), "updated": now, "suites": suites}
+    if note is not None or previous.get("note"):
+        document["note"] = note if note is not None else previous["note"]
     path.write_text(json.dumps(document, indent=1) + "\n")
     return path
 
@@ -157,6 +170,8 @@ def render_markdown(documents: list[dict[str, Any]], *, out_dir: Path, markdown_
                                                                 "torch", "opacus", "python") if key in info)
         lines += [f"{described}. Updated {document.get('updated', '?')}.", "",
                   f"Memory method: {info.get('memory_method', '?')}.", ""]
+        if document.get("note"):
+            lines += [f"Note: {document['note']}", ""]
         suites = document.get("suites", {})
         targets = [TargetCheck(**t) for name in suites for t in suites[name].get("targets", [])]
         if targets:
@@ -178,16 +193,22 @@ def render_markdown(documents: list[dict[str, Any]], *, out_dir: Path, markdown_
     return "\n".join(lines).rstrip() + "\n"
 
 
+def write_markdown(out_dir: Path = RESULTS_DIR, markdown_path: Path = MARKDOWN_PATH) -> Path:
+    """Regenerates ``BENCHMARKS.md`` from every results file in ``out_dir``."""
+    markdown_path.write_text(render_markdown(load_results(out_dir), out_dir=out_dir,
+                                             markdown_path=markdown_path))
+    return markdown_path
+
+
 def write_report(machine: str, options: RunOptions, suite_rows: Mapping[str, list[dict[str, Any]]], *,
-                 out_dir: Path = RESULTS_DIR, markdown_path: Path = MARKDOWN_PATH) -> list[Path]:
+                 out_dir: Path = RESULTS_DIR, markdown_path: Path = MARKDOWN_PATH,
+                 note: str | None = None) -> list[Path]:
     """Writes the machine's JSON, the plots of the suites run, and regenerates ``BENCHMARKS.md``.
 
     Returns the paths written.
     """
-    written = [write_results(machine, options, suite_rows, out_dir)]
+    written = [write_results(machine, options, suite_rows, out_dir, note=note)]
     for name, rows in suite_rows.items():
         written += SUITES[name].plot(rows, out_dir, machine)
-    markdown_path.write_text(render_markdown(load_results(out_dir), out_dir=out_dir,
-                                             markdown_path=markdown_path))
-    written.append(markdown_path)
+    written.append(write_markdown(out_dir, markdown_path))
     return written

@@ -18,7 +18,8 @@ import torch
 from benchmarks import load_suites
 from benchmarks.harness import RunOptions
 from benchmarks.models import model_names
-from benchmarks.report import MARKDOWN_PATH, RESULTS_DIR, machine_name, write_report
+from benchmarks.report import (MARKDOWN_PATH, RESULTS_DIR, machine_name, set_note, write_markdown,
+                               write_report)
 
 __all__ = ["main", "parse_args"]
 
@@ -54,6 +55,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "default)")
     parser.add_argument("--in-process", action="store_true",
                         help="run every configuration in this process (faster; no CPU peak memory)")
+    parser.add_argument("--note", default=None,
+                        help="free text stored with this machine's results and shown in BENCHMARKS.md "
+                        "(e.g. 'shared machine, other jobs running')")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: store --note (if given) and regenerate BENCHMARKS.md from --out")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 
@@ -78,6 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     suites = load_suites()
     selected = args.suites or list(suites)
     machine = args.machine or machine_name(args.device)
+    if args.report_only:
+        if args.note is not None:
+            set_note(machine, args.note, args.out)
+        logger.info("wrote %s", write_markdown(args.out, args.markdown))
+        return 0
     results = {}
     for name in selected:
         started = time.perf_counter()
@@ -86,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[name] = rows
         logger.info("suite %s done in %.0f s", name, time.perf_counter() - started)
         sys.stdout.write(suites[name].render(rows) + "\n")
-    for path in write_report(machine, options, results, out_dir=args.out, markdown_path=args.markdown):
+    for path in write_report(machine, options, results, out_dir=args.out, markdown_path=args.markdown,
+                             note=args.note):
         logger.info("wrote %s", path)
     return 0
 

@@ -557,7 +557,12 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
         lines += ["Configurations that did not run (the error each raised):", ""]
         lines += [f"* {failure}" for failure in failures]
         lines.append("")
-    lines += ["Methods: " + "; ".join(f"`{m.name}` = {m.label}" for m in METHODS.values()) + ".", ""]
+    lines += ["Methods: " + "; ".join(f"`{m.name}` = {m.label}" for m in METHODS.values()) + ".", "",
+              "The methods of one (model, K) are timed interleaved (round after round, one step of each). "
+              "Peak memory is measured per method in its own process, after a primer step of the same "
+              "method on the tiny model, so that runtime initialisation (thread pools, oneDNN buffers, "
+              "library code) is not counted; it includes the model, batch, optimizer state and "
+              "everything a step holds at its peak.", ""]
     return "\n".join(lines)
 
 

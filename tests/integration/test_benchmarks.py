@@ -166,6 +166,10 @@ def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert "### Targets" in text and "test-machine_training_time.png" in text
     assert (out / "test-machine_training_time.png").stat().st_size > 0
     assert [d["machine"] for d in load_results(out)] == ["test-machine"]
+    # --report-only runs nothing: it stores the note and re-renders from the saved results.
+    assert bench_main(["--report-only", "--machine", "test-machine", "--note", "shared box",
+                       "--out", str(out), "--markdown", str(markdown)]) == 0
+    assert "Note: shared box" in markdown.read_text() and "| K | method |" in markdown.read_text()
 
 
 def test_report_keeps_suites_not_run_again(tmp_path: Path) -> None:
