@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,6 +73,8 @@ class GradSampleModule(AbstractGradSampleModule):
         self._forward_id = 0
         # id(parameter) -> forward passes whose contributions p.grad_sample currently holds.
         self._sources: dict[int, set[int]] = {}
+        # id(parameter) -> the grad_sample tensor this wrapper summed itself (safe to add into).
+        self._owned: dict[int, weakref.ref[torch.Tensor]] = {}
         self.add_hooks()
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -187,12 +190,19 @@ class GradSampleModule(AbstractGradSampleModule):
                 "tensor as its first argument, so its rows cannot be attributed to samples")
         rows = first.shape[batch_dim] if custom_rows is None else custom_rows
         check_rows(rows, self.augmentation_multiplicity, where=f"GradSampleModule ({type(layer).__qualname__})")
-        detached_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        detached_kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        # Held only until this call's backward has used them, then released.
+        saved: list[Any] = [tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                            {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}]
         forward_id = self._forward_id
 
         def on_grads(grads: Any) -> None:
-            self._on_backprops(layer, detached_args, detached_kwargs, list(grads), batch_dim, rows,
+            if not saved:
+                raise UnsupportedModuleError(
+                    f"GradSampleModule: a second backward pass through the same graph reached "
+                    f"{type(layer).__qualname__} (retain_graph=True); run the forward pass again")
+            call_args, call_kwargs = saved
+            saved.clear()
+            self._on_backprops(layer, call_args, call_kwargs, list(grads), batch_dim, rows,
                                forward_id, custom_rows is not None)
 
         register_multi_grad_hook(outputs, on_grads, mode="all")
@@ -203,6 +213,16 @@ class GradSampleModule(AbstractGradSampleModule):
         if not self._hooks_enabled:
             return
         K = self.augmentation_multiplicity
+        n_samples = rows // K
+        # Mean reduction: sample n's loss is N times its share of the batch loss. Per-sample
+        # gradients are linear in the backprops, so scale whichever tensor is smaller.
+        scale = float(n_samples) if self.loss_reduction is LossReduction.MEAN else 1.0
+        if scale != 1.0:
+            backprop_size = sum(b.numel() for b in backprops if b is not None)
+            grad_sample_size = n_samples * sum(p.numel() for p in _own_trainable(layer))
+            if backprop_size <= grad_sample_size:
+                backprops = [b * scale if b is not None else None for b in backprops]
+                scale = 1.0
         entry = None if self.force_functorch else GRAD_SAMPLERS.lookup(layer)
         if entry is None or len(backprops) != 1 or backprops[0] is None:
             if custom_rows:
@@ -217,8 +237,6 @@ class GradSampleModule(AbstractGradSampleModule):
                                                            batch_dim, rows)
         else:
             grad_samples = entry.compute(layer, args, kwargs, backprops[0], K, batch_dim)
-        n_samples = rows // K
-        scale = float(n_samples) if self.loss_reduction is LossReduction.MEAN else 1.0
         for param, grad_sample in grad_samples.items():
             if not param.requires_grad:
                 continue
@@ -232,6 +250,7 @@ class GradSampleModule(AbstractGradSampleModule):
         if existing is None:
             param.grad_sample = grad_sample.to(param.dtype)
             self._sources[key] = {forward_id}
+            self._owned.pop(key, None)
             return
         sources = self._sources.setdefault(key, set())
         if forward_id not in sources and not self._accumulation_allowed:
@@ -244,5 +263,15 @@ class GradSampleModule(AbstractGradSampleModule):
                 f"GradSampleModule: cannot accumulate per-sample gradients of {existing.shape[0]} "
                 f"and {grad_sample.shape[0]} samples; clear p.grad_sample between batches of "
                 "different sizes")
-        param.grad_sample = existing + grad_sample
+        owned = self._owned.get(key)
+        if forward_id in sources and owned is not None and owned() is existing:
+            # Another call of the same forward pass (a recurrent cell, a shared layer): this
+            # wrapper made ``existing`` and nobody has seen it yet, so add in place.
+            existing.add_(grad_sample)
+            return
+        # First sum (the sampler's output may alias autograd's buffers) or a new backward pass
+        # (the caller may hold the previous tensor): a new tensor, owned by this wrapper.
+        total = existing + grad_sample
+        param.grad_sample = total
+        self._owned[key] = weakref.ref(total)
         sources.add(forward_id)

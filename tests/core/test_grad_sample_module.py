@@ -287,3 +287,31 @@ def test_per_sample_gradients_functional_leaves_model_untouched() -> None:
     check = check_against_oracle(model, x, y, K=2, loss_reduction="mean", loss=mse_loss)
     for name, g in grads.items():
         torch.testing.assert_close(g, check[name])
+
+
+def test_second_backward_through_a_retained_graph_is_a_clear_error() -> None:
+    wrapped = GradSampleModule(mlp())
+    loss = wrapped(torch.randn(3, 4)).sum()
+    loss.backward(retain_graph=True)
+    wrapped.allow_grad_accumulation()
+    with pytest.raises(UnsupportedModuleError, match="retain_graph"):
+        loss.backward()
+
+
+def test_repeated_calls_in_one_pass_accumulate_without_touching_earlier_results() -> None:
+    layer = nn.Linear(3, 3)
+    wrapped = GradSampleModule(layer, augmentation_multiplicity=2)
+    wrapped.allow_grad_accumulation()
+    x = torch.randn(4, 3)
+    out = x
+    for _ in range(3):  # one layer, three calls: grad_sample sums them in place after the first
+        out = torch.tanh(layer(out))
+    out.sum().backward()
+    first = layer.weight.grad_sample
+    snapshot = first.clone()
+    out = x
+    for _ in range(3):
+        out = torch.tanh(layer(out))
+    out.sum().backward()  # a new pass: the tensor handed out before must not change
+    torch.testing.assert_close(first, snapshot)
+    torch.testing.assert_close(layer.weight.grad_sample, 2 * snapshot)
