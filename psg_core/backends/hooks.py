@@ -82,6 +82,9 @@ class GradSampleModule(AbstractGradSampleModule):
         """Installs the forward hooks (idempotent)."""
         if self._handles:
             return
+        # Each call of the wrapped model is a new forward pass, whether it goes through this
+        # wrapper or straight to the model (accumulation is told apart by pass).
+        self._handles.append(self._module.register_forward_pre_hook(self._new_pass))
         for _, layer in self._module.named_modules():
             if _own_trainable(layer) or (self.force_functorch and any(True for _ in layer.parameters(recurse=False))):
                 self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
@@ -108,9 +111,8 @@ class GradSampleModule(AbstractGradSampleModule):
         """A backward pass that would add to an uncleared ``p.grad_sample`` raises ValueError."""
         self._accumulation_allowed = False
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _new_pass(self, module: nn.Module, args: Any) -> None:
         self._forward_id += 1
-        return self._module(*args, **kwargs)
 
     # ----------------------------------------------------------------------------- validation
     @classmethod
