@@ -50,6 +50,13 @@ def microbatch_oracle(model: nn.Module, samples: Sequence[Batch], loss_fn: LossF
     Runs in float64 on a copy of the model so the reference is more precise than what it checks.
     """
     ref = copy.deepcopy(model).to(dtype)
+    for layer in ref.modules():  # the reference is the bare model: no wrapper's hooks or outputs
+        layer._forward_hooks.clear()
+        layer._forward_hooks_with_kwargs.clear()
+        layer._forward_pre_hooks.clear()
+        layer._backward_hooks.clear()
+        for p in layer.parameters(recurse=False):
+            p.grad_sample = None
     params = {name: p for name, p in ref.named_parameters() if p.requires_grad}
     per_name: dict[str, list[torch.Tensor]] = {name: [] for name in params}
     for args, target in samples:
