@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from psg_core.backends.base import check_rows, trainable_parameters
+from psg_core.backends.base import check_rows, get_grad_sample, set_grad_sample, trainable_parameters
 from psg_core.backends.hooks import GradSampleModule
 from psg_core.errors import ConfigError
 from psg_core.losses import LossFn, as_unreduced, per_sample_loss, reduce_loss
@@ -62,9 +62,9 @@ def _hooks_backend(module: nn.Module, args: tuple[Any, ...], targets: torch.Tens
     params = trainable_parameters(module)
     rows = batch_rows(args, 0 if batch_first else 1, where="per_sample_gradients")
     n_samples = check_rows(rows, K, where="per_sample_gradients")
-    saved = {name: getattr(p, "grad_sample", None) for name, p in params.items()}
+    saved = {name: get_grad_sample(p) for name, p in params.items()}
     for p in params.values():
-        p.grad_sample = None
+        set_grad_sample(p, None)
     wrapped = GradSampleModule(module, batch_first=batch_first, loss_reduction=reduction,
                                strict=False, augmentation_multiplicity=K)
     try:
@@ -77,13 +77,13 @@ def _hooks_backend(module: nn.Module, args: tuple[Any, ...], targets: torch.Tens
                                 allow_unused=True)
         grads = {}
         for name, p in params.items():
-            gs = p.grad_sample
+            gs = get_grad_sample(p)
             grads[name] = gs if gs is not None else torch.zeros(n_samples, *p.shape, dtype=p.dtype,
                                                                  device=p.device)
     finally:
         wrapped.remove_hooks()
         for name, p in params.items():
-            p.grad_sample = saved[name]
+            set_grad_sample(p, saved[name])
     return PerSampleOutput(grads=grads, per_sample_losses=losses.detach(), num_samples=n_samples)
 
 

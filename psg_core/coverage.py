@@ -165,7 +165,8 @@ def _probe(mode: str, factory: Callable[[], nn.Module], x: torch.Tensor) -> str:
             loss_fn = nn.MSELoss(reduction="none")
             if mode == "ghost":
                 result = ghost_dp_gradient(model, x, y, loss_fn=loss_fn,
-                                           config=DPConfig(mode="ghost", augmentation_multiplicity=_K,
+                                           config=DPConfig(mode=GradSampleMode.GHOST,
+                                                           augmentation_multiplicity=_K,
                                                            max_grad_norm=1e9))
                 norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)  # (N,)
                 ok = _close({"norms": result.per_sample_norms}, {"norms": norms}) and \

@@ -6,7 +6,7 @@ import copy
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 from torch import nn
@@ -25,6 +25,27 @@ _KeyTranslator = Callable[[nn.Module, dict[str, Any], str], None]
 
 #: Largest group count tried for GroupNorm, the usual default (Wu & He, 2018).
 _MAX_GROUPS = 32
+
+
+class _Factory(TypedDict, total=False):
+    """Factory keyword arguments that put a replacement where the original's parameters are."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+
+class _RecurrentArgs(TypedDict):
+    """The constructor arguments DPRNN, DPGRU and DPLSTM share with their torch originals."""
+
+    input_size: int
+    hidden_size: int
+    num_layers: int
+    bias: bool
+    batch_first: bool
+    dropout: float
+    bidirectional: bool
+    device: NotRequired[torch.device]
+    dtype: NotRequired[torch.dtype]
 
 
 def fix_model(model: nn.Module) -> nn.Module:
@@ -55,7 +76,9 @@ def fix_model(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise UnsupportedModuleError(f"fix_model: expected an nn.Module, got {type(model).__name__}")
     for path, module in model.named_modules():
-        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+        # torch types the method's self as a protocol that the mixin itself does not declare.
+        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and \
+                module.has_uninitialized_params():  # type: ignore[misc]
             raise UnsupportedModuleError(
                 f"fix_model: {path or '<root>'} ({type(module).__name__}) has not seen data yet, so "
                 "its shapes are unknown; run one forward pass before fix_model")
@@ -98,7 +121,7 @@ def _replacement(module: nn.Module, where: str) -> nn.Module | None:
     return None
 
 
-def _factory(module: nn.Module) -> dict[str, torch.device | torch.dtype]:
+def _factory(module: nn.Module) -> _Factory:
     first = next(iter(module.parameters()), None)
     return {} if first is None else {"device": first.device, "dtype": first.dtype}
 
@@ -130,9 +153,10 @@ def _recurrent(rnn: nn.RNNBase, where: str) -> _DPRNNBase:
         raise UnsupportedModuleError(
             f"fix_model: {where} is an LSTM with proj_size={rnn.proj_size}, which DPLSTM does not "
             "support; use proj_size=0 (optionally followed by an nn.Linear)")
-    common = dict(input_size=rnn.input_size, hidden_size=rnn.hidden_size,
-                  num_layers=rnn.num_layers, bias=rnn.bias, batch_first=rnn.batch_first,
-                  dropout=rnn.dropout, bidirectional=rnn.bidirectional, **_factory(rnn))
+    common: _RecurrentArgs = {
+        "input_size": rnn.input_size, "hidden_size": rnn.hidden_size, "num_layers": rnn.num_layers,
+        "bias": rnn.bias, "batch_first": rnn.batch_first, "dropout": rnn.dropout,
+        "bidirectional": rnn.bidirectional, **_factory(rnn)}
     replacement: _DPRNNBase
     if rnn.mode in ("RNN_TANH", "RNN_RELU"):
         replacement = DPRNN(nonlinearity="tanh" if rnn.mode == "RNN_TANH" else "relu", **common)

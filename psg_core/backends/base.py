@@ -11,7 +11,30 @@ from torch import nn
 from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.modes import LossReduction, parse_enum
 
-__all__ = ["AbstractGradSampleModule", "check_rows", "trainable_parameters"]
+__all__ = ["AbstractGradSampleModule", "check_rows", "get_grad_sample", "set_grad_sample",
+           "trainable_parameters"]
+
+
+# ``p.grad_sample`` is the one attribute psg sets on user objects (the public output). torch's
+# stubs do not declare it, so every read and write goes through these two functions.
+def get_grad_sample(param: torch.Tensor) -> torch.Tensor | None:
+    """``param.grad_sample``, or None when it is unset.
+
+    >>> get_grad_sample(nn.Parameter(torch.zeros(2))) is None
+    True
+    """
+    return getattr(param, "grad_sample", None)
+
+
+def set_grad_sample(param: torch.Tensor, grad_sample: torch.Tensor | None) -> None:
+    """Sets ``param.grad_sample`` (None clears it).
+
+    >>> p = nn.Parameter(torch.zeros(2))
+    >>> set_grad_sample(p, torch.ones(4, 2))
+    >>> p.grad_sample.shape
+    torch.Size([4, 2])
+    """
+    setattr(param, "grad_sample", grad_sample)
 
 
 def check_rows(rows: int, augmentation_multiplicity: int, *, where: str) -> int:
@@ -72,12 +95,12 @@ class AbstractGradSampleModule(nn.Module, abc.ABC):
     def clear_grad_samples(self) -> None:
         """Sets ``p.grad_sample`` to None on every parameter."""
         for p in self._module.parameters():
-            if getattr(p, "grad_sample", None) is not None:
-                p.grad_sample = None
+            if get_grad_sample(p) is not None:
+                set_grad_sample(p, None)
 
     def grad_samples(self) -> dict[str, torch.Tensor | None]:
         """``{name: p.grad_sample}`` for every trainable parameter (names of the wrapped model)."""
-        return {name: getattr(p, "grad_sample", None)
+        return {name: get_grad_sample(p)
                 for name, p in trainable_parameters(self._module).items()}
 
     def __getattr__(self, item: str) -> Any:

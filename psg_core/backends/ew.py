@@ -19,7 +19,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from psg_core.api import PerSampleOutput, batch_rows, register_backend
-from psg_core.backends.base import AbstractGradSampleModule, check_rows, trainable_parameters
+from psg_core.backends.base import (AbstractGradSampleModule, check_rows, get_grad_sample,
+                                   set_grad_sample, trainable_parameters)
 from psg_core.backends.functorch import reject_batch_mixing
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
@@ -199,10 +200,17 @@ def _expand(params: dict[str, nn.Parameter], rows: int, batch_first: bool
     return aliases, expanded
 
 
+def _as_tensor_dict(expanded: dict[str, ExpandedWeight]) -> dict[str, torch.Tensor]:
+    """``expanded`` typed as ``functional_call`` wants it: torch annotates that argument as an
+    invariant ``dict[str, Tensor]`` although it only reads it, so a dict of a Tensor subclass is
+    refused by mypy. No copy."""
+    return cast("dict[str, torch.Tensor]", expanded)
+
+
 def _take_per_row(alias: torch.Tensor, padding_row: int | None) -> torch.Tensor | None:
     """Pops the ``(N*K, ...)`` per-row gradients ExpandedWeights left on ``alias``."""
-    per_row = getattr(alias, "grad_sample", None)
-    alias.grad_sample = None
+    per_row = get_grad_sample(alias)
+    set_grad_sample(alias, None)
     if per_row is not None and padding_row is not None:
         per_row[:, padding_row] = 0
     return per_row
@@ -236,7 +244,7 @@ def ew_per_sample(module: nn.Module, args: tuple[Any, ...], targets: Any, loss_f
         return PerSampleOutput(grads=grads, per_sample_losses=torch.zeros(0), num_samples=0)
     aliases, expanded = _expand(params, rows, batch_first)
     with _expanded_forward(module, batch_first=batch_first, where=_WHERE) as watcher:
-        outputs = functional_call(module, expanded, args)
+        outputs = functional_call(module, _as_tensor_dict(expanded), args)
     padding_rows = watcher.padding_rows(expanded)
     per_element = loss_fn(outputs, targets)
     if per_element.dim() <= batch_dim or per_element.shape[batch_dim] != rows:
@@ -325,7 +333,7 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
             return self._module(*args, **kwargs)
         aliases, expanded = _expand(params, rows, self.batch_first)
         with _expanded_forward(self._module, batch_first=self.batch_first, where=where) as watcher:
-            output = functional_call(self._module, expanded, args, kwargs)
+            output = functional_call(self._module, _as_tensor_dict(expanded), args, kwargs)
         entry = (num_samples, aliases, watcher.padding_rows(expanded))
 
         def on_output_grad(grad: torch.Tensor) -> None:
@@ -369,9 +377,9 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
             self._store(params[name], sample.to(params[name].dtype))
 
     def _store(self, param: nn.Parameter, grad_sample: torch.Tensor) -> None:
-        existing = getattr(param, "grad_sample", None)
+        existing = get_grad_sample(param)
         if existing is None:
-            param.grad_sample = grad_sample
+            set_grad_sample(param, grad_sample)
             return
         if not self._accumulation_allowed:
             raise GradAccumulationError(
@@ -382,4 +390,4 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
             raise GradAccumulationError(
                 f"{type(self).__name__}: cannot accumulate per-sample gradients of {existing.shape[0]} and "
                 f"{grad_sample.shape[0]} samples; clear p.grad_sample between batches of different sizes")
-        param.grad_sample = existing + grad_sample
+        set_grad_sample(param, existing + grad_sample)

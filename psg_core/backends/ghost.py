@@ -38,7 +38,7 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -63,6 +63,9 @@ __all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
 _WHERE = "ghost_dp_gradient"
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _FUSED = (nn.RNNBase, nn.MultiheadAttention)
+#: The layers of ghost_norm_layers(), as a type.
+_GhostLayer = (nn.Linear | nn.Embedding | nn.Conv1d | nn.Conv2d | nn.Conv3d | nn.ConvTranspose1d
+               | nn.ConvTranspose2d | nn.ConvTranspose3d)
 
 
 def ghost_norm_layers() -> tuple[type[nn.Module], ...]:
@@ -70,7 +73,7 @@ def ghost_norm_layers() -> tuple[type[nn.Module], ...]:
     return (nn.Linear, nn.Embedding, *_CONV)
 
 
-def _is_ghost_layer(layer: nn.Module) -> bool:
+def _is_ghost_layer(layer: nn.Module) -> TypeGuard[_GhostLayer]:
     """A ghost layer type whose forward is that type's own (a subclass with its own forward may
     compute anything, so it goes through its grad sampler like any other layer)."""
     return any(isinstance(layer, base) and type(layer).forward is base.forward for base in ghost_norm_layers())
@@ -98,7 +101,7 @@ def _fold_rows(t: torch.Tensor, K: int) -> torch.Tensor:
     return t.reshape(t.shape[0] // K, K, *t.shape[1:])
 
 
-def _weight_factors(layer: nn.Module, a: torch.Tensor, g: torch.Tensor, K: int
+def _weight_factors(layer: _GhostLayer, a: torch.Tensor, g: torch.Tensor, K: int
                     ) -> tuple[_Factors | None, torch.Tensor | None]:
     """Weight factors and the (materialised, small) per-sample bias gradient of a ghost layer.
 
@@ -157,7 +160,7 @@ def _ghost_sq_norm(f: _Factors, dtype: torch.dtype) -> torch.Tensor:
     return (gram_right * same_token).sum((1, 2)).clamp_min(0)
 
 
-def _materialise(f: _Factors, weight: nn.Parameter) -> torch.Tensor:
+def _materialise(f: _Factors, weight: torch.Tensor) -> torch.Tensor:
     """``(N, *weight.shape)`` per-sample weight gradients from the factors."""
     if f.kind == "dot":
         grad = f.right.transpose(-1, -2) @ f.left  # (N, G, O, I)
@@ -169,7 +172,7 @@ def _materialise(f: _Factors, weight: nn.Parameter) -> torch.Tensor:
     return out.view(n, vocab, -1)  # (N, V, d)
 
 
-def _ghost_is_cheaper(layer: nn.Module, positions: int) -> bool:
+def _ghost_is_cheaper(layer: _GhostLayer, positions: int) -> bool:
     """The 2T^2 vs p*d rule: two (T, T) Grams per group against one materialised weight."""
     groups = getattr(layer, "groups", 1)
     return 2 * groups * positions * positions <= layer.weight.numel()
@@ -256,7 +259,7 @@ class _GhostPasses:
         self._suspended = False
         self._names = {id(m): f"'{p or '<root>'}' ({type(m).__qualname__})" for p, m in module.named_modules()}
         self._layers: dict[nn.Module, _LayerState] = {}
-        self._owners_left: dict[nn.Parameter, int] = {}  # counts down as owning layers finish
+        self._owners_left: dict[torch.Tensor, int] = {}  # counts down as owning layers finish
         self._handles = []
         for _, layer in module.named_modules():
             own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
@@ -271,10 +274,10 @@ class _GhostPasses:
         self.norm_dtype = dtype
         self.sq_norms = {p: torch.zeros(self.num_samples, dtype=dtype, device=p.device)
                          for p in self._owners_left}  # (N,) each
-        self._materialised: dict[nn.Parameter, torch.Tensor] = {}  # (N, *shape) until complete
+        self._materialised: dict[torch.Tensor, torch.Tensor] = {}  # (N, *shape) until complete
         # per_layer pass 2: per-parameter (N,) factors in, weighted sums out.
-        self.factors: dict[nn.Parameter, torch.Tensor] = {}
-        self.weighted: dict[nn.Parameter, torch.Tensor] = {}
+        self.factors: dict[torch.Tensor, torch.Tensor] = {}
+        self.weighted: dict[torch.Tensor, torch.Tensor] = {}
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -333,7 +336,9 @@ class _GhostPasses:
         if any(c.positions is None for c in state.calls) or not isinstance(weight, nn.Parameter) \
                 or not weight.requires_grad or self._owners.get(weight, 0) != 1:
             return False  # not a ghost layer, or a weight shared with another module
-        return _ghost_is_cheaper(layer, self.K * sum(c.positions or 0 for c in state.calls))
+        positions = self.K * sum(c.positions or 0 for c in state.calls)
+        # Every call has positions, which _capture sets for ghost layers only.
+        return _ghost_is_cheaper(cast(_GhostLayer, layer), positions)
 
     def _norm_contribution(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
         layer, state = call.layer, self._layers[call.layer]
@@ -344,16 +349,17 @@ class _GhostPasses:
         if state.ghost is None:
             state.ghost = self._plan_ghost(layer, state)
         if call.positions is not None and grads[0] is not None:
+            ghost_layer = cast(_GhostLayer, layer)  # _capture sets positions for ghost layers only
             a = call.args[0].movedim(call.batch_dim, 0)  # (N*K, ...)
             g = grads[0].movedim(call.batch_dim, 0)  # (N*K, ...)
-            factors, bias_grad = _weight_factors(layer, a, g, self.K)
-            if bias_grad is not None:
-                self._add(layer.bias, bias_grad)
+            factors, bias_grad = _weight_factors(ghost_layer, a, g, self.K)
+            if bias_grad is not None:  # a Linear or convolution with a bias (Embedding has none)
+                self._add(getattr(ghost_layer, "bias"), bias_grad)
             if factors is not None:
                 if state.ghost:
                     state.buffer.append(factors)
                 else:
-                    self._add(layer.weight, _materialise(factors, layer.weight))
+                    self._add(ghost_layer.weight, _materialise(factors, ghost_layer.weight))
         else:
             for param, grad_sample in self._sample_grads(call, grads).items():
                 if param.requires_grad:
@@ -361,11 +367,11 @@ class _GhostPasses:
         if state.arrived == len(state.calls):
             self.finish_layer(layer)
 
-    def _add(self, param: nn.Parameter, grad_sample: torch.Tensor) -> None:
+    def _add(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
         current = self._materialised.get(param)
         self._materialised[param] = grad_sample if current is None else current + grad_sample
 
-    def _sample_grads(self, call: _Call, grads: list[torch.Tensor | None]) -> dict[nn.Parameter, torch.Tensor]:
+    def _sample_grads(self, call: _Call, grads: list[torch.Tensor | None]) -> dict[torch.Tensor, torch.Tensor]:
         """Per-sample gradients of a layer's own parameters: its sampler, or torch.func."""
         layer, K, bd = call.layer, self.K, call.batch_dim
         entry: GradSamplerEntry | None = GRAD_SAMPLERS.lookup(layer)
@@ -386,7 +392,8 @@ class _GhostPasses:
         state.done = True
         if state.buffer:
             factors, state.buffer = _concat(state.buffer), []
-            self.sq_norms[layer.weight] += _ghost_sq_norm(factors, self.norm_dtype)
+            weight = cast(_GhostLayer, layer).weight  # only ghost layers buffer factors
+            self.sq_norms[weight] += _ghost_sq_norm(factors, self.norm_dtype)
         for param in layer.parameters(recurse=False):
             if not param.requires_grad:
                 continue

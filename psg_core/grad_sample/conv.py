@@ -325,8 +325,8 @@ def _conv_weight_by_grouped_conv(layer: _ConvLayer, activation: torch.Tensor, ba
 
 
 def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
-                     backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
-    out: dict[nn.Parameter, torch.Tensor] = {}
+                     backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
+    out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(layer.weight):
         out[layer.weight] = conv_weight_per_sample(layer, activation, backprops, K)  # (N, *weight)
     if wants_grad(layer.bias):
@@ -337,7 +337,7 @@ def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.
 
 @register_grad_sampler(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def conv_grad_sample(layer: _ConvLayer, activations: list[torch.Tensor], backprops: torch.Tensor,
-                     K: int) -> dict[nn.Parameter, torch.Tensor]:
+                     K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``nn.Conv1d/2d/3d``, summed over each sample's K rows.
 
     Handles stride, dilation, groups (depthwise included), integer/tuple/``"same"``/``"valid"``
@@ -355,7 +355,7 @@ def conv_grad_sample(layer: _ConvLayer, activations: list[torch.Tensor], backpro
 
 @register_grad_sampler(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 def conv_transpose_grad_sample(layer: _ConvTransposeLayer, activations: list[torch.Tensor],
-                               backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+                               backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``nn.ConvTranspose1d/2d/3d``, summed over each sample's K rows.
 
     Handles stride, padding, ``output_padding`` (or ``output_size`` at call time), dilation and

@@ -46,7 +46,7 @@ def _reject_batch_mixing(layer: nn.Embedding | nn.EmbeddingBag, where: str) -> N
 
 @register_grad_sampler(nn.Embedding)
 def embedding_grad_sample(layer: nn.Embedding, activations: list[torch.Tensor],
-                          backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+                          backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradient of ``nn.Embedding.weight``: ``(N, num_embeddings, embedding_dim)``.
 
     ``activations[0]`` holds token ids ``(N*K, *)``; ``backprops`` is ``(N*K, *, dim)``. The row
@@ -135,7 +135,7 @@ def _max_grad_sample(layer: nn.EmbeddingBag, tokens: torch.Tensor, bag: torch.Te
 @register_grad_sampler(nn.EmbeddingBag)
 def embedding_bag_grad_sample(layer: nn.EmbeddingBag, activations: list[Any],
                               backprops: torch.Tensor, K: int, *,
-                              kwargs: dict[str, Any]) -> dict[nn.Parameter, torch.Tensor]:
+                              kwargs: dict[str, Any]) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradient of ``nn.EmbeddingBag.weight``: ``(N, num_embeddings, embedding_dim)``.
 
     Handles ``mode`` "sum", "mean" and "max", 2-D input ``(N*K, L)`` or 1-D input with

@@ -22,7 +22,7 @@ def _is_batched(value: Any, batch_dim: int, rows: int) -> bool:
 
 def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 backprops: list[torch.Tensor | None], augmentation_multiplicity: int,
-                                batch_dim: int, rows: int) -> dict[nn.Parameter, torch.Tensor]:
+                                batch_dim: int, rows: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``layer``'s own trainable parameters (not its submodules').
 
     Args:

@@ -14,7 +14,7 @@ from psg_core.grad_sample.registry import register_grad_sampler
 
 @register_grad_sampler(nn.Linear)
 def linear_grad_sample(layer: nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor,
-                       K: int) -> dict[nn.Parameter, torch.Tensor]:
+                       K: int) -> dict[torch.Tensor, torch.Tensor]:
     """``W`` gets ``sum_{k,t} g x^T`` per sample; works for any number of middle (sequence) dims.
 
     Sample n's K rows and their positions are consecutive in memory, so they merge into one axis
@@ -25,7 +25,7 @@ def linear_grad_sample(layer: nn.Linear, activations: list[torch.Tensor], backpr
     rows_per_sample = K * math.prod(backprops.shape[1:-1])  # explicit: N may be 0
     x = activations[0].reshape(n_samples, rows_per_sample, activations[0].shape[-1])  # (N, K*T, d_in)
     g = backprops.reshape(n_samples, rows_per_sample, backprops.shape[-1])  # (N, K*T, d_out)
-    out: dict[nn.Parameter, torch.Tensor] = {}
+    out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(layer.weight):
         out[layer.weight] = contract("njo,nji->noi", g, x)  # (N, d_out, d_in)
     if wants_grad(layer.bias):

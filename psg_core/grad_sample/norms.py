@@ -28,13 +28,13 @@ __all__ = ["layer_norm_grad_sample", "rms_norm_grad_sample", "group_norm_grad_sa
 
 def _trailing_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | None,
                            x_hat: torch.Tensor, backprops: torch.Tensor, feature_shape: tuple[int, ...],
-                           K: int) -> dict[nn.Parameter, torch.Tensor]:
+                           K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Grads of an affine map over the trailing ``feature_shape`` dims (LayerNorm, RMSNorm)."""
     features = math.prod(feature_shape)
     n_samples = backprops.shape[0] // K
     rows_per_sample = K * (math.prod(backprops.shape[1:]) // features)  # K*T
     g = backprops.reshape(n_samples, rows_per_sample, features)  # (N, K*T, P)
-    out: dict[nn.Parameter, torch.Tensor] = {}
+    out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(weight):
         # A product then a sum over the sample's K*T rows: an einsum contracting those rows keeps
         # the feature axis as a batch axis and has to transpose both operands first.
@@ -48,11 +48,11 @@ def _trailing_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | Non
 
 def _channel_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | None,
                           x_hat: torch.Tensor, backprops: torch.Tensor,
-                          K: int) -> dict[nn.Parameter, torch.Tensor]:
+                          K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Grads of a per-channel affine map on ``(N*K, C, *)`` (GroupNorm, InstanceNorm)."""
     n_samples, channels = backprops.shape[0] // K, backprops.shape[1]
     positions = math.prod(backprops.shape[2:])
-    out: dict[nn.Parameter, torch.Tensor] = {}
+    out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(weight):
         # A product then one reduction over (copies, positions): an einsum keeping the channel as
         # a batch axis would first copy both operands to move K next to the positions.
@@ -65,7 +65,7 @@ def _channel_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | None
 
 @register_grad_sampler(nn.LayerNorm)
 def layer_norm_grad_sample(layer: nn.LayerNorm, activations: list[torch.Tensor],
-                           backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+                           backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``nn.LayerNorm`` (weight and, unless ``bias=False``, bias).
 
     ``activations[0]`` is ``(N*K, *, *normalized_shape)``; results are ``(N, *normalized_shape)``.
@@ -82,7 +82,7 @@ def layer_norm_grad_sample(layer: nn.LayerNorm, activations: list[torch.Tensor],
 
 @register_grad_sampler(nn.RMSNorm)
 def rms_norm_grad_sample(layer: nn.RMSNorm, activations: list[torch.Tensor],
-                         backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+                         backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradient of ``nn.RMSNorm.weight``: ``(N, *normalized_shape)``.
 
     ``eps=None`` means ``torch.finfo(input.dtype).eps``, as in torch.
@@ -100,7 +100,7 @@ def rms_norm_grad_sample(layer: nn.RMSNorm, activations: list[torch.Tensor],
 
 @register_grad_sampler(nn.GroupNorm)
 def group_norm_grad_sample(layer: nn.GroupNorm, activations: list[torch.Tensor],
-                           backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+                           backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``nn.GroupNorm``: weight and bias ``(N, C)``.
 
     ``activations[0]`` is ``(N*K, C, *)``.
@@ -122,7 +122,7 @@ _INSTANCE_NORM_DIMS: dict[type[nn.Module], int] = {nn.InstanceNorm1d: 3, nn.Inst
 @register_grad_sampler(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 def instance_norm_grad_sample(layer: nn.InstanceNorm1d | nn.InstanceNorm2d | nn.InstanceNorm3d,
                               activations: list[torch.Tensor], backprops: torch.Tensor,
-                              K: int) -> dict[nn.Parameter, torch.Tensor]:
+                              K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``nn.InstanceNorm{1,2,3}d(affine=True)``: weight and bias ``(N, C)``.
 
     Normalises with the row's own statistics in training mode or without

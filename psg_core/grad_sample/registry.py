@@ -6,7 +6,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -18,8 +18,11 @@ __all__ = ["GradSampler", "GradSamplerEntry", "GradSamplerRegistry", "GRAD_SAMPL
 
 #: ``fn(layer, activations, backprops, K) -> {parameter: (N, *parameter.shape)}``; the K argument
 #: may be absent (an Opacus-style sampler), in which case it returns ``(N*K, *shape)`` and the
-#: wrapper folds it over K.
-GradSampler = Callable[..., dict[nn.Parameter, torch.Tensor]]
+#: wrapper folds it over K. The keys are the layer's parameters, typed ``torch.Tensor`` because
+#: that is what torch declares ``layer.weight`` and ``layer.bias`` to be.
+GradSampler = Callable[..., dict[torch.Tensor, torch.Tensor]]
+
+_Sampler = TypeVar("_Sampler", bound=GradSampler)
 
 
 @functools.cache
@@ -60,7 +63,7 @@ class GradSamplerEntry:
 
     def compute(self, layer: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
                 backprops: torch.Tensor, augmentation_multiplicity: int,
-                batch_dim: int) -> dict[nn.Parameter, torch.Tensor]:
+                batch_dim: int) -> dict[torch.Tensor, torch.Tensor]:
         """Runs the sampler on one call: moves the batch to dim 0 and folds per-row results over K."""
         K = augmentation_multiplicity
         activations = [a.movedim(batch_dim, 0) if isinstance(a, torch.Tensor) and batch_dim else a
@@ -106,7 +109,7 @@ class GradSamplerRegistry:
         self._entries: dict[type[nn.Module], GradSamplerEntry] = {}
 
     def register(self, *layer_types: type[nn.Module], replace: bool = False
-                 ) -> Callable[[GradSampler], GradSampler]:
+                 ) -> Callable[[_Sampler], _Sampler]:
         """Decorator registering ``fn`` for every type in ``layer_types``.
 
         Registering a type that already has a sampler raises :class:`ConfigError` unless
@@ -119,7 +122,7 @@ class GradSamplerRegistry:
                 raise ConfigError(
                     f"register_grad_sampler: expected nn.Module subclasses, got {layer_type!r}")
 
-        def decorator(fn: GradSampler) -> GradSampler:
+        def decorator(fn: _Sampler) -> _Sampler:
             for layer_type in layer_types:
                 if layer_type in self._entries and not replace:
                     raise ConfigError(
@@ -144,7 +147,7 @@ class GradSamplerRegistry:
             if entry is not None:
                 # A subclass that computes something else than the registered layer must not
                 # inherit its sampler silently.
-                return entry if layer_type.forward is klass.forward else None
+                return entry if layer_type.forward is entry.layer_type.forward else None
         return None
 
     def __contains__(self, layer: object) -> bool:
@@ -162,7 +165,7 @@ GRAD_SAMPLERS = GradSamplerRegistry()
 
 
 def register_grad_sampler(*layer_types: type[nn.Module], replace: bool = False
-                          ) -> Callable[[GradSampler], GradSampler]:
+                          ) -> Callable[[_Sampler], _Sampler]:
     """Registers a per-sample gradient function for ``layer_types`` in the global registry.
 
     The function receives ``(layer, activations, backprops, K)`` with activations and backprops

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from opt_einsum import contract
-from torch import nn
 
 from psg_core.grad_sample._utils import split_k, wants_grad
 from psg_core.grad_sample.registry import register_grad_sampler
@@ -13,7 +12,7 @@ from psg_core.layers.attention import SequenceBias
 
 @register_grad_sampler(SequenceBias)
 def sequence_bias_grad_sample(layer: SequenceBias, activations: list[torch.Tensor],
-                              backprops: torch.Tensor, K: int) -> dict[nn.Parameter, torch.Tensor]:
+                              backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """The bias is the appended last step, so its gradient is that step's backprop, summed over K."""
     if not wants_grad(layer.bias):
         return {}

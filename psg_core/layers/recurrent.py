@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Sequence
 from typing import Any, Union, cast
 
 import torch
@@ -294,7 +295,10 @@ class _DPRNNBase(nn.Module):
         return "one tensor h_0"
 
     def _pack_states(self, finals: list[State], batched: bool) -> Any:
-        parts = [finals] if self._state_parts == 1 else list(zip(*finals))
+        # One tensor per cell, or (h, c) per cell for an LSTM (_state_parts == 2).
+        parts: list[Sequence[torch.Tensor]] = (
+            [cast(list[torch.Tensor], finals)] if self._state_parts == 1
+            else list(zip(*cast(list[tuple[torch.Tensor, torch.Tensor]], finals))))
         stacked = [torch.stack(list(part), dim=0) for part in parts]  # (layers*dirs, B, H)
         if not batched:
             stacked = [t.squeeze(1) for t in stacked]
