@@ -18,7 +18,8 @@ from benchmarks.harness import SUITES, Suite
 __all__ = ["SUITE_MODULES", "load_suites"]
 
 #: Modules that register a suite when imported, in the order their sections appear.
-SUITE_MODULES: tuple[str, ...] = ("benchmarks.training",)
+SUITE_MODULES: tuple[str, ...] = ("benchmarks.training", "benchmarks.backends", "benchmarks.service",
+                                  "benchmarks.ray_scaling")
 
 
 def load_suites() -> dict[str, Suite]:

@@ -30,6 +30,7 @@ from typing import Any
 import ray
 import torch
 
+from benchmarks.harness import RunOptions, Suite, TargetCheck, register_suite
 from psg_core.config import DPConfig
 from psg_core.modes import GradSampleMode
 from psg_server.executor import ParameterSet, SessionSpec, ShardRunner
@@ -37,7 +38,7 @@ from psg_server.models import default_registry
 from psg_server.pool import WorkerPool
 from psg_server.step import Batch, split_shards
 
-__all__ = ["main", "render", "run"]
+__all__ = ["TARGET_SPEEDUP", "main", "render", "render_rows", "run", "run_suite", "suite_targets"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,24 +46,32 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _MODEL = "cnn_groupnorm"
 
 
-def _workload(quick: bool) -> dict[str, Any]:
+#: The issue's bound: 2 workers give at least this multiple of 1 worker's throughput.
+TARGET_SPEEDUP = 1.7
+
+
+def _workload(quick: bool, tiny: bool = False) -> dict[str, Any]:
+    if tiny:  # one step of a toy model: only checks that the pipeline runs (tests)
+        return {"model_kwargs": {"in_channels": 3, "image_size": 8, "channels": [4], "groups": 2,
+                                 "num_classes": 10}, "samples": 8, "warmup": 0, "repeats": 1}
     # A step is compute-bound (hundreds of ms on one thread) yet fits a 2-core machine.
     return {"model_kwargs": {"in_channels": 3, "image_size": 32, "channels": [16, 32], "groups": 4,
                              "num_classes": 10},
             "samples": 64 if quick else 256, "warmup": 2, "repeats": 5 if quick else 10}
 
 
-def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
+def run(quick: bool = False, device: str = "cpu", *, tiny: bool = False) -> dict[str, Any]:
     """Measures 1- and 2-worker pool throughput (and the in-process reference); returns the rows.
 
     Args:
         quick: smaller images and batch, fewer timed steps.
+        tiny: a toy model and one step (tests).
         device: "cpu" (one thread per worker) or "cuda" (one GPU per worker; needs 2 GPUs for the
             2-worker row).
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"ray_scaling.run: device must be 'cpu' or 'cuda', got {device!r}")
-    work = _workload(quick)
+    work = _workload(quick, tiny)
     registry = default_registry()
     kwargs = registry.parse_kwargs(_MODEL, json.dumps(work["model_kwargs"]))
     torch.manual_seed(0)
@@ -108,7 +117,7 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     base = next((r["samples_per_s"] for r in rows if r["executor"] == "Ray pool" and r["workers"] == 1), None)
     for row in rows:
         row["speedup_vs_1_worker"] = round(row["samples_per_s"] / base, 2) if base else None
-    return {"suite": "ray_scaling", "device": device, "size": "quick" if quick else "full",
+    return {"suite": "ray_scaling", "device": device, "size": "tiny" if tiny else "quick" if quick else "full",
             "model": _MODEL, "model_kwargs": work["model_kwargs"], "samples": samples,
             "mode": config.mode.value,
             "warmup": work["warmup"], "repeats": work["repeats"], "threads_per_worker": 1,
@@ -166,6 +175,52 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"| {row['executor']} | {row['workers']} | {row['median_step_ms']} | "
                      f"{row['min_step_ms']} | {row['samples_per_s']} | {row['speedup_vs_1_worker']} |")
     return "\n".join(lines) + "\n"
+
+
+def run_suite(options: RunOptions) -> list[dict[str, Any]]:
+    """The suite's entry point (:mod:`benchmarks.run`): :func:`run` at ``options``' size, each row
+    carrying the run's settings; a failure becomes one ``error`` row."""
+    try:
+        result = run(quick=options.size == "quick", device=options.device, tiny=options.size == "tiny")
+    except Exception as err:  # a failed measurement must not end the run
+        return [{"executor": "Ray pool", "error": f"{type(err).__name__}: {err}"}]
+    common = {key: value for key, value in result.items() if key not in ("rows", "suite")}
+    return [{**common, **row} for row in result["rows"]]
+
+
+def suite_targets(rows: Sequence[dict[str, Any]]) -> list[TargetCheck]:
+    """2 workers >= 1.7 x the throughput of 1 worker (evaluated, never asserted).
+
+    >>> rows = [{"executor": "Ray pool", "workers": 1, "samples_per_s": 100.0},
+    ...         {"executor": "Ray pool", "workers": 2, "samples_per_s": 180.0}]
+    >>> suite_targets(rows)[0].met
+    True
+    """
+    pool = {row["workers"]: row for row in rows if row.get("executor") == "Ray pool" and "error" not in row}
+    one, two = pool.get(1), pool.get(2)
+    if one is None or two is None or not one["samples_per_s"]:
+        value, detail = None, "missing: " + ", ".join(f"{w} worker(s)" for w in (1, 2) if w not in pool)
+    else:
+        value = two["samples_per_s"] / one["samples_per_s"]
+        detail = f"{two['samples_per_s']:.1f} / {one['samples_per_s']:.1f} samples/s"
+    # The bound is a lower one: met when the speedup reaches it.
+    return [TargetCheck(target=f"Ray 2 workers >= {TARGET_SPEEDUP} x 1 worker throughput",
+                        subject="cnn_groupnorm, one thread per worker", value=value, threshold=TARGET_SPEEDUP,
+                        met=None if value is None else value >= TARGET_SPEEDUP - 1e-9, detail=detail)]
+
+
+def render_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """The suite's rows (from :func:`run_suite`) as Markdown."""
+    errors = [row for row in rows if "error" in row]
+    if errors or not rows:
+        return "\n".join(f"Ray scaling benchmark failed: {row['error']}" for row in errors) + "\n"
+    result = {**rows[0], "rows": rows}
+    return render(result).split("\n", 2)[2]  # without render's own title line
+
+
+RAY_SCALING_SUITE = register_suite(Suite(
+    name="ray_scaling", description="Ray pool scaling: DP-step throughput with 1 and 2 workers, one thread each",
+    run=run_suite, render=render_rows, targets=suite_targets))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

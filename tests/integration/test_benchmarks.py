@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.harness import RunOptions, run_isolated
+from benchmarks import load_suites
+from benchmarks.backends import MODES as BACKEND_MODES
+from benchmarks.harness import SUITES, RunOptions, run_isolated
+from benchmarks.service import SIZES as SERVICE_SIZES
 from benchmarks.models import MODELS, Variant, opacus_available
 from benchmarks.report import load_results, render_markdown, write_report
 from benchmarks.run import main as bench_main
@@ -182,3 +185,44 @@ def test_report_keeps_suites_not_run_again(tmp_path: Path) -> None:
     documents = load_results(tmp_path)
     assert documents[0]["suites"]["training"]["rows"] == [row]
     assert render_markdown(documents, out_dir=tmp_path, markdown_path=markdown) == markdown.read_text()
+
+
+# ------------------------------------------------------------------------------ the other suites
+def test_every_suite_module_is_loaded() -> None:
+    assert {"training", "backends", "service", "ray_scaling"} <= set(load_suites())
+
+
+def test_backends_suite_runs_one_tiny_step() -> None:
+    options = RunOptions(size="tiny", isolate=False, warmup=0, repeats=1, multiplicities=(1,))
+    rows = SUITES["backends"].run(options)
+    assert [row["mode"] for row in rows] == list(BACKEND_MODES)
+    assert all("error" not in row and row["median_s"] > 0 for row in rows), rows
+    assert "| 1 | ghost |" in SUITES["backends"].render(rows)
+
+
+def test_service_suite_runs_one_tiny_step() -> None:
+    """The service step returns the in-process gradient (checked inside ``measure``) and is timed."""
+    options = RunOptions(size="tiny", isolate=False, warmup=0, repeats=1, threads=1)
+    rows = SUITES["service"].run(options)
+    assert [row["path"] for row in rows] == ["in-process", "service"], rows
+    assert all(row["median_ms"] > 0 and row["batch"] == SERVICE_SIZES["tiny"]["batch"] for row in rows)
+    (check,) = SUITES["service"].targets(rows)
+    assert check.threshold == 1.15 and check.value == pytest.approx(rows[1]["median_ms"] / rows[0]["median_ms"])
+    assert "| service |" in SUITES["service"].render(rows)
+
+
+def test_service_target_is_not_evaluable_without_both_paths() -> None:
+    (check,) = SUITES["service"].targets([{"path": "service", "error": "RuntimeError: boom"}])
+    assert check.met is None and check.value is None
+
+
+def test_ray_scaling_suite_runs_one_tiny_step() -> None:
+    rows = SUITES["ray_scaling"].run(RunOptions(size="tiny"))
+    assert "error" not in rows[0], rows
+    assert [(row["executor"], row["workers"]) for row in rows] == [
+        ("in-process (no Ray)", 1), ("Ray pool", 1), ("Ray pool", 2)]
+    assert all(row["samples_per_s"] > 0 and row["size"] == "tiny" for row in rows)
+    (check,) = SUITES["ray_scaling"].targets(rows)
+    assert check.value == pytest.approx(rows[2]["samples_per_s"] / rows[1]["samples_per_s"])
+    assert check.value is not None and check.met == (check.value >= 1.7)
+    assert "| Ray pool | 2 |" in SUITES["ray_scaling"].render(rows)
