@@ -14,7 +14,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from psg_core._layout import ALWAYS_BATCH_FIRST
-from psg_core.backends.base import AbstractGradSampleModule, check_rows
+from psg_core.backends.base import AbstractGradSampleModule, check_rows, get_grad_sample, set_grad_sample
 from psg_core.errors import GradAccumulationError, UnsupportedModuleError
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
@@ -186,11 +186,14 @@ class GradSampleModule(AbstractGradSampleModule):
         batch_dim = self._layer_batch_dim(layer, entry)
         custom_rows = entry.count_rows(layer, args, kwargs) if entry is not None else None
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if custom_rows is None and (first is None or first.dim() <= batch_dim):
+        if custom_rows is not None:
+            rows = custom_rows
+        elif first is not None and first.dim() > batch_dim:
+            rows = first.shape[batch_dim]
+        else:
             raise UnsupportedModuleError(
                 f"GradSampleModule: {type(layer).__qualname__} was called without a batched "
                 "tensor as its first argument, so its rows cannot be attributed to samples")
-        rows = first.shape[batch_dim] if custom_rows is None else custom_rows
         check_rows(rows, self.augmentation_multiplicity, where=f"GradSampleModule ({type(layer).__qualname__})")
         # Held only until this call's backward has used them, then released.
         saved: list[Any] = [tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
@@ -246,11 +249,11 @@ class GradSampleModule(AbstractGradSampleModule):
                 grad_sample = grad_sample * scale
             self._store(param, grad_sample, forward_id)
 
-    def _store(self, param: nn.Parameter, grad_sample: torch.Tensor, forward_id: int) -> None:
-        existing = getattr(param, "grad_sample", None)
+    def _store(self, param: torch.Tensor, grad_sample: torch.Tensor, forward_id: int) -> None:
+        existing = get_grad_sample(param)
         key = id(param)
         if existing is None:
-            param.grad_sample = grad_sample.to(param.dtype)
+            set_grad_sample(param, grad_sample.to(param.dtype))
             self._sources[key] = {forward_id}
             self._owned.pop(key, None)
             return
@@ -274,6 +277,6 @@ class GradSampleModule(AbstractGradSampleModule):
         # First sum (the sampler's output may alias autograd's buffers) or a new backward pass
         # (the caller may hold the previous tensor): a new tensor, owned by this wrapper.
         total = existing + grad_sample
-        param.grad_sample = total
+        set_grad_sample(param, total)
         self._owned[key] = weakref.ref(total)
         sources.add(forward_id)
