@@ -32,7 +32,7 @@ $(VENV)/.bench: $(VENV)/.torch pyproject.toml
 venv: $(VENV)/.dev
 
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider tests psg_core --doctest-modules
 
 demo: $(VENV)/.demo
 	$(VENV)/bin/psg-demo

@@ -1,16 +1,16 @@
-"""The Python client of the psg gradient service.
+"""The Python client of the psg gradient service::
 
->>> from torch import nn
->>> from psg_core.config import DPConfig
->>> with GradientClient("localhost:50051", token=None) as client:  # doctest: +SKIP
-...     model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
-...     session = client.create_session("mlp", loss="cross_entropy", expected_batch_size=64,
-...                                     config=DPConfig(max_grad_norm=1.0, noise_multiplier=1.1),
-...                                     sample_rate=64 / 60_000, delta=1e-5)
-...     session.push_parameters(model)
-...     result = session.compute_gradients(inputs, targets)
-...     result.apply_to(model)
-...     optimizer.step()
+    from torch import nn
+    from psg_core.config import DPConfig
+    with GradientClient("localhost:50051", token=None) as client:
+        model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+        session = client.create_session("mlp", loss="cross_entropy", expected_batch_size=64,
+                                        config=DPConfig(max_grad_norm=1.0, noise_multiplier=1.1),
+                                        sample_rate=64 / 60_000, delta=1e-5)
+        session.push_parameters(model)
+        result = session.compute_gradients(inputs, targets)
+        result.apply_to(model)
+        optimizer.step()
 """
 
 from __future__ import annotations
