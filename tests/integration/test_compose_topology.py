@@ -18,12 +18,13 @@ started and the processes under its private temp dir; it never calls `ray stop`.
 
 from __future__ import annotations
 
+import tests.ports
+
 import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,9 +56,7 @@ OBJECT_STORE_BYTES = 256 << 20
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    return tests.ports.free_port()
 
 
 def _entrypoint() -> list[str]:

@@ -11,13 +11,14 @@ never used, because it kills every Ray process of the machine, other people's in
 
 from __future__ import annotations
 
+import tests.ports
+
 import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,9 +49,7 @@ FAST_HEALTH_CHECKS = json.dumps({"health_check_initial_delay_ms": 1000, "health_
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    return tests.ports.free_port()
 
 
 def _read(path: str) -> str:
