@@ -145,26 +145,6 @@ def _non_private(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tenso
     return Step(run, lambda: None, model)
 
 
-def _psg_hooks(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
-    from psg_core import GradSampleModule
-    from psg_core.clipping import clip_and_sum
-
-    wrapped = GradSampleModule(model, augmentation_multiplicity=case.K)
-    optimizer, generator = _sgd(model, case), _noise_generator(case)
-    params = _trainable(model)
-    num_samples = targets.shape[0] // case.K
-
-    def run() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        wrapped.clear_grad_samples()
-        F.cross_entropy(wrapped(*inputs), targets).backward()
-        clipped = clip_and_sum({name: p.grad_sample for name, p in params.items()},
-                               max_grad_norm=MAX_GRAD_NORM)
-        _apply_private_gradient(model, clipped.grads, num_samples, case, generator, optimizer)
-
-    return Step(run, lambda: _nbytes([getattr(p, "grad_sample", None) for p in params.values()]), model)
-
-
 def _psg_functional(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]:
     def prepare(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
         from psg_core import per_sample_gradients
@@ -251,7 +231,8 @@ def _opacus_ghost(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tens
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("non-private", "torch", Variant.TORCH, _non_private, "non-private (fused torch layers)"),
-    Method("psg-hooks", "psg", Variant.PSG, _psg_hooks, "psg GradSampleModule (hooks)"),
+    Method("psg-hooks", "psg", Variant.PSG, _psg_functional("hooks"),
+           "psg per_sample_gradients(mode=\"hooks\") + clip_and_sum (no p.grad computed)"),
     Method("psg-functorch", "psg", Variant.PSG, _psg_functional("functorch"),
            "psg per_sample_gradients(mode='functorch')"),
     Method("psg-ew", "psg", Variant.PSG, _psg_functional("ew"), "psg per_sample_gradients(mode='ew')"),

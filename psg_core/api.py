@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from psg_core.backends.base import check_rows, get_grad_sample, set_grad_sample, trainable_parameters
+from psg_core.backends.base import (check_rows, earliest_edges, get_grad_sample, set_grad_sample,
+                                    trainable_parameters)
 from psg_core.backends.hooks import GradSampleModule
 from psg_core.errors import ConfigError
 from psg_core.losses import LossFn, as_unreduced, per_sample_loss, reduce_loss
@@ -68,12 +69,14 @@ def _hooks_backend(module: nn.Module, args: tuple[Any, ...], targets: torch.Tens
     wrapped = GradSampleModule(module, batch_first=batch_first, loss_reduction=reduction,
                                strict=False, augmentation_multiplicity=K)
     try:
-        per_element = loss_fn(wrapped(*args), targets)
+        with wrapped.recording_edges() as edges:
+            per_element = loss_fn(wrapped(*args), targets)
         losses = per_sample_loss(per_element, num_samples=n_samples,
                                  batch_dim=0 if batch_first else 1, reduction=reduction)
-        if params:
-            # autograd.grad rather than backward: the caller's p.grad stays untouched.
-            torch.autograd.grad(reduce_loss(per_element, reduction), list(params.values()),
+        if edges:
+            # Gradients of the hooked layer outputs only: the hooks fill p.grad_sample, no p.grad
+            # is computed (nor touched: the caller's stays as it was).
+            torch.autograd.grad(reduce_loss(per_element, reduction), earliest_edges(edges),
                                 allow_unused=True)
         grads = {}
         for name, p in params.items():

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.modes import LossReduction, parse_enum
 
-__all__ = ["AbstractGradSampleModule", "check_rows", "get_grad_sample", "set_grad_sample",
+__all__ = ["AbstractGradSampleModule", "check_rows", "earliest_edges", "on_output_grads", "get_grad_sample", "set_grad_sample",
            "trainable_parameters"]
 
 
@@ -111,3 +113,98 @@ class AbstractGradSampleModule(nn.Module, abc.ABC):
             if module is not None and hasattr(module, item):
                 return getattr(module, item)
             raise err
+
+
+def earliest_edges(edges: list[GradientEdge]) -> list[GradientEdge]:
+    """The edges of ``edges`` that no other edge's node lies below.
+
+    Asking ``torch.autograd.grad`` for the gradients of these edges makes autograd run through
+    every edge of ``edges`` (firing the gradient hooks registered on them) while computing no
+    parameter gradient: the backends that hook layer outputs backpropagate this way, which skips
+    the weight-gradient kernels a plain ``backward()`` would run and throw away.
+
+    >>> x = torch.randn(3, 2, requires_grad=True)
+    >>> h = x * 2
+    >>> y = h.sin()
+    >>> [e.node is y.grad_fn for e in earliest_edges([get_gradient_edge(y), get_gradient_edge(h)])]
+    [False]
+    """
+    hooked = {e.node for e in edges}
+    below: dict[Any, bool] = {}
+    for edge in edges:
+        stack = [(edge.node, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in below:
+                continue
+            children = [child for child, _ in node.next_functions if child is not None]
+            if expanded:
+                below[node] = any(child in hooked or below[child] for child in children)
+                continue
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if child not in below)
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for edge in edges:
+        key = (id(edge.node), edge.output_nr)
+        if not below[edge.node] and key not in seen:
+            seen.add(key)
+            out.append(edge)
+    return out
+
+
+class _OutputGrads:
+    """The gradient hooks of one forward call's outputs (see :func:`on_output_grads`)."""
+
+    def __init__(self, tensors: list[torch.Tensor], fn: Any) -> None:
+        self._fn = fn
+        self._count = len(tensors)
+        # graph task id -> (gradients so far, how many arrived)
+        self._tasks: dict[int, tuple[list[torch.Tensor | None], list[int]]] = {}
+        self._handles = [t.register_hook(functools.partial(self._arrive, i)) for i, t in enumerate(tensors)]
+
+    def _arrive(self, index: int, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        entry = self._tasks.get(task)
+        if entry is None:
+            entry = self._tasks[task] = ([None] * self._count, [0])
+            if self._count > 1:
+                # Outputs the backward pass never reaches send nothing: hand over what came, at
+                # the end of the pass.
+                torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+                    functools.partial(self._flush, task))
+        grads, arrived = entry
+        grads[index] = grad
+        arrived[0] += 1
+        if arrived[0] == self._count:
+            self._flush(task)
+
+    def _flush(self, task: int) -> None:
+        entry = self._tasks.pop(task, None)
+        if entry is not None:
+            self._fn(entry[0])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def on_output_grads(tensors: list[torch.Tensor], fn: Any) -> _OutputGrads:
+    """Calls ``fn(grads)`` once per backward pass with the gradients of ``tensors`` (None for those
+    the pass does not reach), as soon as all have arrived, else at the end of the pass.
+
+    Unlike ``torch.autograd.graph.register_multi_grad_hook`` it keeps no reference to the
+    tensors' autograd nodes, whose hooks refer back to it: that cycle runs through C++ objects
+    that Python's garbage collector cannot see, and would keep every hooked call's state (and
+    whatever ``fn`` holds, such as saved activations) alive after the step.
+
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> a, b = x * 2, x * 3
+    >>> seen = []
+    >>> _ = on_output_grads([a, b], lambda grads: seen.append([g is not None for g in grads]))
+    >>> _ = torch.autograd.grad(a.sum(), x)
+    >>> seen
+    [[True, False]]
+    """
+    return _OutputGrads(tensors, fn)

@@ -1,6 +1,6 @@
 """The ghost backend: per-sample gradient norms without per-sample gradients, then the clipped sum.
 
-Pass 1 backpropagates ``sum_n loss_n`` (sample n's loss over its K rows) with hooks that turn each
+One backward pass of ``sum_n loss_n`` (sample n's loss over its K rows) with hooks that turn each
 layer's activations ``a`` and output gradients ``g`` into per-sample squared norms:
 
 * ``nn.Linear`` (and ``nn.Conv*`` through their im2col patches, per group): sample n's weight
@@ -14,16 +14,20 @@ layer's activations ``a`` and output gradients ``g`` into per-sample squared nor
   gradient through its registered grad sampler, or the per-layer ``torch.func`` fallback.
 
 A module called several times (a recurrent cell, a shared block) concatenates its calls along the
-T axis, so its norm is the norm of the summed gradient. Pass 1 asks autograd only for the
-gradients of the earliest hooked layer outputs: parameter gradients are not computed in it.
+T axis, so its norm is the norm of the summed gradient. The pass asks autograd only for the
+gradients of the earliest hooked layer outputs, so no parameter gradient is computed in it, and the
+graph is freed as it goes.
 
-Pass 2 gives the clipped sum ``sum_n c_n grad(loss_n)``:
+The clipped sum ``sum_n c_n grad(loss_n)`` then comes from what the pass kept ("book-keeping",
+Bu et al. 2023), not from a second backward pass:
 
-* ``flat`` and ``automatic`` clipping: one re-weighted backward of ``sum_n c_n loss_n``;
-* ``per_layer`` clipping: each parameter has its own factors ``c_{n,i}``, which no single loss
-  weighting can express, so pass 2 backpropagates ``sum_n loss_n`` once more and each hooked layer
-  turns its output gradients, scaled row-wise by its parameters' factors, into the weighted sum
-  with a vector-Jacobian product of that layer alone (recomputing only its own forward).
+* a ghost layer keeps each call's activations and output gradients; its weight's sum is the
+  layer's own weight gradient with output-gradient row r scaled by the factor of r's sample (one
+  matmul, conv weight-gradient kernel or ``index_add``);
+* every other parameter keeps its materialised per-sample gradient, contracted with the factors.
+
+Each parameter may have its own factors, so ``per_layer`` clipping costs the same as ``flat`` and
+``automatic``.
 
 Per-sample gradients are never returned: ``per_sample_gradients(mode="ghost")`` raises; use
 :func:`ghost_dp_gradient` (or :func:`psg_core.dp_gradient` with ``DPConfig(mode="ghost")``).
@@ -42,17 +46,18 @@ from typing import Any, TypeGuard, cast
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge, register_multi_grad_hook
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from psg_core.api import as_inputs, batch_rows
-from psg_core.backends.base import AbstractGradSampleModule, check_rows, trainable_parameters
+from psg_core.backends.base import (AbstractGradSampleModule, check_rows, earliest_edges, on_output_grads,
+                                    trainable_parameters)
 from psg_core.backends.functorch import reject_batch_mixing
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.clipping import clip_factors
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
-from psg_core.grad_sample.conv import conv_weight_factors
+from psg_core.grad_sample.conv import conv_weight_factors, conv_weight_sum
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.losses import LossFn, as_unreduced, per_sample_loss
@@ -172,6 +177,24 @@ def _materialise(f: _Factors, weight: torch.Tensor) -> torch.Tensor:
     return out.view(n, vocab, -1)  # (N, V, d)
 
 
+def _weight_sum(layer: _GhostLayer, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``weight.shape``: the weight gradient summed over the rows of one call (``a`` and ``g``
+    batch-first; ``g`` already scaled row by row)."""
+    weight = layer.weight
+    if isinstance(layer, nn.Linear):
+        a2 = a.reshape(-1, a.shape[-1]).to(g.dtype)  # (rows*T, d_in)
+        g2 = g.reshape(-1, g.shape[-1])  # (rows*T, d_out)
+        return (g2.transpose(0, 1) @ a2).to(weight.dtype)  # (d_out, d_in)
+    if isinstance(layer, nn.Embedding):
+        tokens = a.reshape(-1)  # (rows*T,)
+        out = g.new_zeros(weight.shape)  # (V, d)
+        out.index_add_(0, tokens, g.reshape(tokens.shape[0], -1))
+        if layer.padding_idx is not None:
+            out[layer.padding_idx] = 0
+        return out.to(weight.dtype)
+    return conv_weight_sum(layer, a.to(g.dtype), g).to(weight.dtype)
+
+
 def _ghost_is_cheaper(layer: _GhostLayer, positions: int) -> bool:
     """The 2T^2 vs p*d rule: two (T, T) Grams per group against one materialised weight."""
     groups = getattr(layer, "groups", 1)
@@ -194,8 +217,7 @@ def _row_positions(layer: nn.Module, args: tuple[Any, ...], output: Any, batch_d
 
 # ------------------------------------------------------------------------------ bookkeeping
 class _Phase(enum.Enum):
-    NORMS = "norms"  # pass 1: per-sample squared norms
-    WEIGHTED = "weighted"  # per_layer pass 2: per-parameter weighted sums
+    NORMS = "norms"  # the backward pass: per-sample squared norms, kept activations and gradients
     OFF = "off"
 
 
@@ -219,38 +241,14 @@ class _LayerState:
     arrived: int = 0
     ghost: bool | None = None  # decided at the first backward of the layer
     buffer: list[_Factors] = field(default_factory=list)
+    #: a ghost layer's batch-first ``(activations, output gradients)`` per call, kept for its
+    #: weight's clipped sum once the clipping factors are known.
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     done: bool = False
 
 
-def _earliest(edges: list[GradientEdge]) -> list[GradientEdge]:
-    """The edges that no other edge's node lies below: asking autograd for their gradients makes
-    it run through every hooked output (and compute no parameter gradient)."""
-    hooked = {e.node for e in edges}
-    below: dict[Any, bool] = {}
-    for edge in edges:
-        stack = [(edge.node, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in below:
-                continue
-            children = [child for child, _ in node.next_functions if child is not None]
-            if expanded:
-                below[node] = any(child in hooked or below[child] for child in children)
-                continue
-            stack.append((node, True))
-            stack.extend((child, False) for child in children if child not in below)
-    seen: set[tuple[int, int]] = set()
-    out = []
-    for edge in edges:
-        key = (id(edge.node), edge.output_nr)
-        if not below[edge.node] and key not in seen:
-            seen.add(key)
-            out.append(edge)
-    return out
-
-
 class _GhostPasses:
-    """Forward hooks on every module with trainable parameters, and the two backward passes."""
+    """Forward hooks on every module with trainable parameters, the backward pass and the sums."""
 
     def __init__(self, module: nn.Module, *, K: int, rows: int, batch_first: bool) -> None:
         self.K, self.rows, self.num_samples = K, rows, rows // K
@@ -260,7 +258,7 @@ class _GhostPasses:
         self._names = {id(m): f"'{p or '<root>'}' ({type(m).__qualname__})" for p, m in module.named_modules()}
         self._layers: dict[nn.Module, _LayerState] = {}
         self._owners_left: dict[torch.Tensor, int] = {}  # counts down as owning layers finish
-        self._handles = []
+        self._handles: list[Any] = []
         for _, layer in module.named_modules():
             own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
             if own:
@@ -274,15 +272,22 @@ class _GhostPasses:
         self.norm_dtype = dtype
         self.sq_norms = {p: torch.zeros(self.num_samples, dtype=dtype, device=p.device)
                          for p in self._owners_left}  # (N,) each
-        self._materialised: dict[torch.Tensor, torch.Tensor] = {}  # (N, *shape) until complete
-        # per_layer pass 2: per-parameter (N,) factors in, weighted sums out.
-        self.factors: dict[torch.Tensor, torch.Tensor] = {}
-        self.weighted: dict[torch.Tensor, torch.Tensor] = {}
+        # (N, *shape) per-sample gradients of the parameters that are not ghost weights.
+        self._materialised: dict[torch.Tensor, torch.Tensor] = {}
 
     def remove(self) -> None:
+        """Removes the hooks and drops everything the pass held.
+
+        The gradient hooks live on autograd nodes that ``self.edges`` keeps alive, and they refer
+        back to this object: a cycle through C++ objects that Python's garbage collector cannot
+        see, so it is cut here, or every step would leak its activations.
+        """
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.edges.clear()
+        self._layers.clear()
+        self._materialised.clear()
 
     @contextlib.contextmanager
     def _suspend(self) -> Iterator[None]:
@@ -322,13 +327,11 @@ class _GhostPasses:
         self._layers[layer].calls.append(call)
         outputs = [flat[i] for i in index]
         self.edges.extend(get_gradient_edge(t) for t in outputs)
-        register_multi_grad_hook(outputs, functools.partial(self._on_grads, call), mode="all")
+        self._handles.append(on_output_grads(outputs, functools.partial(self._on_grads, call)))
 
     def _on_grads(self, call: _Call, grads: Any) -> None:
         if self.phase is _Phase.NORMS:
             self._norm_contribution(call, list(grads))
-        elif self.phase is _Phase.WEIGHTED:
-            self._weighted_contribution(call, list(grads))
 
     # ---------------------------------------------------------------------------- pass 1
     def _plan_ghost(self, layer: nn.Module, state: _LayerState) -> bool:
@@ -358,6 +361,7 @@ class _GhostPasses:
             if factors is not None:
                 if state.ghost:
                     state.buffer.append(factors)
+                    state.kept.append((a, g))
                 else:
                     self._add(ghost_layer.weight, _materialise(factors, ghost_layer.weight))
         else:
@@ -398,62 +402,50 @@ class _GhostPasses:
             if not param.requires_grad:
                 continue
             self._owners_left[param] -= 1
-            grad_sample = self._materialised.pop(param, None) if self._owners_left[param] == 0 else None
+            grad_sample = self._materialised.get(param) if self._owners_left[param] == 0 else None
             if grad_sample is not None:
                 flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)
                 self.sq_norms[param] += torch.linalg.vector_norm(flat, dim=1, dtype=self.norm_dtype).square()
 
     def run_norm_pass(self, total_loss: torch.Tensor) -> None:
-        """Pass 1: backprop ``total_loss`` through the hooked outputs only; graph kept for pass 2."""
+        """The one backward pass: ``total_loss`` through the hooked outputs only (no parameter
+        gradient is computed, the graph is freed as it goes); leaves the squared norms."""
         self.phase = _Phase.NORMS
         try:
             if self.edges:
-                torch.autograd.grad(total_loss, _earliest(self.edges), retain_graph=True, allow_unused=True)
+                torch.autograd.grad(total_loss, earliest_edges(self.edges), allow_unused=True)
             for layer in self._layers:
                 self.finish_layer(layer)
         finally:
             self.phase = _Phase.OFF
 
-    # ---------------------------------------------------------------------------- per_layer pass 2
-    def _weighted_contribution(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
-        layer = call.layer
-        params = [p for p in layer.parameters(recurse=False) if p.requires_grad]
-        with self._suspend(), torch.enable_grad():
-            flat = tree_flatten(layer(*call.args, **call.kwargs))[0]
-        pairs = [(flat[i], g) for i, g in zip(call.output_index, grads)
-                 if g is not None and isinstance(flat[i], torch.Tensor) and flat[i].requires_grad]
-        if not pairs:
-            return
-        outputs = [o for o, _ in pairs]
-        for index, param in enumerate(params):
-            row_factors = self.factors[param].repeat_interleave(self.K)  # (N*K,)
-            cotangents = [self._scale_rows(g, row_factors, call) for _, g in pairs]
-            (grad,) = torch.autograd.grad(outputs, [param], cotangents, allow_unused=True,
-                                          retain_graph=index < len(params) - 1)
-            if grad is not None:
-                grad = grad.to_dense() if grad.is_sparse else grad
-                current = self.weighted.get(param)
-                self.weighted[param] = grad if current is None else current + grad
+    # ---------------------------------------------------------------------------- clipped sums
+    def clipped_sums(self, factors: dict[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+        """``sum_n factors[p][n] * grad_n(p)`` for every parameter, from what the pass kept.
 
-    def _scale_rows(self, grad: torch.Tensor, row_factors: torch.Tensor, call: _Call) -> torch.Tensor:
-        bd = call.batch_dim
-        if grad.dim() <= bd or grad.shape[bd] != self.rows:
-            raise UnsupportedModuleError(
-                f"{_WHERE}: clipping='per_layer' needs every output of module {self._names[id(call.layer)]} "
-                f"to have the batch's {self.rows} rows on dimension {bd}, got shape {tuple(grad.shape)}; "
-                "use clipping='flat'")
-        shape = [1] * grad.dim()
-        shape[bd] = self.rows
-        return grad * row_factors.view(shape).to(grad.dtype)
-
-    def run_weighted_pass(self, total_loss: torch.Tensor) -> None:
-        """per_layer pass 2: backprop ``total_loss`` again; each layer sums its own weighted grads."""
-        self.phase = _Phase.WEIGHTED
-        try:
-            if self.edges:
-                torch.autograd.grad(total_loss, _earliest(self.edges), allow_unused=True)
-        finally:
-            self.phase = _Phase.OFF
+        Materialised per-sample gradients are contracted with their factors; a ghost weight's
+        sum is its layer's weight gradient with each output-gradient row scaled by its sample's
+        factor ("book-keeping", Bu et al. 2023): one weight-gradient kernel per call instead of a
+        second backward pass through the whole model. Frees what it used.
+        """
+        sums: dict[torch.Tensor, torch.Tensor] = {}
+        for param, grad_sample in self._materialised.items():
+            weights = factors[param].to(grad_sample.dtype)  # (N,)
+            flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)
+            sums[param] = (weights @ flat).view(param.shape)
+        self._materialised = {}
+        for layer, state in self._layers.items():
+            if not state.kept:
+                continue
+            ghost_layer = cast(_GhostLayer, layer)  # only ghost layers keep calls
+            row_factors = factors[ghost_layer.weight].repeat_interleave(self.K)  # (N*K,)
+            for a, g in state.kept:
+                scaled = g * row_factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype)  # (N*K, ...)
+                total = _weight_sum(ghost_layer, a, scaled)
+                current = sums.get(ghost_layer.weight)
+                sums[ghost_layer.weight] = total if current is None else current + total
+            state.kept = []
+        return sums
 
 
 # ------------------------------------------------------------------------------ entry point
@@ -467,18 +459,19 @@ def _check_supported(module: nn.Module) -> None:
 
 
 def _clip_factors(passes: _GhostPasses, params: dict[str, nn.Parameter], config: DPConfig
-                  ) -> tuple[torch.Tensor, int]:
-    """Sets ``passes.factors`` from the norms; returns the ``(N,)`` total norms and the clip count."""
+                  ) -> tuple[dict[torch.Tensor, torch.Tensor], torch.Tensor, int]:
+    """Each parameter's ``(N,)`` clipping factors, the ``(N,)`` total norms and the clip count."""
     names = list(params)
     layer_norms = torch.stack([passes.sq_norms[params[n]] for n in names], 1).sqrt()  # (N, P)
     factors, norms, clipped = clip_factors(layer_norms, names, max_grad_norm=config.max_grad_norm,
                                            clipping=config.clipping,
                                            per_layer_max_grad_norms=config.per_layer_max_grad_norms)
+    by_param: dict[torch.Tensor, torch.Tensor]
     if config.clipping is Clipping.PER_LAYER:
-        passes.factors = {params[n]: factors[:, i] for i, n in enumerate(names)}
+        by_param = {params[n]: factors[:, i] for i, n in enumerate(names)}
     else:
-        passes.factors = {p: factors for p in params.values()}
-    return norms, int(clipped.sum().item())
+        by_param = {p: factors for p in params.values()}
+    return by_param, norms, int(clipped.sum().item())
 
 
 def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,
@@ -530,14 +523,9 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
         losses = per_sample_loss(per_element, num_samples=num_samples, batch_dim=batch_dim,
                                  reduction=config.loss_reduction)  # (N,)
         passes.run_norm_pass(losses.sum())
-        norms, num_clipped = _clip_factors(passes, params, config)
-        if config.clipping is Clipping.PER_LAYER:
-            passes.run_weighted_pass(losses.sum())
-            summed = [passes.weighted.get(p) for p in params.values()]
-        else:
-            factor = passes.factors[next(iter(params.values()))]  # (N,), shared by every parameter
-            summed = list(torch.autograd.grad((factor.detach().to(losses.dtype) * losses).sum(),
-                                              list(params.values()), allow_unused=True))
+        factors, norms, num_clipped = _clip_factors(passes, params, config)
+        sums = passes.clipped_sums(factors)
+        summed = [sums.get(p) for p in params.values()]
     finally:
         passes.remove()
     grads = {}

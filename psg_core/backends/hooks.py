@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from psg_core._layout import ALWAYS_BATCH_FIRST
-from psg_core.backends.base import AbstractGradSampleModule, check_rows, get_grad_sample, set_grad_sample
+from psg_core.backends.base import (AbstractGradSampleModule, check_rows, get_grad_sample, on_output_grads,
+                                    set_grad_sample)
 from psg_core.errors import GradAccumulationError, UnsupportedModuleError
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
@@ -71,6 +72,8 @@ class GradSampleModule(AbstractGradSampleModule):
         self._capture_suspended = False
         self._accumulation_allowed = False
         self._forward_id = 0
+        # While recording_edges() is active: the gradient edges of every hooked output.
+        self._edge_log: list[GradientEdge] | None = None
         # id(parameter) -> forward passes whose contributions p.grad_sample currently holds.
         self._sources: dict[int, set[int]] = {}
         # id(parameter) -> the grad_sample tensor this wrapper summed itself (safe to add into).
@@ -110,6 +113,29 @@ class GradSampleModule(AbstractGradSampleModule):
     def forbid_grad_accumulation(self) -> None:
         """A backward pass that would add to an uncleared ``p.grad_sample`` raises ValueError."""
         self._accumulation_allowed = False
+
+    @contextlib.contextmanager
+    def recording_edges(self) -> Iterator[list[GradientEdge]]:
+        """Collects the gradient edges of the layer outputs hooked by forward passes in the block.
+
+        ``torch.autograd.grad(loss, psg_core.backends.base.earliest_edges(edges))`` then fills
+        ``p.grad_sample`` without computing any ``p.grad`` (the weight-gradient kernels of a plain
+        ``backward()`` are skipped): what :func:`psg_core.per_sample_gradients` does.
+
+        >>> from psg_core.backends.base import earliest_edges
+        >>> net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+        >>> model = GradSampleModule(net)
+        >>> with model.recording_edges() as edges:
+        ...     loss = model(torch.randn(5, 4)).sum()
+        >>> _ = torch.autograd.grad(loss, earliest_edges(edges))
+        >>> net[0].weight.grad_sample.shape, net[0].weight.grad
+        (torch.Size([5, 3, 4]), None)
+        """
+        previous, self._edge_log = self._edge_log, []
+        try:
+            yield self._edge_log
+        finally:
+            self._edge_log = previous
 
     def _new_pass(self, module: nn.Module, args: Any) -> None:
         self._forward_id += 1
@@ -210,7 +236,9 @@ class GradSampleModule(AbstractGradSampleModule):
             self._on_backprops(layer, call_args, call_kwargs, list(grads), batch_dim, rows,
                                forward_id, custom_rows is not None)
 
-        register_multi_grad_hook(outputs, on_grads, mode="all")
+        on_output_grads(outputs, on_grads)
+        if self._edge_log is not None:
+            self._edge_log.extend(get_gradient_edge(t) for t in outputs)
 
     def _on_backprops(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       backprops: list[torch.Tensor | None], batch_dim: int, rows: int,

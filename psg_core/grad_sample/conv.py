@@ -38,7 +38,7 @@ from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.grad_sample._utils import split_k, wants_grad
 from psg_core.grad_sample.registry import register_grad_sampler
 
-__all__ = ["ConvFactors", "conv_unfold", "conv_weight_factors", "conv_weight_per_sample",
+__all__ = ["ConvFactors", "conv_unfold", "conv_weight_factors", "conv_weight_per_sample", "conv_weight_sum",
            "conv_grad_sample", "conv_transpose_grad_sample"]
 
 _ConvLayer = nn.Conv1d | nn.Conv2d | nn.Conv3d
@@ -258,6 +258,36 @@ def conv_weight_per_sample(layer: _ConvLayer | _ConvTransposeLayer, activation: 
     patches, other = conv_weight_factors(layer, activation, backprop, K)  # (N, G, I, K*L), (N, G, O, K*L)
     grad = contract("ngoj,ngij->ngoi", other, patches)  # (N, G, O, I)
     return grad.reshape(grad.shape[0], *layer.weight.shape)  # (N, *weight)
+
+
+def conv_weight_sum(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                    backprop: torch.Tensor) -> torch.Tensor:
+    """``weight.shape``: the weight gradient summed over every row (what autograd would give).
+
+    With ``backprop`` scaled row by row this is a weighted sum of per-row gradients, which is how
+    ghost clipping gets its clipped sum from the activations and output gradients it kept: one
+    convolution weight-gradient kernel, no per-sample tensor and no second backward.
+
+    >>> conv = nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect")
+    >>> x = torch.randn(6, 2, 5, 5)
+    >>> g = torch.randn(6, 4, 5, 5)
+    >>> torch.allclose(conv_weight_sum(conv, x, g), conv_weight_per_sample(conv, x, g).sum(0), atol=1e-5)
+    True
+    """
+    if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        dims = _spatial_dims(layer)
+        _check_batched("conv_weight_sum", layer, activation, dims, "input")
+        _check_batched("conv_weight_sum", layer, backprop, dims, "output gradient")
+        padded = _pad(activation, _padding_pairs(layer), layer.padding_mode)  # (B, C_in, *P)
+        # Only the weight's shape is read (no input gradient is asked for): a broadcast scalar will do.
+        weight = activation.new_empty(()).expand(layer.weight.shape)
+        _, grad, _ = torch.ops.aten.convolution_backward(
+            backprop, padded, weight, None, list(layer.stride), [0] * dims, list(layer.dilation),
+            False, [0] * dims, layer.groups, [False, True, False])  # (C_out, C_in/G, *k)
+        return grad
+    patches, other = conv_weight_factors(layer, activation, backprop)  # (B, G, I, L), (B, G, O, L)
+    grad = contract("bgol,bgil->goi", other, patches)  # (G, O, I)
+    return grad.reshape(layer.weight.shape)
 
 
 def _factor_views(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,

@@ -228,20 +228,28 @@ class DPMultiheadAttention(nn.Module):
         mask = self._merged_mask(key_padding_mask, attn_mask, B=B, L=L, S=S, src_len=src_len,
                                  dtype=q.dtype)  # broadcastable to (B, H, L, S'), or None
 
-        scores = torch.matmul(q * (1.0 / math.sqrt(hd)), k.transpose(-2, -1))  # (B, H, L, S')
-        if mask is not None:
-            scores = scores + mask
-        weights = torch.softmax(scores, dim=-1)  # (B, H, L, S')
-        if self.training and self.dropout > 0.0:
-            weights = F.dropout(weights, p=self.dropout)
-        context = torch.matmul(weights, v)  # (B, H, L, hd)
+        dropout = self.dropout if self.training else 0.0
+        weights: torch.Tensor | None = None
+        # Under torch.func transforms (the functorch backend's vmap) the fused kernel has no
+        # batching rule and would run sample by sample: the explicit form is faster there.
+        if need_weights or torch._C._are_functorch_transforms_active():
+            scores = torch.matmul(q * (1.0 / math.sqrt(hd)), k.transpose(-2, -1))  # (B, H, L, S')
+            if mask is not None:
+                scores = scores + mask
+            weights = torch.softmax(scores, dim=-1)  # (B, H, L, S')
+            if dropout > 0.0:
+                weights = F.dropout(weights, p=dropout)  # returned after dropout, as torch does
+            context = torch.matmul(weights, v)  # (B, H, L, hd)
+        else:
+            # The fused kernel keeps no (L, S') weights for backward: less memory, same result.
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)  # (B, H, L, hd)
         context = context.transpose(1, 2).reshape(B, L, self.embed_dim)  # (B, L, E)
         if not self.batch_first:
             context = context.transpose(0, 1)  # (L, B, E)
         output = self.out_proj(context)  # query's layout
 
         returned: torch.Tensor | None = None
-        if need_weights:
+        if weights is not None:
             returned = weights.mean(dim=1) if average_attn_weights else weights
         if not is_batched:
             output = output.squeeze(batch_dim)
