@@ -13,7 +13,7 @@ from psg_core.backends.base import (check_rows, earliest_edges, get_grad_sample,
                                     trainable_parameters)
 from psg_core.backends.hooks import GradSampleModule
 from psg_core.errors import ConfigError
-from psg_core.losses import LossFn, as_unreduced, per_sample_loss, reduce_loss
+from psg_core.losses import LossFn, as_unreduced, per_sample_loss
 from psg_core.modes import GradSampleMode, LossReduction, parse_enum
 
 __all__ = ["PerSampleOutput", "per_sample_gradients", "compute_per_sample", "register_backend",
@@ -66,18 +66,19 @@ def _hooks_backend(module: nn.Module, args: tuple[Any, ...], targets: torch.Tens
     saved = {name: get_grad_sample(p) for name, p in params.items()}
     for p in params.values():
         set_grad_sample(p, None)
-    wrapped = GradSampleModule(module, batch_first=batch_first, loss_reduction=reduction,
+    # Backpropagating sum_n loss_n (each sample's loss already reduced over its K rows as asked)
+    # gives every layer output gradients in per-sample scale: no rescaling of backprops.
+    wrapped = GradSampleModule(module, batch_first=batch_first, loss_reduction=LossReduction.SUM,
                                strict=False, augmentation_multiplicity=K)
     try:
         with wrapped.recording_edges() as edges:
             per_element = loss_fn(wrapped(*args), targets)
         losses = per_sample_loss(per_element, num_samples=n_samples,
                                  batch_dim=0 if batch_first else 1, reduction=reduction)
-        if edges:
+        if edges and n_samples:
             # Gradients of the hooked layer outputs only: the hooks fill p.grad_sample, no p.grad
             # is computed (nor touched: the caller's stays as it was).
-            torch.autograd.grad(reduce_loss(per_element, reduction), earliest_edges(edges),
-                                allow_unused=True)
+            torch.autograd.grad(losses.sum(), earliest_edges(edges), allow_unused=True)
         grads = {}
         for name, p in params.items():
             gs = get_grad_sample(p)
