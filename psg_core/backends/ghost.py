@@ -165,18 +165,6 @@ def _ghost_sq_norm(f: _Factors, dtype: torch.dtype) -> torch.Tensor:
     return (gram_right * same_token).sum((1, 2)).clamp_min(0)
 
 
-def _materialise(f: _Factors, weight: torch.Tensor) -> torch.Tensor:
-    """``(N, *weight.shape)`` per-sample weight gradients from the factors."""
-    if f.kind == "dot":
-        grad = f.right.transpose(-1, -2) @ f.left  # (N, G, O, I)
-        return grad.reshape(grad.shape[0], *weight.shape)
-    n, vocab = f.left.shape[0], weight.shape[0]
-    flat_ids = (f.left + vocab * torch.arange(n, device=f.left.device)[:, None]).reshape(-1)  # (N*T,)
-    out = f.right.new_zeros(n * vocab, f.right.shape[-1])  # (N*V, d)
-    out.index_add_(0, flat_ids, f.right.reshape(-1, f.right.shape[-1]))
-    return out.view(n, vocab, -1)  # (N, V, d)
-
-
 def _weight_sum(layer: _GhostLayer, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``weight.shape``: the weight gradient summed over the rows of one call (``a`` and ``g``
     batch-first; ``g`` already scaled row by row)."""
@@ -351,7 +339,7 @@ class _GhostPasses:
         state.arrived += 1
         if state.ghost is None:
             state.ghost = self._plan_ghost(layer, state)
-        if call.positions is not None and grads[0] is not None:
+        if state.ghost and call.positions is not None and grads[0] is not None:
             ghost_layer = cast(_GhostLayer, layer)  # _capture sets positions for ghost layers only
             a = call.args[0].movedim(call.batch_dim, 0)  # (N*K, ...)
             g = grads[0].movedim(call.batch_dim, 0)  # (N*K, ...)
@@ -359,12 +347,12 @@ class _GhostPasses:
             if bias_grad is not None:  # a Linear or convolution with a bias (Embedding has none)
                 self._add(getattr(ghost_layer, "bias"), bias_grad)
             if factors is not None:
-                if state.ghost:
-                    state.buffer.append(factors)
-                    state.kept.append((a, g))
-                else:
-                    self._add(ghost_layer.weight, _materialise(factors, ghost_layer.weight))
+                state.buffer.append(factors)
+                state.kept.append((a, g))
         else:
+            # Materialised per-sample gradients (the Gram matrices would be larger, or the layer
+            # has none): the layer's grad sampler, e.g. a grouped-convolution weight gradient
+            # for a convolution rather than its unfolded patches.
             for param, grad_sample in self._sample_grads(call, grads).items():
                 if param.requires_grad:
                     self._add(param, grad_sample)
