@@ -13,12 +13,13 @@ from psg_core.modes import Clipping, GradSampleMode, LossReduction, parse_enum
 __all__ = ["DPConfig", "DPGradient"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class DPConfig:
     """Everything that defines one DP-SGD gradient computation; validated on construction.
 
-    String values are parsed into their enums, so ``DPConfig(mode="ghost").mode`` is
-    ``GradSampleMode.GHOST``.
+    The constructor takes each choice as its enum or its string value (typed that way, so
+    ``DPConfig(mode="ghost")`` type-checks); the fields always hold the enums, so
+    ``DPConfig(mode="ghost").mode`` is ``GradSampleMode.GHOST``.
 
     >>> DPConfig(max_grad_norm=1.0, noise_multiplier=1.1, augmentation_multiplicity=4).clipping
     <Clipping.FLAT: 'flat'>
@@ -38,7 +39,23 @@ class DPConfig:
     #: None means C / sqrt(number of parameters) each, so the whole gradient stays within C.
     per_layer_max_grad_norms: tuple[float, ...] | None = field(default=None)
 
-    def __post_init__(self) -> None:
+    def __init__(self, mode: GradSampleMode | str = GradSampleMode.HOOKS, augmentation_multiplicity: int = 1,
+                 loss_reduction: LossReduction | str = LossReduction.MEAN, batch_first: bool = True,
+                 max_grad_norm: float = 1.0, clipping: Clipping | str = Clipping.FLAT,
+                 noise_multiplier: float = 0.0,
+                 per_layer_max_grad_norms: tuple[float, ...] | None = None) -> None:
+        set_ = object.__setattr__
+        set_(self, "mode", mode)
+        set_(self, "augmentation_multiplicity", augmentation_multiplicity)
+        set_(self, "loss_reduction", loss_reduction)
+        set_(self, "batch_first", batch_first)
+        set_(self, "max_grad_norm", max_grad_norm)
+        set_(self, "clipping", clipping)
+        set_(self, "noise_multiplier", noise_multiplier)
+        set_(self, "per_layer_max_grad_norms", per_layer_max_grad_norms)
+        self._validate()
+
+    def _validate(self) -> None:
         set_ = object.__setattr__
         set_(self, "mode", parse_enum(GradSampleMode, self.mode, what="DPConfig.mode"))
         set_(self, "clipping", parse_enum(Clipping, self.clipping, what="DPConfig.clipping"))

@@ -546,7 +546,7 @@ class GhostClippingModule(AbstractGradSampleModule):
         _check_supported(module)
         self.config = DPConfig(mode=GradSampleMode.GHOST, augmentation_multiplicity=augmentation_multiplicity,
                                loss_reduction=self.loss_reduction, batch_first=self.batch_first,
-                               max_grad_norm=max_grad_norm, clipping=clipping,  # type: ignore[arg-type]
+                               max_grad_norm=max_grad_norm, clipping=clipping,
                                per_layer_max_grad_norms=per_layer_max_grad_norms)
 
     def dp_gradient(self, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module) -> DPGradient:
