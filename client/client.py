@@ -30,8 +30,7 @@ from torch import nn
 
 from psg_client._proto import gradient_service_pb2 as pb
 from psg_client._proto import gradient_service_pb2_grpc as pb_grpc
-from psg_client._proto.tensor_pb2 import TensorHeader
-from psg_client.codec import DEFAULT_CHUNK_BYTES, DTYPES, CodecLimits, TensorDecoder, encode_tensors
+from psg_client.codec import DEFAULT_CHUNK_BYTES, DTYPES, CodecLimits, FrameWire, TensorDecoder
 from psg_client.torch import apply_gradients, check_parameters, parameter_tensors
 from psg_core.config import DPConfig
 from psg_core.errors import PsgError
@@ -42,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 _REASON_KEY = "psg-error-reason"
 _T = TypeVar("_T")
+_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GradientService"].full_name
+_PUSH_WIRE = FrameWire(pb.PushParametersRequest)
+_COMPUTE_WIRE = FrameWire(pb.ComputeGradientsRequest)
+_REPLY_WIRE = FrameWire(pb.ComputeGradientsResponse)
 
 
 class ServiceError(PsgError, RuntimeError):
@@ -150,7 +153,7 @@ class GradientClient:
             credentials = grpc.ssl_channel_credentials(config.root_certificates, config.private_key,
                                                        config.certificate_chain)
             self._channel = grpc.secure_channel(target, credentials, options=options)
-        self._stub = pb_grpc.GradientServiceStub(self._channel)
+        self._stub = _stub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.retry = retry
         self.timeout_s = timeout_s
@@ -260,7 +263,7 @@ class Session:
         chunk_bytes = self._client.chunk_bytes
 
         def invoke(stub: Any, kw: dict[str, Any]) -> pb.PushParametersResponse:
-            frames = _frames(pb.PushParametersRequest, encode_tensors(named, chunk_bytes=chunk_bytes))
+            frames = _PUSH_WIRE.messages(named, chunk_bytes=chunk_bytes)
             return stub.PushParameters(_prepend(header, frames), **kw)
 
         self._client.call(invoke)
@@ -308,22 +311,29 @@ class Session:
         client = self._client
 
         def invoke(stub: Any, kw: dict[str, Any]) -> GradientResult:
-            tensors = encode_tensors(named, chunk_bytes=client.chunk_bytes)
-            frames = _frames(pb.ComputeGradientsRequest, tensors)
+            frames = _COMPUTE_WIRE.messages(named, chunk_bytes=client.chunk_bytes)
             requests = _prepend(pb.ComputeGradientsRequest(header=header), frames)
             return _read_result(stub.ComputeGradients(requests, **kw), client.limits)
 
         return client.call(invoke)
 
 
+def _stub(channel: grpc.Channel) -> pb_grpc.GradientServiceStub:
+    """The generated stub, with the two tensor-streaming methods going through :class:`FrameWire`:
+    chunk frames are serialised and read without protobuf's extra copies of their payload."""
+    stub = pb_grpc.GradientServiceStub(channel)
+    stub.PushParameters = channel.stream_unary(  # type: ignore[method-assign]
+        f"/{_SERVICE_NAME}/PushParameters", request_serializer=_PUSH_WIRE.serialize,
+        response_deserializer=pb.PushParametersResponse.FromString, _registered_method=True)
+    stub.ComputeGradients = channel.stream_stream(  # type: ignore[method-assign]
+        f"/{_SERVICE_NAME}/ComputeGradients", request_serializer=_COMPUTE_WIRE.serialize,
+        response_deserializer=_REPLY_WIRE.parse, _registered_method=True)
+    return stub
+
+
 def _prepend(first: _T, rest: Iterator[_T]) -> Iterator[_T]:
     yield first
     yield from rest
-
-
-def _frames(message_type: Any, frames: Iterator[TensorHeader | bytes]) -> Iterator[Any]:
-    for frame in frames:
-        yield message_type(tensor=frame) if isinstance(frame, TensorHeader) else message_type(chunk=frame)
 
 
 def _read_result(responses: Iterator[pb.ComputeGradientsResponse], limits: CodecLimits) -> GradientResult:

@@ -6,6 +6,11 @@ most ``chunk_bytes``; decoding (:class:`TensorDecoder`) checks the dtype against
 ``num_bytes == prod(shape) * itemsize`` and the declared sizes against :class:`CodecLimits`
 *before* it allocates, then copies each chunk once into the tensor's buffer.
 
+The frames travel as the ``tensor`` and ``chunk`` members of a stream message's ``frame`` oneof.
+:class:`FrameWire` serialises and parses those messages with a fast path for chunk frames, which
+carry nearly all the bytes: the sender copies each payload once into the serialised message and
+the receiver reads the payload in place, instead of protobuf's extra copies on both sides.
+
 >>> import torch
 >>> frames = list(encode_tensors([("w", torch.arange(6.0).reshape(2, 3))], chunk_bytes=8))
 >>> decoder = TensorDecoder(CodecLimits())
@@ -22,8 +27,10 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from google.protobuf.descriptor import FieldDescriptor
 
 from psg_client._proto.tensor_pb2 import TensorHeader
 from psg_core.errors import PsgError
@@ -32,7 +39,9 @@ __all__ = [
     "DTYPES",
     "DEFAULT_CHUNK_BYTES",
     "CodecError",
+    "ChunkFrame",
     "CodecLimits",
+    "FrameWire",
     "TensorLimitError",
     "TensorDecoder",
     "dtype_name",
@@ -121,6 +130,19 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return data
 
 
+def _tensor_views(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[TensorHeader | memoryview]:
+    """The header of ``tensor``, then views (no copies) of its bytes, ``chunk_bytes`` at most each."""
+    if chunk_bytes < 1:
+        raise CodecError(f"encode_tensor: chunk_bytes must be >= 1, got {chunk_bytes}")
+    if not isinstance(tensor, torch.Tensor):
+        raise CodecError(f"encode_tensor: {name!r} is a {type(tensor).__name__}, not a tensor")
+    data = _raw_bytes(tensor)
+    yield TensorHeader(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
+                       num_bytes=len(data))
+    for start in range(0, len(data), chunk_bytes):
+        yield data[start:start + chunk_bytes]
+
+
 def encode_tensor(name: str, tensor: torch.Tensor, *,
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Frame]:
     """Yields the header of ``tensor`` and then its bytes in chunks of at most ``chunk_bytes``.
@@ -130,15 +152,8 @@ def encode_tensor(name: str, tensor: torch.Tensor, *,
     >>> [type(f).__name__ for f in encode_tensor("b", torch.zeros(3), chunk_bytes=8)]
     ['TensorHeader', 'bytes', 'bytes']
     """
-    if chunk_bytes < 1:
-        raise CodecError(f"encode_tensor: chunk_bytes must be >= 1, got {chunk_bytes}")
-    if not isinstance(tensor, torch.Tensor):
-        raise CodecError(f"encode_tensor: {name!r} is a {type(tensor).__name__}, not a tensor")
-    data = _raw_bytes(tensor)
-    yield TensorHeader(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
-                       num_bytes=len(data))
-    for start in range(0, len(data), chunk_bytes):
-        yield bytes(data[start:start + chunk_bytes])
+    for frame in _tensor_views(name, tensor, chunk_bytes):
+        yield frame if isinstance(frame, TensorHeader) else bytes(frame)
 
 
 def encode_tensors(named: Iterable[tuple[str, torch.Tensor]], *,
@@ -146,6 +161,112 @@ def encode_tensors(named: Iterable[tuple[str, torch.Tensor]], *,
     """:func:`encode_tensor` for each ``(name, tensor)`` in turn."""
     for name, tensor in named:
         yield from encode_tensor(name, tensor, chunk_bytes=chunk_bytes)
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint of a non-negative int."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, offset: int) -> tuple[int, int] | None:
+    """``(value, offset after it)`` of the varint at ``offset``, or None when it is cut short or
+    longer than protobuf's 10 bytes."""
+    value = shift = 0
+    for position in range(offset, min(offset + 10, len(data))):
+        byte = data[position]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position + 1
+        shift += 7
+    return None
+
+
+class ChunkFrame:
+    """A chunk frame read by :meth:`FrameWire.parse` without protobuf.
+
+    It stands in for the message: ``WhichOneof("frame")`` is ``"chunk"`` and :attr:`chunk` is a
+    view of the payload inside the received bytes, so :meth:`TensorDecoder.add_message` copies it
+    once, into the tensor's buffer.
+    """
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: memoryview) -> None:
+        #: The payload, a view into the received message (no copy).
+        self.chunk = chunk
+
+    def WhichOneof(self, oneof_group: str) -> str | None:  # noqa: N802 (protobuf's name)
+        """``"chunk"`` for the ``frame`` oneof, as the message it stands for would answer."""
+        return "chunk" if oneof_group == "frame" else None
+
+
+class FrameWire:
+    """Serialises and parses a stream message type whose ``frame`` oneof has a ``bytes chunk`` field
+    (``PushParametersRequest``, ``ComputeGradientsRequest``, ``ComputeGradientsResponse``).
+
+    A chunk frame is written and read directly in protobuf's wire format (the field's tag, the
+    payload's length as a varint, the payload), which is exactly what protobuf produces for a
+    message holding only that field: the sender copies the payload once, the receiver not at all.
+    Every other message goes through protobuf, and so does any received message that is not
+    exactly one chunk field (protobuf then accepts or refuses it as usual).
+
+    >>> from psg_client._proto import gradient_service_pb2 as pb
+    >>> wire = FrameWire(pb.PushParametersRequest)
+    >>> wire.chunk(b"abc") == pb.PushParametersRequest(chunk=b"abc").SerializeToString()
+    True
+    >>> bytes(wire.parse(wire.chunk(b"abc")).chunk)
+    b'abc'
+    """
+
+    def __init__(self, message_type: Any) -> None:
+        if not FrameWire.handles(message_type):
+            raise TypeError(f"FrameWire: {message_type.DESCRIPTOR.full_name} has no 'bytes chunk' field in a "
+                            "'frame' oneof")
+        self.message_type = message_type
+        number = message_type.DESCRIPTOR.fields_by_name["chunk"].number
+        self._tag = _varint((number << 3) | 2)  # wire type 2: length-delimited
+        self._from_string = message_type.FromString
+
+    @staticmethod
+    def handles(message_type: Any) -> bool:
+        """Whether ``message_type`` has a ``bytes chunk`` field in a ``frame`` oneof."""
+        field = message_type.DESCRIPTOR.fields_by_name.get("chunk")
+        oneof = field.containing_oneof if field is not None else None
+        return (field is not None and field.type == FieldDescriptor.TYPE_BYTES and oneof is not None
+                and oneof.name == "frame")
+
+    def chunk(self, payload: bytes | memoryview) -> bytes:
+        """The serialised ``message_type(chunk=payload)``."""
+        return self._tag + _varint(len(payload)) + payload
+
+    def messages(self, named: Iterable[tuple[str, torch.Tensor]], *,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Any]:
+        """The frames of :func:`encode_tensors`: ``message_type(tensor=header)`` for each header and
+        serialised chunk messages (``bytes``, for :meth:`serialize`) for the chunks."""
+        tensor_message = self.message_type
+        for name, tensor in named:
+            for frame in _tensor_views(name, tensor, chunk_bytes):
+                yield tensor_message(tensor=frame) if isinstance(frame, TensorHeader) else self.chunk(frame)
+
+    @staticmethod
+    def serialize(message: Any) -> bytes:
+        """gRPC serializer: a message's bytes; ``bytes`` (from :meth:`chunk`) pass as they are."""
+        return message if isinstance(message, bytes) else message.SerializeToString()
+
+    def parse(self, raw: bytes) -> Any:
+        """gRPC deserializer: a :class:`ChunkFrame` for a message that is exactly one chunk field,
+        otherwise ``message_type.FromString(raw)``."""
+        tag = self._tag
+        if raw.startswith(tag):
+            read = _read_varint(raw, len(tag))
+            if read is not None and read[0] + read[1] == len(raw):
+                return ChunkFrame(memoryview(raw)[read[1]:])
+        return self._from_string(raw)
 
 
 #: Called with (name, dtype, shape) after the codec's own checks and before allocation; raises to
@@ -174,7 +295,8 @@ class TensorDecoder:
         self._name = ""
         self._dtype = torch.uint8
         self._shape: tuple[int, ...] = ()
-        self._buffer = bytearray()
+        self._buffer = torch.empty(0, dtype=torch.uint8)  # (num_bytes,)
+        self._view = memoryview(b"")  # writable bytes of _buffer
         self._filled = 0
         self._open = False
 
@@ -241,37 +363,46 @@ class TensorDecoder:
             self._check_header(name, dtype, shape)
         self._total_bytes += expected
         self._name, self._dtype, self._shape = name, dtype, shape
-        self._buffer = bytearray(expected)
+        # Uninitialised (no zero-filling pass): the chunks must write every byte before finish().
+        self._buffer = torch.empty(expected, dtype=torch.uint8)  # (num_bytes,)
+        self._view = memoryview(self._buffer.numpy()) if expected else memoryview(bytearray())
         self._filled = 0
         self._open = True
 
     def _fill(self, chunk: bytes | bytearray | memoryview) -> None:
         if not self._open:
             raise CodecError("TensorDecoder: a chunk arrived before any tensor header")
+        if not isinstance(chunk, bytes):
+            chunk = memoryview(chunk).cast("B")  # sizes in bytes, whatever the view's item format
         size = len(chunk)
         if size > self._limits.max_chunk_bytes:
             raise TensorLimitError(f"TensorDecoder: chunk of {size} bytes exceeds the limit of "
                                    f"{self._limits.max_chunk_bytes}")
         end = self._filled + size
-        if end > len(self._buffer):
+        declared = len(self._view)
+        if end > declared:
             raise CodecError(f"TensorDecoder: tensor {self._name!r} received {end} bytes, more than "
-                             f"the {len(self._buffer)} declared")
-        self._buffer[self._filled:end] = chunk
+                             f"the {declared} declared")
+        self._view[self._filled:end] = chunk  # the one copy of these bytes on this side
         self._filled = end
 
     def _close_current(self) -> None:
         if not self._open:
             return
-        if self._filled != len(self._buffer):
+        declared = len(self._view)
+        if self._filled != declared:
             raise CodecError(f"TensorDecoder: tensor {self._name!r} is truncated: {self._filled} of "
-                             f"{len(self._buffer)} bytes arrived")
+                             f"{declared} bytes arrived")
         self._open = False
-        if not self._buffer:
+        if not declared:
             tensor = torch.empty(self._shape, dtype=self._dtype)
         else:
-            itemsize = len(self._buffer) // math.prod(self._shape)
-            buffer = self._buffer if _LITTLE_ENDIAN else _swap_bytes(self._buffer, itemsize)
-            # frombuffer shares the bytearray's memory: the chunks were copied exactly once.
-            tensor = torch.frombuffer(buffer, dtype=torch.uint8).view(self._dtype).reshape(self._shape)
+            buffer = self._buffer  # (num_bytes,)
+            if not _LITTLE_ENDIAN:
+                itemsize = declared // math.prod(self._shape)
+                swapped = _swap_bytes(bytearray(self._view), itemsize)
+                buffer = torch.frombuffer(swapped, dtype=torch.uint8)  # (num_bytes,)
+            tensor = buffer.view(self._dtype).reshape(self._shape)
         self._tensors[self._name] = tensor
-        self._buffer = bytearray()
+        self._buffer = torch.empty(0, dtype=torch.uint8)  # (0,)
+        self._view = memoryview(b"")

@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 import psg_core
 from psg_client._proto import gradient_service_pb2 as pb
-from psg_client.codec import CodecLimits
+from psg_client.codec import CodecLimits, FrameWire
 from psg_core.modes import GradSampleMode
 from psg_server.config import ServerConfig
 from psg_server.errors import REASON_METADATA_KEY, translate
@@ -160,8 +160,7 @@ def _method_handlers(servicer: GradientServicer, metrics: Metrics) -> dict[str, 
     for method in _SERVICE.methods:
         name = method.name
         implementation = getattr(servicer, name)
-        parse = message_factory.GetMessageClass(method.input_type).FromString
-        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        parse, serialize = _codecs(method)
         if method.client_streaming and method.server_streaming:
             handlers[name] = grpc.stream_stream_rpc_method_handler(
                 _stream_stream(name, implementation, parse, metrics), response_serializer=serialize)
@@ -174,6 +173,19 @@ def _method_handlers(servicer: GradientServicer, metrics: Metrics) -> dict[str, 
         else:  # no unary-stream methods in psg.v1; refuse to start rather than serve it wrong
             raise TypeError(f"_method_handlers: unary-stream method {name} is not wired")
     return handlers
+
+
+def _codecs(method: Any) -> tuple[Callable[[bytes], Any], Callable[[Any], bytes]]:
+    """The request parser and the response serialiser of a method: protobuf's, except for the
+    tensor streams, whose chunk frames go through :class:`FrameWire` (read in place; sent as the
+    ``bytes`` :func:`psg_server.streams.tensor_messages` serialised)."""
+    request_type = message_factory.GetMessageClass(method.input_type)
+    response_type = message_factory.GetMessageClass(method.output_type)
+    parse = (FrameWire(request_type).parse if method.client_streaming and FrameWire.handles(request_type)
+             else request_type.FromString)
+    serialize = (FrameWire.serialize if method.server_streaming and FrameWire.handles(response_type)
+                 else response_type.SerializeToString)
+    return parse, serialize
 
 
 def _unary_unary(name: str, implementation: Callable[..., Any], parse: Callable[[bytes], Any],

@@ -87,6 +87,11 @@ class Session:
         return float(self.expected_batch_size) if self.dp_config.loss_reduction is LossReduction.MEAN else 1.0
 
     @property
+    def accounted(self) -> bool:
+        """Whether steps are accounted (the session adds noise); without, accounting is a no-op."""
+        return self._accountant is not None
+
+    @property
     def budget_left(self) -> float:
         """target_epsilon - epsilon_spent, or +inf without a budget."""
         target = self.privacy.target_epsilon

@@ -31,7 +31,7 @@ from psg_server.losses import prepare_targets
 from psg_server.metrics import Metrics
 from psg_server.models import InputSpec
 from psg_server.sessions import Session, SessionStore
-from psg_server.streams import read_header, read_tensors, tensor_messages
+from psg_server.streams import all_finite, read_header, read_tensors, tensor_messages
 
 __all__ = ["NORM_QUANTILES", "Batch", "StepRunner", "split_shards", "validate_batch"]
 
@@ -90,7 +90,7 @@ def _prepare_input(index: int, tensor: torch.Tensor, spec: InputSpec | None, *, 
         if not tensor.is_floating_point():
             raise InvalidRequestError(f"{where} must be floating point, got {tensor.dtype}")
         tensor = tensor.to(dtype)
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise NonFiniteInputError(f"{where} contains NaN or infinity")
     return tensor
 
@@ -187,7 +187,7 @@ class StepRunner:
             with metrics.phase("validate"):
                 # Refuse before computing, not after. Accounting (here and below) can take a good
                 # fraction of a second under PLD, so it runs on a thread, off the event loop.
-                await _off_loop(session.check_budget)
+                await _account(session, session.check_budget)
             with metrics.phase("compute"):
                 num_shards = max(len(self._executor.workers()),
                                  math.ceil(batch.num_samples / self._config.max_shard_samples))
@@ -203,11 +203,12 @@ class StepRunner:
                 except asyncio.TimeoutError:
                     raise StepTimeoutError(f"ComputeGradients: the step took longer than {timeout:.3g} s; "
                                            "its shards were cancelled") from None
-                merged = DPGradient.merge(results)
+                # One shard's result is the step's: merging would only copy its gradients.
+                merged = results[0] if len(results) == 1 else DPGradient.merge(results)
             with metrics.phase("noise"):
                 grads = self._noise_and_normalise(session, merged, step_seed)
             with metrics.phase("account"):
-                step = await _off_loop(session.record_step)
+                step = await _account(session, session.record_step)
         metrics.samples.inc(merged.num_samples)
         stats = _stats(session, merged, step=step, version=parameters.version,
                        seconds=time.perf_counter() - started)
@@ -229,6 +230,12 @@ class StepRunner:
                            secure_rng=session.secure_rng)
         scale = session.normaliser
         return {name: grad.div_(scale) for name, grad in noised.items()}
+
+
+async def _account(session: Session, function: Callable[[], Any]) -> Any:
+    """``function()`` (a budget check or a step record) off the event loop when the session has an
+    accountant to consult; inline when it has none, so nothing would block the loop."""
+    return await _off_loop(function) if session.accounted else function()
 
 
 async def _off_loop(function: Callable[[], Any]) -> Any:

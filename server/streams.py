@@ -11,16 +11,30 @@ from typing import Any, TypeVar
 
 import torch
 
-from psg_client._proto.tensor_pb2 import TensorHeader
-from psg_client.codec import CodecLimits, TensorDecoder, encode_tensors
+from psg_client.codec import CodecLimits, FrameWire, TensorDecoder
 from psg_core.errors import NonFiniteInputError
 from psg_server.errors import InvalidRequestError, StaleParametersError
 from psg_server.executor import ParameterSet
 from psg_server.sessions import Session
 
-__all__ = ["read_header", "read_tensors", "receive_parameters", "tensor_messages"]
+__all__ = ["all_finite", "read_header", "read_tensors", "receive_parameters", "tensor_messages"]
 
 Message = TypeVar("Message")
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite (always True for non-floating dtypes).
+
+    A NaN or infinite element makes the sum NaN or infinite, so a finite sum proves the tensor
+    finite in one cheap reduction; only a non-finite sum (which finite elements can also give, by
+    overflow) needs the elementwise test.
+
+    >>> all_finite(torch.tensor([1.0, 3e38, 3e38])), all_finite(torch.tensor([1.0, float("nan")]))
+    (True, False)
+    """
+    if not tensor.is_floating_point():
+        return True
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 async def read_header(requests: AsyncIterator[Any], *, rpc: str) -> Any:
@@ -63,17 +77,15 @@ async def receive_parameters(requests: AsyncIterator[Any], session: Session, ver
     if missing:
         raise InvalidRequestError(f"PushParameters: the parameter set lacks {missing[:8]}"
                                   f"{' ...' if len(missing) > 8 else ''}")
-    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [name for name, t in tensors.items() if not all_finite(t)]
     if bad:
         raise NonFiniteInputError(f"PushParameters: parameters {bad[:8]} contain NaN or infinity")
     return ParameterSet(version=version, tensors=tensors)
 
 
 def tensor_messages(message_type: type[Message], named: Iterable[tuple[str, torch.Tensor]], *,
-                    chunk_bytes: int) -> Iterator[Message]:
-    """``message_type(tensor=...)`` / ``message_type(chunk=...)`` for every frame of ``named``."""
-    for frame in encode_tensors(named, chunk_bytes=chunk_bytes):
-        if isinstance(frame, TensorHeader):
-            yield message_type(tensor=frame)  # type: ignore[call-arg]
-        else:
-            yield message_type(chunk=frame)  # type: ignore[call-arg]
+                    chunk_bytes: int) -> Iterator[Message | bytes]:
+    """``message_type(tensor=...)`` for every tensor header of ``named`` and, for every chunk, the
+    serialised ``message_type(chunk=...)`` as ``bytes`` (see :class:`~psg_client.codec.FrameWire`;
+    the method's response serialiser passes them through)."""
+    return FrameWire(message_type).messages(named, chunk_bytes=chunk_bytes)

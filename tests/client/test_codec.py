@@ -9,8 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from psg_client._proto.tensor_pb2 import TensorHeader
-from psg_client.codec import (DTYPES, CodecError, CodecLimits, TensorDecoder, TensorLimitError, _swap_bytes,
-                              dtype_name, encode_tensor, encode_tensors)
+from google.protobuf.message import DecodeError
+
+from psg_client._proto import gradient_service_pb2 as pb
+from psg_client.codec import (DTYPES, ChunkFrame, CodecError, CodecLimits, FrameWire, TensorDecoder, TensorLimitError,
+                              _swap_bytes, dtype_name, encode_tensor, encode_tensors)
 
 
 def roundtrip(named: list[tuple[str, torch.Tensor]], *, chunk_bytes: int = 7,
@@ -145,7 +148,7 @@ def test_header_check_runs_before_allocation_and_can_refuse() -> None:
 
 def test_decoded_tensors_own_writable_memory() -> None:
     out = roundtrip([("w", torch.arange(4.0))])["w"]
-    out += 1  # frombuffer over a bytearray: writable, no warning
+    out += 1  # the decoder's own uninitialised buffer, filled by the chunks: writable, no warning
     assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
@@ -157,11 +160,60 @@ def test_swap_bytes_reverses_each_element_and_is_its_own_inverse() -> None:
 
 
 def test_message_frames_must_be_tensor_or_chunk() -> None:
-    from psg_client._proto import gradient_service_pb2 as pb
-
     decoder = TensorDecoder(CodecLimits())
     decoder.add_message(pb.PushParametersRequest(tensor=TensorHeader(name="z", dtype="int8", shape=[1], num_bytes=1)))
     decoder.add_message(pb.PushParametersRequest(chunk=b"\x05"))
     with pytest.raises(CodecError, match="got 'header'"):
         decoder.add_message(pb.PushParametersRequest(header=pb.PushParametersHeader(session_id="s")))
     assert decoder.finish()["z"].tolist() == [5]
+
+
+def test_chunks_given_as_views_of_any_item_format_count_in_bytes() -> None:
+    values = torch.arange(6, dtype=torch.float32)
+    decoder = TensorDecoder(CodecLimits())
+    decoder.add(TensorHeader(name="f", dtype="float32", shape=[6], num_bytes=24))
+    decoder.add(memoryview(values[:4].numpy()))  # 4 float items, 16 bytes
+    decoder.add(bytearray(values[4:].numpy().tobytes()))
+    assert torch.equal(decoder.finish()["f"], values)
+
+
+MESSAGE_TYPES = [pb.PushParametersRequest, pb.ComputeGradientsRequest, pb.ComputeGradientsResponse]
+
+
+@pytest.mark.parametrize("message_type", MESSAGE_TYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, 1 << 20])
+def test_fast_chunk_frames_are_exactly_protobufs_encoding(message_type: type, size: int) -> None:
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    wire = FrameWire(message_type)
+    raw = wire.chunk(memoryview(payload))
+    assert raw == message_type(chunk=payload).SerializeToString()
+    parsed = wire.parse(raw)
+    assert isinstance(parsed, ChunkFrame) and parsed.WhichOneof("frame") == "chunk" and parsed.chunk == payload
+    assert message_type.FromString(raw).chunk == payload
+
+
+@pytest.mark.parametrize("message_type", MESSAGE_TYPES, ids=lambda t: t.__name__)
+def test_every_other_message_is_parsed_by_protobuf(message_type: type) -> None:
+    wire = FrameWire(message_type)
+    tensor = message_type(tensor=TensorHeader(name="w", dtype="float32", shape=[2], num_bytes=8))
+    assert wire.serialize(tensor) == tensor.SerializeToString() and wire.parse(tensor.SerializeToString()) == tensor
+    # A chunk field followed by more fields is not a lone chunk: protobuf decides (the last oneof member wins).
+    two = wire.chunk(b"ab") + tensor.SerializeToString()
+    assert wire.parse(two) == message_type.FromString(two) and wire.parse(two).WhichOneof("frame") == "tensor"
+    for bad in (wire.chunk(b"abc")[:-1], b"\x1a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\xff\xff\xff\x0f\x12"):
+        with pytest.raises(DecodeError):
+            wire.parse(bad)
+    with pytest.raises(TypeError, match="no 'bytes chunk' field"):
+        FrameWire(pb.PushParametersHeader)
+
+
+@settings(max_examples=15, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=3), chunk=st.integers(1, 40))
+def test_fast_frames_round_trip_through_the_decoder(shape: list[int], chunk: int) -> None:
+    named = [("a", torch.randn(shape)), ("b", torch.arange(7, dtype=torch.int16))]
+    wire = FrameWire(pb.ComputeGradientsResponse)
+    decoder = TensorDecoder(CodecLimits())
+    for message in wire.messages(named, chunk_bytes=chunk):
+        decoder.add_message(wire.parse(wire.serialize(message)))
+    out = decoder.finish()
+    assert list(out) == ["a", "b"] and all(torch.equal(out[name], tensor) for name, tensor in named)

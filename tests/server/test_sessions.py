@@ -118,6 +118,7 @@ def test_budget_is_checked_before_and_recorded_after_a_step() -> None:
             session.check_budget()
             session.record_step()
             spent.append(session.epsilon_spent)
+    assert session.accounted and not make().accounted
     assert len(spent) == 5 and spent == sorted(spent) and spent[-1] <= 2.0
     assert session.budget_left == pytest.approx(2.0 - spent[-1])
     free = make()

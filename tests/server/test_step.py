@@ -15,6 +15,7 @@ from psg_server.losses import get_loss, prepare_targets
 from psg_server.models import default_registry
 from psg_server.sessions import Session, open_session
 from psg_server.step import Batch, split_shards, validate_batch
+from psg_server.streams import all_finite
 
 REGISTRY = default_registry()
 
@@ -112,3 +113,16 @@ def test_plugin_models_without_signature_only_get_layout_checks() -> None:
 def test_targets_are_checked_per_loss(loss: str, targets: torch.Tensor, message: str) -> None:
     with pytest.raises((InvalidRequestError, NonFiniteInputError), match=message):
         prepare_targets(get_loss(loss), targets, rows=2, num_outputs=3, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tensor, finite", [
+    (torch.full((4,), 3e38), True),  # the sum overflows: the elementwise test decides
+    (torch.full((3,), 6e4, dtype=torch.float16), True),
+    (torch.tensor([1.0, float("nan"), 2.0]), False),
+    (torch.tensor([float("inf"), -float("inf")]), False),
+    (torch.tensor([1.0, -float("inf")], dtype=torch.bfloat16), False),
+    (torch.zeros(0), True),
+    (torch.tensor([2**62, 2**62]), True),  # not floating point: nothing to check
+])
+def test_all_finite(tensor: torch.Tensor, finite: bool) -> None:
+    assert all_finite(tensor) is finite
