@@ -47,19 +47,16 @@ from typing import Any, TypeGuard, cast
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils._pytree import tree_flatten
 
 from psg_core.api import as_inputs, batch_rows
 from psg_core.backends.base import (AbstractGradSampleModule, check_rows, earliest_edges, on_output_grads,
                                     trainable_parameters)
+from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
 from psg_core.backends.functorch import reject_batch_mixing
-from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.clipping import clip_factors
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
 from psg_core.grad_sample.conv import conv_weight_factors, conv_weight_sum
-from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
-from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.losses import LossFn, as_unreduced, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 
@@ -211,16 +208,14 @@ class _Phase(enum.Enum):
 
 @dataclass
 class _Call:
-    """One forward call of a hooked layer."""
+    """One forward call of a hooked layer, with its ghost positions (None: not a ghost call)."""
 
-    layer: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    batch_dim: int
-    custom_rows: bool
-    #: indices (in the flattened output) of the tensors whose gradients the hook receives.
-    output_index: list[int]
+    captured: LayerCall
     positions: int | None
+
+    @property
+    def layer(self) -> nn.Module:
+        return self.captured.layer
 
 
 @dataclass
@@ -289,31 +284,18 @@ class _GhostPasses:
     def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self._suspended or not torch.is_grad_enabled():
             return
-        flat = tree_flatten(output)[0]
-        index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not index:
+        capture = capture_call(layer, args, kwargs, output, self.batch_dim)
+        if capture is None:
             return
-        entry = GRAD_SAMPLERS.lookup(layer)
-        batch_dim = self.batch_dim
-        if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or (entry is not None and entry.always_batch_first):
-            batch_dim = 0
-        custom = entry.count_rows(layer, args, kwargs) if entry is not None else None
-        rows = custom
-        if rows is None:
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            rows = first.shape[batch_dim] if first is not None and first.dim() > batch_dim else None
-        if rows != self.rows:
+        captured, outputs = capture
+        if captured.rows != self.rows:
             raise BatchLayoutError(
-                f"{_WHERE}: module {self._names[id(layer)]} was called with {rows} rows on its batch "
-                f"dimension {batch_dim}, but the batch has {self.rows} (N*K); the ghost backend needs every "
-                "layer with trainable parameters to see the batch's rows")
-        ghost_ok = _is_ghost_layer(layer) and custom is None and len(index) == 1
-        call = _Call(layer, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                     {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
-                     batch_dim, custom is not None, index,
-                     _row_positions(layer, args, output, batch_dim) if ghost_ok else None)
+                f"{_WHERE}: module {self._names[id(layer)]} was called with {captured.rows} rows on its batch "
+                f"dimension {captured.batch_dim}, but the batch has {self.rows} (N*K); the ghost backend needs "
+                "every layer with trainable parameters to see the batch's rows")
+        ghost_ok = _is_ghost_layer(layer) and not captured.custom_rows and captured.num_outputs == 1
+        call = _Call(captured, _row_positions(layer, args, output, captured.batch_dim) if ghost_ok else None)
         self._layers[layer].calls.append(call)
-        outputs = [flat[i] for i in index]
         self.edges.extend(get_gradient_edge(t) for t in outputs)
         self._handles.append(on_output_grads(outputs, functools.partial(self._on_grads, call)))
 
@@ -341,8 +323,9 @@ class _GhostPasses:
             state.ghost = self._plan_ghost(layer, state)
         if state.ghost and call.positions is not None and grads[0] is not None:
             ghost_layer = cast(_GhostLayer, layer)  # _capture sets positions for ghost layers only
-            a = call.args[0].movedim(call.batch_dim, 0)  # (N*K, ...)
-            g = grads[0].movedim(call.batch_dim, 0)  # (N*K, ...)
+            bd = call.captured.batch_dim
+            a = call.captured.args[0].movedim(bd, 0)  # (N*K, ...)
+            g = grads[0].movedim(bd, 0)  # (N*K, ...)
             factors, bias_grad = _weight_factors(ghost_layer, a, g, self.K)
             if bias_grad is not None:  # a Linear or convolution with a bias (Embedding has none)
                 self._add(getattr(ghost_layer, "bias"), bias_grad)
@@ -353,7 +336,10 @@ class _GhostPasses:
             # Materialised per-sample gradients (the Gram matrices would be larger, or the layer
             # has none): the layer's grad sampler, e.g. a grouped-convolution weight gradient
             # for a convolution rather than its unfolded patches.
-            for param, grad_sample in self._sample_grads(call, grads).items():
+            grad_samples = call_grad_samples(call.captured, grads, self.K,
+                                             where=f"{_WHERE} (module {self._names[id(layer)]})",
+                                             suspend=self._suspend())
+            for param, grad_sample in grad_samples.items():
                 if param.requires_grad:
                     self._add(param, grad_sample)
         if state.arrived == len(state.calls):
@@ -362,19 +348,6 @@ class _GhostPasses:
     def _add(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
         current = self._materialised.get(param)
         self._materialised[param] = grad_sample if current is None else current + grad_sample
-
-    def _sample_grads(self, call: _Call, grads: list[torch.Tensor | None]) -> dict[torch.Tensor, torch.Tensor]:
-        """Per-sample gradients of a layer's own parameters: its sampler, or torch.func."""
-        layer, K, bd = call.layer, self.K, call.batch_dim
-        entry: GradSamplerEntry | None = GRAD_SAMPLERS.lookup(layer)
-        if entry is None or len(grads) != 1 or grads[0] is None:
-            if call.custom_rows:
-                raise UnsupportedModuleError(
-                    f"{_WHERE}: module {self._names[id(layer)]} was called with rows that are not its "
-                    "first input's batch dimension; only its grad sampler can split them")
-            with self._suspend():
-                return functorch_layer_grad_sample(layer, call.args, call.kwargs, grads, K, bd, self.rows)
-        return entry.compute(layer, call.args, call.kwargs, grads[0], K, bd)
 
     def finish_layer(self, layer: nn.Module) -> None:
         """All of a layer's calls are in (or pass 1 is over): turn what it holds into norms."""

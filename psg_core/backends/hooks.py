@@ -11,14 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils._pytree import tree_flatten
 
-from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.backends.base import (AbstractGradSampleModule, check_rows, get_grad_sample, on_output_grads,
                                     set_grad_sample)
+from psg_core._layout import ALWAYS_BATCH_FIRST
+from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
 from psg_core.errors import GradAccumulationError, UnsupportedModuleError
-from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
-from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
+from psg_core.grad_sample.registry import GRAD_SAMPLERS
 from psg_core.modes import LossReduction
 
 __all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST"]
@@ -190,86 +189,53 @@ class GradSampleModule(AbstractGradSampleModule):
         finally:
             self._capture_suspended = previous
 
-    def _layer_batch_dim(self, layer: nn.Module, entry: GradSamplerEntry | None) -> int:
-        if getattr(type(layer), ALWAYS_BATCH_FIRST, False):
-            return 0
-        if entry is not None and entry.always_batch_first:
-            return 0
-        return self.batch_dim
-
     def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
         if not self._hooks_enabled or self._capture_suspended or not torch.is_grad_enabled():
             return
-        trainable = _own_trainable(layer)
-        if not trainable:
+        if not _own_trainable(layer):
             return
-        outputs = [t for t in tree_flatten(output)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not outputs:
+        captured = capture_call(layer, args, kwargs, output, self.batch_dim)
+        if captured is None:
             return
-        entry = GRAD_SAMPLERS.lookup(layer)
-        batch_dim = self._layer_batch_dim(layer, entry)
-        custom_rows = entry.count_rows(layer, args, kwargs) if entry is not None else None
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if custom_rows is not None:
-            rows = custom_rows
-        elif first is not None and first.dim() > batch_dim:
-            rows = first.shape[batch_dim]
-        else:
+        call, outputs = captured
+        if call.rows is None:
             raise UnsupportedModuleError(
                 f"GradSampleModule: {type(layer).__qualname__} was called without a batched "
                 "tensor as its first argument, so its rows cannot be attributed to samples")
-        check_rows(rows, self.augmentation_multiplicity, where=f"GradSampleModule ({type(layer).__qualname__})")
-        # Held only until this call's backward has used them, then released.
-        saved: list[Any] = [tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                            {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}]
+        check_rows(call.rows, self.augmentation_multiplicity,
+                   where=f"GradSampleModule ({type(layer).__qualname__})")
+        # Held only until this call's backward has used it, then released.
+        held = [call]
         forward_id = self._forward_id
 
         def on_grads(grads: Any) -> None:
-            if not saved:
+            if not held:
                 raise UnsupportedModuleError(
                     f"GradSampleModule: a second backward pass through the same graph reached "
                     f"{type(layer).__qualname__} (retain_graph=True); run the forward pass again")
-            call_args, call_kwargs = saved
-            saved.clear()
-            self._on_backprops(layer, call_args, call_kwargs, list(grads), batch_dim, rows,
-                               forward_id, custom_rows is not None)
+            self._on_backprops(held.pop(), list(grads), forward_id)
 
         on_output_grads(outputs, on_grads)
         if self._edge_log is not None:
             self._edge_log.extend(get_gradient_edge(t) for t in outputs)
 
-    def _on_backprops(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      backprops: list[torch.Tensor | None], batch_dim: int, rows: int,
-                      forward_id: int, custom_rows: bool = False) -> None:
+    def _on_backprops(self, call: LayerCall, backprops: list[torch.Tensor | None], forward_id: int) -> None:
         if not self._hooks_enabled:
             return
-        K = self.augmentation_multiplicity
-        n_samples = rows // K
+        n_samples = (call.rows or 0) // self.augmentation_multiplicity
         # Mean reduction: sample n's loss is N times its share of the batch loss. Per-sample
         # gradients are linear in the backprops, so scale whichever tensor is smaller.
         scale = float(n_samples) if self.loss_reduction is LossReduction.MEAN else 1.0
         if scale != 1.0:
             backprop_size = sum(b.numel() for b in backprops if b is not None)
-            grad_sample_size = n_samples * sum(p.numel() for p in _own_trainable(layer))
+            grad_sample_size = n_samples * sum(p.numel() for p in _own_trainable(call.layer))
             if backprop_size <= grad_sample_size:
                 backprops = [b * scale if b is not None else None for b in backprops]
                 scale = 1.0
-        entry = None if self.force_functorch else GRAD_SAMPLERS.lookup(layer)
-        if entry is None or len(backprops) != 1 or backprops[0] is None:
-            if custom_rows:
-                # torch.func splits inputs along the batch dim, which this call's rows are not.
-                raise UnsupportedModuleError(
-                    f"GradSampleModule: {type(layer).__qualname__} was called with rows that are "
-                    "not its first input's batch dimension (e.g. EmbeddingBag with offsets); the "
-                    "torch.func fallback cannot split it, so use its grad sampler "
-                    "(force_functorch=False)")
-            with self._suspend_capture():
-                grad_samples = functorch_layer_grad_sample(layer, args, kwargs, backprops, K,
-                                                           batch_dim, rows)
-        else:
-            grad_samples = entry.compute(layer, args, kwargs, backprops[0], K, batch_dim)
+        grad_samples = call_grad_samples(call, backprops, self.augmentation_multiplicity,
+                                         where="GradSampleModule", force_functorch=self.force_functorch,
+                                         suspend=self._suspend_capture())
         for param, grad_sample in grad_samples.items():
             if not param.requires_grad:
                 continue

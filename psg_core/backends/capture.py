@@ -1,0 +1,115 @@
+"""What the hook-based backends (hooks, ghost) record of a layer call, and how they turn its
+output gradients into per-sample gradients.
+
+Both install a forward hook on every module with trainable parameters; the hook calls
+:func:`capture_call`, which decides the call's batch dimension and rows (a grad sampler may
+count rows itself, e.g. ``EmbeddingBag`` with offsets), keeps detached inputs and names the
+outputs whose gradients the backend then asks for. :func:`call_grad_samples` computes the
+layer's per-sample gradients from those: its registered grad sampler, or the per-layer
+``torch.func`` fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from psg_core._layout import ALWAYS_BATCH_FIRST
+from psg_core.errors import UnsupportedModuleError
+from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
+from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
+
+__all__ = ["LayerCall", "call_grad_samples", "capture_call"]
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+@dataclass
+class LayerCall:
+    """One forward call of a hooked layer."""
+
+    layer: nn.Module
+    #: the call's positional and keyword arguments, tensors detached.
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    #: the layer's grad sampler (None: the torch.func fallback).
+    entry: GradSamplerEntry | None
+    batch_dim: int
+    #: N*K rows of the call: counted by the sampler, else the first tensor argument's batch
+    #: dimension; None when neither tells.
+    rows: int | None
+    #: the sampler counted the rows (they are not the first input's batch dimension).
+    custom_rows: bool
+    #: how many outputs require grad (the gradients the backend will get).
+    num_outputs: int
+
+
+def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                 batch_dim: int) -> tuple[LayerCall, list[torch.Tensor]] | None:
+    """The call's record and its outputs that require grad, or None when there are none
+    (nothing to backpropagate).
+
+    ``batch_dim`` is the model's; layers marked always-batch-first (by class or by their grad
+    sampler) get 0. The record holds no output: a gradient hook on an output that refers back to
+    it would be a reference cycle through autograd's C++ nodes, which the garbage collector
+    cannot break, so a forward pass without a backward would never be freed.
+
+    >>> layer = nn.Linear(3, 2)
+    >>> x = torch.randn(4, 5, 3)
+    >>> call, outputs = capture_call(layer, (x,), {}, layer(x), batch_dim=1)
+    >>> call.rows, call.batch_dim, call.custom_rows, len(outputs)
+    (5, 1, False, 1)
+    """
+    flat = tree_flatten(output)[0]
+    index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not index:
+        return None
+    entry = GRAD_SAMPLERS.lookup(layer)
+    if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or (entry is not None and entry.always_batch_first):
+        batch_dim = 0
+    custom = entry.count_rows(layer, args, kwargs) if entry is not None else None
+    rows = custom
+    if rows is None:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        rows = int(first.shape[batch_dim]) if first is not None and first.dim() > batch_dim else None
+    call = LayerCall(layer=layer, args=tuple(_detached(a) for a in args),
+                     kwargs={k: _detached(v) for k, v in kwargs.items()}, entry=entry,
+                     batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
+                     num_outputs=len(index))
+    return call, [flat[i] for i in index]
+
+
+def call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int, *, where: str,
+                      force_functorch: bool = False,
+                      suspend: contextlib.AbstractContextManager[Any] | None = None
+                      ) -> dict[torch.Tensor, torch.Tensor]:
+    """``{param: (N, *param.shape)}``: the per-sample gradients of the layer's own parameters
+    from its outputs' gradients ``grads`` (batch layout as captured, N*K rows).
+
+    The grad sampler when the layer has one and a single output with a gradient, else the
+    per-layer ``torch.func`` fallback (run inside ``suspend``, which should stop the backend from
+    capturing the layer's re-run forward).
+    """
+    entry = None if force_functorch else call.entry
+    if entry is None or len(grads) != 1 or grads[0] is None:
+        if call.custom_rows:
+            # torch.func splits inputs along the batch dim, which this call's rows are not.
+            raise UnsupportedModuleError(
+                f"{where}: {type(call.layer).__qualname__} was called with rows that are not its first "
+                "input's batch dimension (e.g. EmbeddingBag with offsets); the torch.func fallback "
+                "cannot split them, only the layer's grad sampler can")
+        if call.rows is None:
+            raise UnsupportedModuleError(
+                f"{where}: {type(call.layer).__qualname__} was called without a batched tensor as its "
+                "first argument, so its rows cannot be attributed to samples")
+        with suspend if suspend is not None else contextlib.nullcontext():
+            return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
+                                               call.batch_dim, call.rows)
+    return entry.compute(call.layer, call.args, call.kwargs, grads[0], K, call.batch_dim)
