@@ -1,10 +1,18 @@
 """Ray pool scaling: DP-step throughput (samples/s) with 1 and 2 workers, one torch thread each.
 
-Each configuration runs the same step (``dp_gradient`` of a small CNN, hooks backend, a batch
-split into one shard per worker) through :class:`psg_server.pool.WorkerPool` on a local Ray, after
-warm-up steps; the figure is the batch size over the median step time. An in-process run on one
-thread (:class:`psg_server.executor.ShardRunner`, no Ray) is the reference: the gap between it and
-the 1-worker pool is the pool's per-step overhead (object store, actor calls).
+Each configuration runs the same training-like step (``dp_gradient`` of a small CNN, hooks backend,
+a new parameter version every step, the batch split into one shard per worker) through
+:class:`psg_server.pool.WorkerPool` on a local Ray; an in-process run on one thread
+(:class:`psg_server.executor.ShardRunner`, no Ray) is the reference: the gap between it and the
+1-worker pool is the pool's per-step overhead (object store, actor calls).
+
+The batch is large enough (1024 samples at full size, the server's default ``max_shard_samples``)
+that the pool's fixed per-step costs are amortised as in training. The three configurations run in
+interleaved rounds (a few steps each, the order rotating every round) after warm-up steps, so that
+load from other processes on a shared machine falls on all of them alike; both pools stay up for
+the whole run (Ray is given one logical CPU per actor; only one pool computes at a time). The
+figures are the batch size over the median step time of all timed steps; each round's own 2-vs-1
+speedup is recorded too, to show the spread.
 
     python -m benchmarks.ray_scaling [--quick] [--device cpu|cuda]
 
@@ -23,7 +31,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +41,7 @@ import torch
 from benchmarks.harness import RunOptions, Suite, TargetCheck, register_suite
 from psg_core.config import DPConfig
 from psg_core.modes import GradSampleMode
-from psg_server.executor import ParameterSet, SessionSpec, ShardRunner
+from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardRunner
 from psg_server.models import default_registry
 from psg_server.pool import WorkerPool
 from psg_server.step import Batch, split_shards
@@ -44,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _MODEL = "cnn_groupnorm"
+_IN_PROCESS = "in-process (no Ray)"
+_POOL = "Ray pool"
 
 
 #: The issue's bound: 2 workers give at least this multiple of 1 worker's throughput.
@@ -53,18 +63,23 @@ TARGET_SPEEDUP = 1.7
 def _workload(quick: bool, tiny: bool = False) -> dict[str, Any]:
     if tiny:  # one step of a toy model: only checks that the pipeline runs (tests)
         return {"model_kwargs": {"in_channels": 3, "image_size": 8, "channels": [4], "groups": 2,
-                                 "num_classes": 10}, "samples": 8, "warmup": 0, "repeats": 1}
-    # A step is compute-bound (hundreds of ms on one thread) yet fits a 2-core machine.
+                                 "num_classes": 10},
+                "samples": 8, "warmup": 0, "rounds": 1, "steps_per_round": 1}
+    # A 1-worker step takes about a second on one core at full size (a quarter of that quick).
     return {"model_kwargs": {"in_channels": 3, "image_size": 32, "channels": [16, 32], "groups": 4,
                              "num_classes": 10},
-            "samples": 64 if quick else 256, "warmup": 2, "repeats": 5 if quick else 10}
+            "samples": 256 if quick else 1024, "warmup": 2, "rounds": 3 if quick else 7, "steps_per_round": 2}
+
+
+#: A configuration: (executor, workers).
+_Config = tuple[str, int]
 
 
 def run(quick: bool = False, device: str = "cpu", *, tiny: bool = False) -> dict[str, Any]:
     """Measures 1- and 2-worker pool throughput (and the in-process reference); returns the rows.
 
     Args:
-        quick: smaller images and batch, fewer timed steps.
+        quick: a smaller batch and fewer rounds.
         tiny: a toy model and one step (tests).
         device: "cpu" (one thread per worker) or "cuda" (one GPU per worker; needs 2 GPUs for the
             2-worker row).
@@ -76,7 +91,7 @@ def run(quick: bool = False, device: str = "cpu", *, tiny: bool = False) -> dict
     kwargs = registry.parse_kwargs(_MODEL, json.dumps(work["model_kwargs"]))
     torch.manual_seed(0)
     model = registry.build(_MODEL, kwargs)
-    parameters = ParameterSet(version=1, tensors={n: p.detach().clone() for n, p in model.named_parameters()})
+    tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = DPConfig(mode=GradSampleMode.HOOKS, max_grad_norm=1.0)
     spec = SessionSpec(session_id="bench", model=_MODEL, loss="cross_entropy", dp_config=config,
                        model_kwargs_json=json.dumps(kwargs, sort_keys=True))
@@ -86,73 +101,117 @@ def run(quick: bool = False, device: str = "cpu", *, tiny: bool = False) -> dict
     images = torch.randn(samples, 3, size, size, generator=generator)  # (N, C, H, W)
     labels = torch.randint(0, 10, (samples,), generator=generator)  # (N,)
     batch = Batch(inputs=(images,), targets=labels, num_samples=samples)
-    rows: list[dict[str, Any]] = []
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other work on the host
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        runner = ShardRunner(registry, "cuda" if device == "cuda" else "cpu")
-        (whole,) = split_shards(batch, augmentation_multiplicity=1, batch_first=True, num_shards=1)
-        seconds = _time(lambda: runner.run_shard(spec, parameters, whole), work, device)
-        rows.append(_row("in-process (no Ray)", 1, samples, seconds))
-    finally:
-        torch.set_num_threads(threads)
-
+    torch.set_num_threads(1)  # the in-process reference runs on this thread, interleaved with the pools
     owns_ray = not ray.is_initialized()
     if owns_ray:
         gpus = torch.cuda.device_count() if device == "cuda" else 0
-        ray.init(address="local", num_cpus=2, num_gpus=gpus, include_dashboard=False,
+        # One logical CPU per actor of both pools (3), so that both stay up; one computes at a time.
+        ray.init(address="local", num_cpus=3, num_gpus=gpus, include_dashboard=False,
                  object_store_memory=256 << 20, log_to_driver=False)
     try:
-        available_gpus = int(ray.cluster_resources().get("GPU", 0))
-        for workers in (1, 2):
-            if device == "cuda" and available_gpus < workers:
-                logger.warning("ray_scaling: %d worker(s) need %d GPUs; the cluster has %d", workers,
-                               workers, available_gpus)
-                continue
-            rows.append(asyncio.run(_pool_row(spec, parameters, batch, workers, device, work)))
+        resources = ray.cluster_resources()
+        have = int(resources.get("GPU", 0)) if device == "cuda" else int(resources.get("CPU", 0))
+        if device == "cuda" and have < 2:
+            logger.warning("ray_scaling: 2 workers need 2 GPUs; the cluster has %d", have)
+        runner = ShardRunner(registry, "cuda" if device == "cuda" else "cpu")
+        timings, interleaved = asyncio.run(_measure(spec, tensors, batch, runner, device, work,
+                                                    pools=[w for w in (1, 2) if device == "cpu" or w <= have],
+                                                    together=have >= 3))
     finally:
+        torch.set_num_threads(threads)
         if owns_ray:
             ray.shutdown()
-    base = next((r["samples_per_s"] for r in rows if r["executor"] == "Ray pool" and r["workers"] == 1), None)
+    rows = [_row(executor, workers, samples, [t for round_ in timings[(executor, workers)] for t in round_])
+            for executor, workers in timings]
+    base = next((r["samples_per_s"] for r in rows if r["executor"] == _POOL and r["workers"] == 1), None)
     for row in rows:
         row["speedup_vs_1_worker"] = round(row["samples_per_s"] / base, 2) if base else None
+    per_round = [round(statistics.median(one) / statistics.median(two), 2)
+                 for one, two in zip(timings.get((_POOL, 1), []), timings.get((_POOL, 2), []))]
     return {"suite": "ray_scaling", "device": device, "size": "tiny" if tiny else "quick" if quick else "full",
             "model": _MODEL, "model_kwargs": work["model_kwargs"], "samples": samples,
-            "mode": config.mode.value,
-            "warmup": work["warmup"], "repeats": work["repeats"], "threads_per_worker": 1,
+            "mode": config.mode.value, "warmup": work["warmup"], "rounds": work["rounds"],
+            "steps_per_round": work["steps_per_round"], "interleaved": interleaved,
+            "round_speedups": per_round, "threads_per_worker": 1, "load_average": load,
             "torch": torch.__version__, "ray": ray.__version__, "host_cpus": os.cpu_count(),
             "machine": platform.machine(), "rows": rows}
 
 
-async def _pool_row(spec: SessionSpec, parameters: ParameterSet, batch: Batch, workers: int, device: str,
-                    work: dict[str, Any]) -> dict[str, Any]:
-    pool = WorkerPool(num_workers=workers, cpus_per_worker=1, use_gpus=device == "cuda")
-    await pool.start()
+async def _measure(spec: SessionSpec, tensors: dict[str, torch.Tensor], batch: Batch, runner: ShardRunner,
+                   device: str, work: dict[str, Any], *, pools: Sequence[int],
+                   together: bool) -> tuple[dict[_Config, list[list[float]]], bool]:
+    """Step times per configuration and round; and whether the rounds were interleaved (both pools
+    up at once), else each configuration ran its rounds in one block."""
+    version = 0
+
+    def parameters() -> ParameterSet:  # a training loop pushes a new version every step
+        nonlocal version
+        version += 1
+        return ParameterSet(version=version, tensors=tensors)
+
+    (whole,) = split_shards(batch, augmentation_multiplicity=1, batch_first=True, num_shards=1)
+
+    async def in_process() -> None:
+        runner.run_shard(spec, parameters(), whole)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    steps: dict[_Config, Callable[[], Awaitable[None]]] = {(_IN_PROCESS, 1): in_process}
+    timings: dict[_Config, list[list[float]]] = {(_IN_PROCESS, 1): []}
+    pool_of: dict[_Config, WorkerPool] = {}
+    started: list[WorkerPool] = []
     try:
-        shards = split_shards(batch, augmentation_multiplicity=1, batch_first=True, num_shards=workers)
-        timings = []
-        for step in range(work["warmup"] + work["repeats"]):
-            started = time.perf_counter()
-            await pool.run(spec, parameters, shards)
-            if step >= work["warmup"]:
-                timings.append(time.perf_counter() - started)
-        return _row("Ray pool", workers, batch.num_samples, timings)
+        for workers in pools:
+            pool = pool_of[(_POOL, workers)] = WorkerPool(num_workers=workers, cpus_per_worker=1,
+                                                          use_gpus=device == "cuda")
+            shards = split_shards(batch, augmentation_multiplicity=1, batch_first=True, num_shards=workers)
+            steps[(_POOL, workers)] = _pool_step(pool, spec, parameters, shards)
+            timings[(_POOL, workers)] = []
+            if together:
+                await pool.start()
+                started.append(pool)
+        configs = list(steps)
+        if together:
+            for config in configs:
+                await _timed(steps[config], work["warmup"])
+            for index in range(work["rounds"]):
+                shift = index % len(configs)
+                for config in configs[shift:] + configs[:shift]:
+                    timings[config].append(await _timed(steps[config], work["steps_per_round"]))
+            return timings, True
+        for config in configs:  # too few CPUs/GPUs for both pools: one configuration at a time
+            pool = pool_of.get(config)
+            if pool is not None:
+                await pool.start()
+            try:
+                await _timed(steps[config], work["warmup"])
+                timings[config] = [await _timed(steps[config], work["steps_per_round"])
+                                   for _ in range(work["rounds"])]
+            finally:
+                if pool is not None:
+                    await pool.close()
+        return timings, False
     finally:
-        await pool.close()
+        for pool in started:
+            await pool.close()
 
 
-def _time(step: Any, work: dict[str, Any], device: str) -> list[float]:
+def _pool_step(pool: WorkerPool, spec: SessionSpec, parameters: Callable[[], ParameterSet],
+               shards: Sequence[Shard]) -> Callable[[], Awaitable[None]]:
+    async def step() -> None:
+        await pool.run(spec, parameters(), shards)
+    return step
+
+
+async def _timed(step: Callable[[], Awaitable[None]], count: int) -> list[float]:
     timings = []
-    for index in range(work["warmup"] + work["repeats"]):
-        if device == "cuda":
-            torch.cuda.synchronize()
+    for _ in range(count):
         started = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if index >= work["warmup"]:
-            timings.append(time.perf_counter() - started)
+        await step()
+        timings.append(time.perf_counter() - started)
     return timings
 
 
@@ -166,15 +225,35 @@ def render(result: dict[str, Any]) -> str:
     """The result as a Markdown section."""
     lines = [f"# Ray pool scaling ({result['device']}, {result['size']})", "",
              f"{result['model']} {result['model_kwargs']}, {result['samples']} samples per step, mode "
-             f"{result['mode']}, one torch thread per worker; median of {result['repeats']} steps after "
-             f"{result['warmup']} warm-up; host with {result['host_cpus']} CPUs, torch {result['torch']}, "
-             f"ray {result['ray']}. Timings on a shared machine are noisy.", "",
+             f"{result['mode']}, a new parameter version every step, one torch thread per worker; median "
+             f"of {result['rounds'] * result['steps_per_round']} steps per configuration "
+             f"({_schedule(result)}) after {result['warmup']} warm-up; host with {result['host_cpus']} "
+             f"CPUs{_load(result)}, torch {result['torch']}, ray {result['ray']}. Timings on a shared "
+             f"machine are noisy.{_spread(result)}", "",
              "| executor | workers | median step (ms) | min (ms) | samples/s | speedup vs 1 worker |",
              "|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['executor']} | {row['workers']} | {row['median_step_ms']} | "
                      f"{row['min_step_ms']} | {row['samples_per_s']} | {row['speedup_vs_1_worker']} |")
     return "\n".join(lines) + "\n"
+
+
+def _schedule(result: dict[str, Any]) -> str:
+    how = "interleaved" if result.get("interleaved") else "consecutive"
+    return f"{result['rounds']} {how} rounds of {result['steps_per_round']}"
+
+
+def _load(result: dict[str, Any]) -> str:
+    load = result.get("load_average")
+    return "" if load is None else f" (1-minute load average {load:.2f} before the run)"
+
+
+def _spread(result: dict[str, Any]) -> str:
+    speedups = result.get("round_speedups") or []
+    if len(speedups) < 2:
+        return ""
+    return (f" The 2-vs-1-worker speedup of each round (median step times): median "
+            f"{statistics.median(speedups):.2f}, range {min(speedups):.2f}-{max(speedups):.2f}.")
 
 
 def run_suite(options: RunOptions) -> list[dict[str, Any]]:

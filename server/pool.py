@@ -16,6 +16,10 @@ A step:
   order, so their merge equals ``dp_gradient`` on the whole batch.
 * **Parameters.** One ``ray.put`` per (session, version); workers fetch a version only when their
   cached model lacks it (see :mod:`psg_server.worker`) and drop the model on :meth:`release`.
+* **Transfer.** Pieces, parameters and results cross the object store as
+  :class:`~psg_server.worker.TensorPayload` (raw tensor bytes out of band: one copy each side). A
+  piece that lies inside one frontend shard is a view of it, not a copy. Each piece is put and its
+  shard call sent at once, so the first worker starts while the next piece is still being put.
 * **Faults.** A shard whose worker died (actor killed, process or node gone) is sent to another
   live worker, after waiting (at most ``worker_wait_s``) for a replacement when none is live; the
   dead actor is evicted and a replacement started. A monitor pings idle workers, so deaths between
@@ -56,7 +60,7 @@ from ray import exceptions as ray_errors
 from psg_core.config import DPGradient
 from psg_server.errors import NoWorkersError
 from psg_server.executor import ParameterSet, SessionSpec, Shard, WorkerDescription
-from psg_server.worker import CONTROL_GROUP, GradientWorker
+from psg_server.worker import CONTROL_GROUP, GradientWorker, TensorPayload
 
 __all__ = ["WorkerPool"]
 
@@ -250,11 +254,13 @@ class WorkerPool:
         batch_dim = 0 if config.batch_first else 1
         sizes = [shard.targets.shape[batch_dim] // K for shard in shards]
         piece_sizes, pinned = self._plan(sizes)
-        loop = asyncio.get_running_loop()
-        cut = functools.partial(_recut, shards, piece_sizes, K, batch_dim)
-        pieces = await loop.run_in_executor(None, cut)
-        piece_refs = await loop.run_in_executor(None, _put_all, pieces)
-        return await self._dispatch(spec, parameters, piece_sizes, pieces, piece_refs, pinned)
+        if piece_sizes == sizes:  # the frontend's cut stands: the pieces are the shards (no copy)
+            pieces = [Shard(index=index, inputs=shard.inputs, targets=shard.targets)
+                      for index, shard in enumerate(shards)]
+        else:  # pieces spanning shards are copied: off the event loop
+            cut = functools.partial(_recut, shards, piece_sizes, K, batch_dim)
+            pieces = await asyncio.get_running_loop().run_in_executor(None, cut)
+        return await self._dispatch(spec, parameters, piece_sizes, pieces, pinned)
 
     def _plan(self, sizes: list[int]) -> tuple[list[int], list[_Worker | None]]:
         """Samples per piece, and the worker each piece is pinned to (None: first free worker)."""
@@ -275,10 +281,12 @@ class WorkerPool:
         return piece_sizes, list(chosen)
 
     async def _dispatch(self, spec: SessionSpec, parameters: ParameterSet, sizes: list[int],
-                        pieces: list[Shard], piece_refs: list[ray.ObjectRef],
-                        pinned: list[_Worker | None]) -> list[DPGradient]:
+                        pieces: list[Shard], pinned: list[_Worker | None]) -> list[DPGradient]:
         loop = asyncio.get_running_loop()
         params_ref = await self._parameters_ref(spec.session_id, parameters)
+        # Put lazily, right before each piece's first call: the first worker starts computing while
+        # the next piece is put.
+        piece_refs: list[ray.ObjectRef | None] = [None] * len(pieces)
         results: list[DPGradient | None] = [None] * len(pieces)
         attempts = [0] * len(pieces)
         queue = collections.deque(range(len(pieces)))
@@ -291,8 +299,11 @@ class WorkerPool:
                     if worker is None:
                         continue
                     queue.remove(index)
-                    ref = worker.handle.run_shard.remote(spec, parameters.version, (params_ref,),
-                                                         piece_refs[index])
+                    piece_ref = piece_refs[index]
+                    if piece_ref is None:
+                        piece_ref = piece_refs[index] = await loop.run_in_executor(None, _put, pieces[index])
+                    ref = worker.handle.run_shard.remote(spec, parameters.version, (params_ref,), piece_ref,
+                                                         pack_result=True)
                     running[_future(ref)] = (index, worker, ref, loop.time())
                 if not running:
                     await self._wait_for_live()
@@ -314,7 +325,7 @@ class WorkerPool:
                     if isinstance(error, ray_errors.ObjectLostError):
                         self._parameter_refs.pop(spec.session_id, None)
                         params_ref = await self._parameters_ref(spec.session_id, parameters)
-                        piece_refs[index] = await loop.run_in_executor(None, ray.put, pieces[index])
+                        piece_refs[index] = None  # put again when it is sent again
                     elif isinstance(error, _WORKER_LOST):
                         self._evict(worker, f"shard {index} failed: {type(error).__name__}")
                     else:
@@ -348,7 +359,7 @@ class WorkerPool:
         cached = self._parameter_refs.get(session_id)
         if cached is not None and cached[0] == parameters.version:
             return cached[1]
-        ref = await asyncio.get_running_loop().run_in_executor(None, ray.put, parameters)
+        ref = await asyncio.get_running_loop().run_in_executor(None, _put, parameters)
         self._parameter_refs[session_id] = (parameters.version, ref)
         return ref
 
@@ -464,8 +475,9 @@ def _cancel(ref: ray.ObjectRef) -> None:
         logger.debug("pool: cancel: %s", error)
 
 
-def _put_all(pieces: list[Shard]) -> list[ray.ObjectRef]:
-    return [ray.put(piece) for piece in pieces]
+def _put(value: Shard | ParameterSet) -> ray.ObjectRef:
+    """Blocking: ``value`` into the object store, its tensors as raw out-of-band bytes."""
+    return ray.put(TensorPayload(value))
 
 
 def _proportional_sizes(total: int, weights: Sequence[float]) -> list[int]:
@@ -488,8 +500,9 @@ def _proportional_sizes(total: int, weights: Sequence[float]) -> list[int]:
 
 
 def _recut(shards: Sequence[Shard], sizes: Sequence[int], K: int, batch_dim: int) -> list[Shard]:
-    """The shards' samples cut again into runs of ``sizes`` samples, as compact new tensors (a view
-    would drag its whole storage into the object store)."""
+    """The shards' samples cut again into runs of ``sizes`` samples: a run inside one shard is a view
+    of it (:class:`~psg_server.worker.TensorPayload` sends only the view's bytes), a run across
+    shards new tensors."""
     spans, start = [], 0
     for shard in shards:
         samples = shard.targets.shape[batch_dim] // K
@@ -507,7 +520,11 @@ def _recut(shards: Sequence[Shard], sizes: Sequence[int], K: int, batch_dim: int
             for parts, tensor in zip(inputs, shard.inputs):
                 parts.append(tensor.narrow(batch_dim, (low - first) * K, (high - low) * K))  # (n*K, ...)
             targets.append(shard.targets.narrow(batch_dim, (low - first) * K, (high - low) * K))  # (n*K, ...)
-        pieces.append(Shard(index=index, inputs=tuple(torch.cat(parts, batch_dim) for parts in inputs),
-                            targets=torch.cat(targets, batch_dim)))
+        pieces.append(Shard(index=index, inputs=tuple(_joined(parts, batch_dim) for parts in inputs),
+                            targets=_joined(targets, batch_dim)))
         start = end
     return pieces
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)

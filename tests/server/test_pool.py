@@ -202,12 +202,14 @@ def test_one_put_per_version_and_release_drops_cached_models(pool: Any, loop_thr
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
+    from psg_server.worker import TensorPayload
+
     puts: list[int] = []
     original_put = ray.put
 
     def counting_put(value: Any, **kwargs: Any) -> Any:
-        if isinstance(value, ParameterSet):
-            puts.append(value.version)
+        if isinstance(value, TensorPayload) and isinstance(value.value, ParameterSet):
+            puts.append(value.value.version)
         return original_put(value, **kwargs)
 
     monkeypatch.setattr(ray, "put", counting_put)
@@ -367,7 +369,10 @@ def test_accounting_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> 
 # ----------------------------------------------------------------- pure parts, flags
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_recut_keeps_samples_whole_and_in_order(batch_first: bool) -> None:
+    import pickle
+
     from psg_server.pool import _proportional_sizes, _recut
+    from psg_server.worker import TensorPayload
 
     K, samples = 3, 10
     batch_dim = 0 if batch_first else 1
@@ -383,10 +388,46 @@ def test_recut_keeps_samples_whole_and_in_order(batch_first: bool) -> None:
     assert [p.targets.flatten().tolist() for p in pieces] == [list(range(21)), list(range(21, 30))]
     for piece in pieces:
         torch.testing.assert_close(piece.inputs[0].select(1 - batch_dim, 0)[..., 0], piece.targets.flatten().float())
-        assert piece.inputs[0].untyped_storage().nbytes() == piece.inputs[0].numel() * 4  # compact
+        # A piece may be a view of its shard, but what travels is only the piece's own bytes.
+        buffers: list[pickle.PickleBuffer] = []
+        pickle.dumps(TensorPayload(piece), protocol=5, buffer_callback=buffers.append)
+        sent = sum(memoryview(b).nbytes for b in buffers)
+        assert sent == piece.inputs[0].numel() * 4 + piece.targets.numel() * 8
     same = _recut(shards, [s.targets.shape[batch_dim] // K for s in shards], K, batch_dim)
     assert all(torch.equal(a.inputs[0], b.inputs[0]) for a, b in zip(same, shards))
     assert _proportional_sizes(5, [1.0] * 5) == [1] * 5 and _proportional_sizes(11, [1.0, 1.0]) == [6, 5]
+
+
+def test_tensor_payload_round_trips_tensors_in_band_and_out_of_band() -> None:
+    import pickle
+
+    from psg_server.worker import TensorPayload
+
+    rows = torch.randn(6, 5)  # (6, 5)
+    tensors = {"bf16": torch.randn(3, 4).to(torch.bfloat16), "bool": torch.tensor([True, False]),
+               "complex": torch.randn(2, 2, dtype=torch.complex64).conj(), "empty": torch.zeros(0, 5),
+               "scalar": torch.tensor(3.5), "strided": rows[:, 1:4], "transposed": rows.t(),
+               "negated": -rows[0], "int8": torch.arange(7, dtype=torch.int8),
+               "grad": torch.ones(2, requires_grad=True)}
+    value = DPGradient(grads=tensors, per_sample_norms=torch.rand(4), loss_sum=1.5, num_samples=4,
+                       num_clipped=1)
+    buffers: list[pickle.PickleBuffer] = []
+    out_of_band = pickle.loads(pickle.dumps(TensorPayload(value), protocol=5, buffer_callback=buffers.append),
+                               buffers=buffers)
+    in_band = pickle.loads(pickle.dumps(TensorPayload(value), protocol=5))
+    assert len(buffers) == len(tensors) - 1 + 1  # every grad but the one needing grad, and the norms
+    for copy in (out_of_band, in_band):
+        assert isinstance(copy, DPGradient)
+        assert (copy.loss_sum, copy.num_samples, copy.num_clipped) == (1.5, 4, 1)
+        assert torch.equal(copy.per_sample_norms, value.per_sample_norms)
+        for name, tensor in tensors.items():
+            got = copy.grads[name]
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor), name
+        copy.grads["strided"].add_(1.0)  # fresh, writable memory
+    assert torch.equal(tensors["strided"], rows[:, 1:4])
+    shard = pickle.loads(pickle.dumps(TensorPayload(Shard(index=2, inputs=(rows[2:4],),
+                                                          targets=torch.arange(2)))))
+    assert isinstance(shard, Shard) and shard.index == 2 and torch.equal(shard.inputs[0], rows[2:4])
 
 
 def test_flags_select_the_pool() -> None:
