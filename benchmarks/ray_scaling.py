@@ -8,11 +8,15 @@ a new parameter version every step, the batch split into one shard per worker) t
 
 The batch is large enough (1024 samples at full size, the server's default ``max_shard_samples``)
 that the pool's fixed per-step costs are amortised as in training. The three configurations run in
-interleaved rounds (a few steps each, the order rotating every round) after warm-up steps, so that
-load from other processes on a shared machine falls on all of them alike; both pools stay up for
-the whole run (Ray is given one logical CPU per actor; only one pool computes at a time). The
-figures are the batch size over the median step time of all timed steps; each round's own 2-vs-1
-speedup is recorded too, to show the spread.
+interleaved rounds (one step each at full size, the order rotating every round) after warm-up
+steps, so that load from other processes on a shared machine falls on all of them alike; both pools
+stay up for the whole run (Ray is given one logical CPU per actor; only one pool computes at a
+time). The figures are the batch size over the median step time of all timed steps; each round's
+own 2-vs-1 speedup is recorded too, to show the spread.
+
+The pool's actors run with :data:`psg_server.pool.WORKER_ENV` (the C allocator keeps freed memory);
+the in-process reference runs in this process with whatever allocator settings it started with
+(``allocator`` in the result), so set those variables for the command to compare like with like.
 
     python -m benchmarks.ray_scaling [--quick] [--device cpu|cuda]
 
@@ -43,7 +47,7 @@ from psg_core.config import DPConfig
 from psg_core.modes import GradSampleMode
 from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardRunner
 from psg_server.models import default_registry
-from psg_server.pool import WorkerPool
+from psg_server.pool import WORKER_ENV, WorkerPool
 from psg_server.step import Batch, split_shards
 
 __all__ = ["TARGET_SPEEDUP", "main", "render", "render_rows", "run", "run_suite", "suite_targets"]
@@ -65,10 +69,11 @@ def _workload(quick: bool, tiny: bool = False) -> dict[str, Any]:
         return {"model_kwargs": {"in_channels": 3, "image_size": 8, "channels": [4], "groups": 2,
                                  "num_classes": 10},
                 "samples": 8, "warmup": 0, "rounds": 1, "steps_per_round": 1}
-    # A 1-worker step takes about a second on one core at full size (a quarter of that quick).
+    # A 1-worker step takes most of a second on one core at full size (a quarter of that quick).
     return {"model_kwargs": {"in_channels": 3, "image_size": 32, "channels": [16, 32], "groups": 4,
                              "num_classes": 10},
-            "samples": 256 if quick else 1024, "warmup": 2, "rounds": 3 if quick else 7, "steps_per_round": 2}
+            "samples": 256 if quick else 1024, "warmup": 2, "rounds": 8 if quick else 15,
+            "steps_per_round": 1}
 
 
 #: A configuration: (executor, workers).
@@ -136,6 +141,8 @@ def run(quick: bool = False, device: str = "cpu", *, tiny: bool = False) -> dict
             "mode": config.mode.value, "warmup": work["warmup"], "rounds": work["rounds"],
             "steps_per_round": work["steps_per_round"], "interleaved": interleaved,
             "round_speedups": per_round, "threads_per_worker": 1, "load_average": load,
+            "allocator": "pool settings" if all(os.environ.get(k) == v for k, v in WORKER_ENV.items())
+            else "defaults",
             "torch": torch.__version__, "ray": ray.__version__, "host_cpus": os.cpu_count(),
             "machine": platform.machine(), "rows": rows}
 
@@ -228,8 +235,9 @@ def render(result: dict[str, Any]) -> str:
              f"{result['mode']}, a new parameter version every step, one torch thread per worker; median "
              f"of {result['rounds'] * result['steps_per_round']} steps per configuration "
              f"({_schedule(result)}) after {result['warmup']} warm-up; host with {result['host_cpus']} "
-             f"CPUs{_load(result)}, torch {result['torch']}, ray {result['ray']}. Timings on a shared "
-             f"machine are noisy.{_spread(result)}", "",
+             f"CPUs{_load(result)}, torch {result['torch']}, ray {result['ray']}; the workers' C "
+             f"allocator keeps freed memory, the in-process run's has {result.get('allocator', 'defaults')}. "
+             f"Timings on a shared machine are noisy.{_spread(result)}", "",
              "| executor | workers | median step (ms) | min (ms) | samples/s | speedup vs 1 worker |",
              "|---|---|---|---|---|---|"]
     for row in result["rows"]:

@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import platform
 import signal
 import threading
 import time
@@ -196,6 +197,38 @@ def test_uneven_workers_get_shares_proportional_to_throughput(pool: Any, referen
     assert [r.num_samples for r in results] == sizes
     assert_same(results, DPGradient.merge(loop_thread.call(reference.run(spec, parameters, shards))))
     loop_thread.call(pool.release(spec.session_id))
+
+
+def _fault_in_large_blocks(worker: Any, megabytes: int) -> tuple[dict[str, str | None], int]:
+    """Runs inside an actor: its allocator settings, and the page faults of a second round of
+    allocating and freeing ``megabytes``-sized tensors (after a first round warmed the heap)."""
+    import resource
+
+    from psg_server.pool import WORKER_ENV
+
+    def round_() -> None:
+        for _ in range(3):
+            block = torch.empty(megabytes << 20, dtype=torch.uint8)
+            block.fill_(1)
+            del block
+
+    round_()
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    round_()
+    return {name: os.environ.get(name) for name in WORKER_ENV}, resource.getrusage(
+        resource.RUSAGE_THREAD).ru_minflt - before
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocator settings are glibc's")
+def test_workers_reuse_freed_memory_instead_of_faulting_it_in_again(pool: Any) -> None:
+    import ray
+
+    from psg_server.pool import WORKER_ENV
+
+    for handle in worker_handles(pool):
+        env, faults = ray.get(handle.__ray_call__.remote(_fault_in_large_blocks, 80), timeout=60)
+        assert env == WORKER_ENV
+        assert faults < 1000  # each 80 MB block is 20480 fresh 4 KiB pages when it is unmapped on free
 
 
 def test_one_put_per_version_and_release_drops_cached_models(pool: Any, loop_thread: LoopThread,
