@@ -94,9 +94,6 @@ class _Factors:
     left: torch.Tensor
     right: torch.Tensor
 
-    def positions(self) -> int:
-        return int(self.left.shape[2] if self.kind == "dot" else self.left.shape[1])
-
 
 def _fold_rows(t: torch.Tensor, K: int) -> torch.Tensor:
     """``(N*K, ...)`` -> ``(N, K, ...)``."""
@@ -132,10 +129,8 @@ def _weight_factors(layer: _GhostLayer, a: torch.Tensor, g: torch.Tensor, K: int
         factors = _Factors("index", tokens, right)
     else:  # convolutions
         if weight.requires_grad:
-            patches, other = conv_weight_factors(layer, a, g)  # (B, G, I, L), (B, G, O, L)
-            left = _fold_rows(patches, K).permute(0, 2, 1, 4, 3)  # (N, G, K, L, I)
-            right = _fold_rows(other, K).permute(0, 2, 1, 4, 3)  # (N, G, K, L, O)
-            factors = _Factors("dot", left.flatten(2, 3), right.flatten(2, 3))  # (N, G, K*L, .)
+            patches, other = conv_weight_factors(layer, a, g, K)  # (N, G, I, K*L), (N, G, O, K*L)
+            factors = _Factors("dot", patches.transpose(-1, -2), other.transpose(-1, -2))  # (N, G, K*L, .)
         if bias is not None and bias.requires_grad:
             bias_grad = _fold_rows(g.flatten(2), K).sum((1, 3))  # (N, C_out)
     return factors, bias_grad
