@@ -12,7 +12,9 @@ interleaved rounds (one step each at full size, the order rotating every round) 
 steps, so that load from other processes on a shared machine falls on all of them alike; both pools
 stay up for the whole run (Ray is given one logical CPU per actor; only one pool computes at a
 time). The figures are the batch size over the median step time of all timed steps; each round's
-own 2-vs-1 speedup is recorded too, to show the spread.
+own 2-vs-1 speedup is recorded too, to show the spread, and so is the median CPU (in cores) that
+processes outside the run used during each configuration's steps (Linux): 2 workers on a 2-core
+host lose to anything else that runs, 1 worker far less.
 
 The pool's actors run with :data:`psg_server.pool.WORKER_ENV` (the C allocator keeps freed memory);
 the in-process reference runs in this process with whatever allocator settings it started with
@@ -122,15 +124,16 @@ def run(quick: bool = False, device: str = "cpu", *, tiny: bool = False) -> dict
         if device == "cuda" and have < 2:
             logger.warning("ray_scaling: 2 workers need 2 GPUs; the cluster has %d", have)
         runner = ShardRunner(registry, "cuda" if device == "cuda" else "cpu")
-        timings, interleaved = asyncio.run(_measure(spec, tensors, batch, runner, device, work,
+        others: dict[_Config, list[float]] = {}
+        timings, interleaved = asyncio.run(_measure(spec, tensors, batch, runner, device, work, others,
                                                     pools=[w for w in (1, 2) if device == "cpu" or w <= have],
                                                     together=have >= 3))
     finally:
         torch.set_num_threads(threads)
         if owns_ray:
             ray.shutdown()
-    rows = [_row(executor, workers, samples, [t for round_ in timings[(executor, workers)] for t in round_])
-            for executor, workers in timings]
+    rows = [_row(executor, workers, samples, [t for round_ in timings[(executor, workers)] for t in round_],
+                 others.get((executor, workers), [])) for executor, workers in timings]
     base = next((r["samples_per_s"] for r in rows if r["executor"] == _POOL and r["workers"] == 1), None)
     for row in rows:
         row["speedup_vs_1_worker"] = round(row["samples_per_s"] / base, 2) if base else None
@@ -148,10 +151,11 @@ def run(quick: bool = False, device: str = "cpu", *, tiny: bool = False) -> dict
 
 
 async def _measure(spec: SessionSpec, tensors: dict[str, torch.Tensor], batch: Batch, runner: ShardRunner,
-                   device: str, work: dict[str, Any], *, pools: Sequence[int],
-                   together: bool) -> tuple[dict[_Config, list[list[float]]], bool]:
+                   device: str, work: dict[str, Any], others: dict[_Config, list[float]], *,
+                   pools: Sequence[int], together: bool) -> tuple[dict[_Config, list[list[float]]], bool]:
     """Step times per configuration and round; and whether the rounds were interleaved (both pools
-    up at once), else each configuration ran its rounds in one block."""
+    up at once), else each configuration ran its rounds in one block. Fills ``others`` with the CPU
+    cores that processes outside this run used during each timed step (where that can be read)."""
     version = 0
 
     def parameters() -> ParameterSet:  # a training loop pushes a new version every step
@@ -187,7 +191,8 @@ async def _measure(spec: SessionSpec, tensors: dict[str, torch.Tensor], batch: B
             for index in range(work["rounds"]):
                 shift = index % len(configs)
                 for config in configs[shift:] + configs[:shift]:
-                    timings[config].append(await _timed(steps[config], work["steps_per_round"]))
+                    timings[config].append(await _timed(steps[config], work["steps_per_round"],
+                                                        others.setdefault(config, [])))
             return timings, True
         for config in configs:  # too few CPUs/GPUs for both pools: one configuration at a time
             pool = pool_of.get(config)
@@ -195,8 +200,8 @@ async def _measure(spec: SessionSpec, tensors: dict[str, torch.Tensor], batch: B
                 await pool.start()
             try:
                 await _timed(steps[config], work["warmup"])
-                timings[config] = [await _timed(steps[config], work["steps_per_round"])
-                                   for _ in range(work["rounds"])]
+                timings[config] = [await _timed(steps[config], work["steps_per_round"],
+                                                others.setdefault(config, [])) for _ in range(work["rounds"])]
             finally:
                 if pool is not None:
                     await pool.close()
@@ -213,19 +218,61 @@ def _pool_step(pool: WorkerPool, spec: SessionSpec, parameters: Callable[[], Par
     return step
 
 
-async def _timed(step: Callable[[], Awaitable[None]], count: int) -> list[float]:
+async def _timed(step: Callable[[], Awaitable[None]], count: int,
+                 others: list[float] | None = None) -> list[float]:
+    """Times ``count`` steps; appends to ``others`` the cores other processes used during each."""
     timings = []
     for _ in range(count):
+        before = _cpu_seconds() if others is not None else None
         started = time.perf_counter()
         await step()
-        timings.append(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        timings.append(seconds)
+        after = _cpu_seconds() if before is not None else None
+        if others is not None and before is not None and after is not None:
+            others.append(max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / seconds)
     return timings
 
 
-def _row(executor: str, workers: int, samples: int, seconds: Sequence[float]) -> dict[str, Any]:
+def _cpu_seconds() -> tuple[float, float] | None:
+    """Busy CPU seconds so far of the whole host (steal included) and of this process and its
+    descendants (the embedded Ray and its workers); None where ``/proc`` cannot tell (not Linux).
+    Not timed: read between steps."""
+    try:
+        with open("/proc/stat") as file:
+            ticks = [int(field) for field in file.readline().split()[1:]]
+        parents: dict[int, int] = {}
+        used: dict[int, int] = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as file:
+                    fields = file.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
+            except OSError:  # gone meanwhile
+                continue
+            parents[int(entry.name)] = int(fields[1])
+            used[int(entry.name)] = int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    ours, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        ours += used.get(pid, 0)
+        todo.extend(children.get(pid, []))
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / tick, ours / tick  # all but idle and iowait
+
+
+def _row(executor: str, workers: int, samples: int, seconds: Sequence[float],
+         others: Sequence[float]) -> dict[str, Any]:
     median = statistics.median(seconds)
     return {"executor": executor, "workers": workers, "median_step_ms": round(1000 * median, 1),
-            "min_step_ms": round(1000 * min(seconds), 1), "samples_per_s": round(samples / median, 1)}
+            "min_step_ms": round(1000 * min(seconds), 1), "samples_per_s": round(samples / median, 1),
+            "other_cores": round(statistics.median(others), 2) if others else None}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -238,11 +285,14 @@ def render(result: dict[str, Any]) -> str:
              f"CPUs{_load(result)}, torch {result['torch']}, ray {result['ray']}; the workers' C "
              f"allocator keeps freed memory, the in-process run's has {result.get('allocator', 'defaults')}. "
              f"Timings on a shared machine are noisy.{_spread(result)}", "",
-             "| executor | workers | median step (ms) | min (ms) | samples/s | speedup vs 1 worker |",
-             "|---|---|---|---|---|---|"]
+             "| executor | workers | median step (ms) | min (ms) | samples/s | speedup vs 1 worker | "
+             "other processes (cores) |",
+             "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
+        other = "n/a" if row.get("other_cores") is None else f"{row['other_cores']:.2f}"
         lines.append(f"| {row['executor']} | {row['workers']} | {row['median_step_ms']} | "
-                     f"{row['min_step_ms']} | {row['samples_per_s']} | {row['speedup_vs_1_worker']} |")
+                     f"{row['min_step_ms']} | {row['samples_per_s']} | {row['speedup_vs_1_worker']} | "
+                     f"{other} |")
     return "\n".join(lines) + "\n"
 
 
