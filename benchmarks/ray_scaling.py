@@ -13,8 +13,10 @@ steps, so that load from other processes on a shared machine falls on all of the
 stay up for the whole run (Ray is given one logical CPU per actor; only one pool computes at a
 time). The figures are the batch size over the median step time of all timed steps; each round's
 own 2-vs-1 speedup is recorded too, to show the spread, and so is the median CPU (in cores) that
-processes outside the run used during each configuration's steps (Linux): 2 workers on a 2-core
-host lose to anything else that runs, 1 worker far less.
+processes outside the run used during each configuration's steps (Linux). Read the speedup only
+where that is near 0: Linux's autogroup scheduling shares the CPUs between sessions, and the whole
+run (driver, Ray, workers) is one session, so while another session keeps a core busy the two
+workers share about one core and cannot beat one worker.
 
 The pool's actors run with :data:`psg_server.pool.WORKER_ENV` (the C allocator keeps freed memory);
 the in-process reference runs in this process with whatever allocator settings it started with
