@@ -3,8 +3,9 @@
 Each configuration runs the same training-like step (``dp_gradient`` of a small CNN, hooks backend,
 a new parameter version every step, the batch split into one shard per worker) through
 :class:`psg_server.pool.WorkerPool` on a local Ray; an in-process run on one thread
-(:class:`psg_server.executor.ShardRunner`, no Ray) is the reference: the gap between it and the
-1-worker pool is the pool's per-step overhead (object store, actor calls).
+(:class:`psg_server.executor.ShardRunner`, no Ray) is the reference: under the same allocator
+settings (see below) the gap between it and the 1-worker pool is the pool's per-step overhead
+(object store, actor calls).
 
 The batch is large enough (1024 samples at full size, the server's default ``max_shard_samples``)
 that the pool's fixed per-step costs are amortised as in training. The three configurations run in
