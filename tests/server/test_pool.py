@@ -199,24 +199,23 @@ def test_uneven_workers_get_shares_proportional_to_throughput(pool: Any, referen
     loop_thread.call(pool.release(spec.session_id))
 
 
-def _fault_in_large_blocks(worker: Any, megabytes: int) -> tuple[dict[str, str | None], int]:
-    """Runs inside an actor: its allocator settings, and the page faults of a second round of
+def _fault_in_large_blocks(worker: Any, megabytes: int) -> tuple[dict[str, str | None], list[int]]:
+    """Runs inside an actor: its allocator settings, and the page faults of each of a few rounds of
     allocating and freeing ``megabytes``-sized tensors (after a first round warmed the heap)."""
     import resource
 
     from psg_server.pool import WORKER_ENV
 
-    def round_() -> None:
+    def round_() -> int:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         for _ in range(3):
             block = torch.empty(megabytes << 20, dtype=torch.uint8)
             block.fill_(1)
             del block
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
     round_()
-    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    round_()
-    return {name: os.environ.get(name) for name in WORKER_ENV}, resource.getrusage(
-        resource.RUSAGE_THREAD).ru_minflt - before
+    return {name: os.environ.get(name) for name in WORKER_ENV}, [round_() for _ in range(3)]
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocator settings are glibc's")
@@ -228,7 +227,10 @@ def test_workers_reuse_freed_memory_instead_of_faulting_it_in_again(pool: Any) -
     for handle in worker_handles(pool):
         env, faults = ray.get(handle.__ray_call__.remote(_fault_in_large_blocks, 80), timeout=60)
         assert env == WORKER_ENV
-        assert faults < 1000  # each 80 MB block is 20480 fresh 4 KiB pages when it is unmapped on free
+        # Unmapped on free, every round would fault in 3 blocks of 20480 fresh 4 KiB pages. Kept,
+        # they are reused (the heap may still grow now and then, when other threads' allocations
+        # split a free block, hence the best round).
+        assert min(faults) < 1000, faults
 
 
 def test_one_put_per_version_and_release_drops_cached_models(pool: Any, loop_thread: LoopThread,
