@@ -101,19 +101,19 @@ def _fold_rows(t: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def _weight_factors(layer: _GhostLayer, a: torch.Tensor, g: torch.Tensor, K: int
-                    ) -> tuple[_Factors | None, torch.Tensor | None]:
-    """Weight factors and the (materialised, small) per-sample bias gradient of a ghost layer.
+                    ) -> tuple[_Factors, torch.Tensor | None]:
+    """Weight factors and the (materialised, small) per-sample bias gradient of a ghost layer
+    (one whose weight is trainable: see ``_GhostPasses._plan_ghost``).
 
     ``a`` and ``g`` are batch-first with ``N*K`` rows.
     """
-    weight, bias = layer.weight, getattr(layer, "bias", None)
-    factors = bias_grad = None
+    bias = getattr(layer, "bias", None)
+    bias_grad = None
     if isinstance(layer, nn.Linear):
         n = a.shape[0] // K
-        if weight.requires_grad:
-            left = a.reshape(n, 1, -1, a.shape[-1])  # (N, 1, K*T, d_in)
-            right = g.reshape(n, 1, -1, g.shape[-1])  # (N, 1, K*T, d_out)
-            factors = _Factors("dot", left, right)
+        left = a.reshape(n, 1, -1, a.shape[-1])  # (N, 1, K*T, d_in)
+        right = g.reshape(n, 1, -1, g.shape[-1])  # (N, 1, K*T, d_out)
+        factors = _Factors("dot", left, right)
         if bias is not None and bias.requires_grad:
             bias_grad = g.reshape(n, -1, g.shape[-1]).sum(1)  # (N, d_out)
     elif isinstance(layer, nn.Embedding):
@@ -128,9 +128,8 @@ def _weight_factors(layer: _GhostLayer, a: torch.Tensor, g: torch.Tensor, K: int
             right = right * (tokens != layer.padding_idx).unsqueeze(-1).to(right.dtype)
         factors = _Factors("index", tokens, right)
     else:  # convolutions
-        if weight.requires_grad:
-            patches, other = conv_weight_factors(layer, a, g, K)  # (N, G, I, K*L), (N, G, O, K*L)
-            factors = _Factors("dot", patches.transpose(-1, -2), other.transpose(-1, -2))  # (N, G, K*L, .)
+        patches, other = conv_weight_factors(layer, a, g, K)  # (N, G, I, K*L), (N, G, O, K*L)
+        factors = _Factors("dot", patches.transpose(-1, -2), other.transpose(-1, -2))  # (N, G, K*L, .)
         if bias is not None and bias.requires_grad:
             bias_grad = _fold_rows(g.flatten(2), K).sum((1, 3))  # (N, C_out)
     return factors, bias_grad
@@ -324,9 +323,8 @@ class _GhostPasses:
             factors, bias_grad = _weight_factors(ghost_layer, a, g, self.K)
             if bias_grad is not None:  # a Linear or convolution with a bias (Embedding has none)
                 self._add(getattr(ghost_layer, "bias"), bias_grad)
-            if factors is not None:
-                state.buffer.append(factors)
-                state.kept.append((a, g))
+            state.buffer.append(factors)
+            state.kept.append((a, g))
         else:
             # Materialised per-sample gradients (the Gram matrices would be larger, or the layer
             # has none): the layer's grad sampler, e.g. a grouped-convolution weight gradient

@@ -279,12 +279,7 @@ def conv_weight_sum(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.T
         _check_batched("conv_weight_sum", layer, activation, dims, "input")
         _check_batched("conv_weight_sum", layer, backprop, dims, "output gradient")
         padded = _pad(activation, _padding_pairs(layer), layer.padding_mode)  # (B, C_in, *P)
-        # Only the weight's shape is read (no input gradient is asked for): a broadcast scalar will do.
-        weight = activation.new_empty(()).expand(layer.weight.shape)
-        _, grad, _ = torch.ops.aten.convolution_backward(
-            backprop, padded, weight, None, list(layer.stride), [0] * dims, list(layer.dilation),
-            False, [0] * dims, layer.groups, [False, True, False])  # (C_out, C_in/G, *k)
-        return grad
+        return _conv_weight_grad(layer, padded, backprop, tuple(layer.weight.shape), layer.groups)
     patches, other = conv_weight_factors(layer, activation, backprop)  # (B, G, I, L), (B, G, O, L)
     grad = contract("bgol,bgil->goi", other, patches)  # (G, O, I)
     return grad.reshape(layer.weight.shape)
@@ -345,13 +340,21 @@ def _conv_weight_by_grouped_conv(layer: _ConvLayer, activation: torch.Tensor, ba
     stacked_out = backprop.reshape(n_samples, K, channels_out, *spatial_out).transpose(0, 1).reshape(
         K, n_samples * channels_out, *spatial_out)  # (K, N*C_out, *L)
     weight_shape = (n_samples * channels_out, *layer.weight.shape[1:])
-    # Only the weight's shape is read (no input gradient is asked for): a broadcast scalar will do.
-    weight = activation.new_empty(()).expand(weight_shape)
-    dims = _spatial_dims(layer)
-    _, grad, _ = torch.ops.aten.convolution_backward(
-        stacked_out, stacked_in, weight, None, list(layer.stride), [0] * dims, list(layer.dilation),
-        False, [0] * dims, n_samples * layer.groups, [False, True, False])  # (N*C_out, C_in/G, *k)
+    grad = _conv_weight_grad(layer, stacked_in, stacked_out, weight_shape,
+                             n_samples * layer.groups)  # (N*C_out, C_in/G, *k)
     return grad.view(n_samples, *layer.weight.shape)  # (N, *weight)
+
+
+def _conv_weight_grad(layer: _ConvLayer, padded: torch.Tensor, backprop: torch.Tensor,
+                      weight_shape: tuple[int, ...], groups: int) -> torch.Tensor:
+    """torch's convolution weight-gradient kernel alone, for an input already padded."""
+    dims = _spatial_dims(layer)
+    # Only the weight's shape is read (no input gradient is asked for): a broadcast scalar will do.
+    weight = padded.new_empty(()).expand(weight_shape)
+    _, grad, _ = torch.ops.aten.convolution_backward(
+        backprop, padded, weight, None, list(layer.stride), [0] * dims, list(layer.dilation),
+        False, [0] * dims, groups, [False, True, False])  # weight_shape
+    return grad
 
 
 def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
