@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 # pull several GB of CUDA wheels.
 TORCH := torch==2.13.0
 
-.PHONY: test demo bench venv clean
+.PHONY: test test-fast demo bench venv clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ venv: $(VENV)/.dev
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider tests psg_core --doctest-modules
+
+# The unit tests of psg_core, the wire and the service (about a minute on 2 cores); `make test`
+# adds the integration and Ray tests (the `slow` marker, see tests/conftest.py).
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests psg_core --doctest-modules
 
 demo: $(VENV)/.demo
 	$(VENV)/bin/psg-demo

@@ -4,6 +4,11 @@
 own actors on it). It is started on first use with a few logical CPUs, no dashboard and a small
 object store, and always shut down at the end of the session. ``address="local"`` makes it a new
 instance of our own, never one that another process on the machine started.
+
+The ``slow`` marker (registered in pyproject.toml) separates the unit tests of the core, the wire
+and the service, which ``make test-fast`` runs, from everything ``make test`` adds: every test
+under ``tests/integration`` (in-process and subprocess servers, Ray clusters, the demo, the
+benchmarks), every test that uses ``ray_session``, and tests marked ``@pytest.mark.slow`` by hand.
 """
 
 from __future__ import annotations
@@ -17,8 +22,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+_INTEGRATION = REPO / "tests" / "integration"
+
 #: Logical CPUs of the session's Ray (bookkeeping only: the pools of several tests may be alive at once).
 RAY_TEST_CPUS = 8
+
+
+# tryfirst: the markers must be in place before pytest's own hook deselects by ``-m``.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the tests of whole kinds ``slow`` (see the module docstring), so no file has to."""
+    for item in items:
+        if item.path.is_relative_to(_INTEGRATION) or "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
