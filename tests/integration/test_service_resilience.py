@@ -1,4 +1,8 @@
-"""Retries on UNAVAILABLE, re-pushing parameters the server dropped, deadlines, idle expiry."""
+"""Retries on UNAVAILABLE, re-pushing parameters the server dropped, deadlines, idle expiry.
+
+Threads and the server's event loop meet through events, never through sleeps that guess how long
+the other side takes.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -30,24 +35,38 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class _SignallingRetry(RetryPolicy):
+    """A retry policy that sets ``refused`` when the client first asks it for a delay, i.e. once a
+    call has failed with UNAVAILABLE."""
+
+    refused: threading.Event = field(default_factory=threading.Event, compare=False)
+
+    def delays(self) -> Iterator[float]:
+        for delay in super().delays():
+            self.refused.set()
+            yield delay
+
+
 def test_client_retries_unavailable_until_the_server_comes_up() -> None:
     port = _free_port()
-    started = threading.Event()
+    # Up to 100 attempts at most 0.3 s apart: room for a server that starts slowly on a busy host.
+    retry = _SignallingRetry(max_attempts=100, initial_backoff_s=0.05, max_backoff_s=0.3)
     holder: list[BackgroundServer] = []
 
-    def start_later() -> None:
-        time.sleep(0.5)
-        holder.append(BackgroundServer(ServerConfig(port=port)).start())
-        started.set()
+    def start_once_refused() -> None:
+        # The server starts only after the client has been refused, so the call must retry.
+        if retry.refused.wait(timeout=30):
+            holder.append(BackgroundServer(ServerConfig(port=port)).start())
 
-    thread = threading.Thread(target=start_later)
+    thread = threading.Thread(target=start_once_refused)
     thread.start()
     try:
-        retry = RetryPolicy(max_attempts=30, initial_backoff_s=0.05, max_backoff_s=0.3)
         with GradientClient(f"127.0.0.1:{port}", retry=retry, timeout_s=10) as client:
             assert client.server_info().version
-        assert started.is_set()
+        assert retry.refused.is_set() and holder
     finally:
+        retry.refused.set()  # releases the thread if the client failed before its first retry
         thread.join()
         for server in holder:
             server.stop()
@@ -92,38 +111,45 @@ def test_parameters_dropped_under_memory_pressure_are_pushed_again() -> None:
         assert too_big.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class _SlowExecutor(InProcessExecutor):
-    """Sleeps before every step; records whether a step was cancelled."""
+class _HangingExecutor(InProcessExecutor):
+    """While ``hang`` is true, every step waits until it is cancelled; ``cancelled`` is set (from
+    the server's event loop) at the first cancellation, and ``cancellations`` counts them."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self) -> None:
         super().__init__(default_registry())
-        self.delay = delay
-        self.cancelled = 0
+        self.hang = True
+        self.cancelled = threading.Event()
+        self.cancellations = 0
 
     async def run(self, spec: SessionSpec, parameters: ParameterSet, shards: Sequence[Shard]) -> list[DPGradient]:
-        try:
-            await asyncio.sleep(self.delay)
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
+        if self.hang:
+            try:
+                # Never resolves: only a cancellation ends it (at worst the server's shutdown, after
+                # the test has already failed on `cancelled`).
+                await asyncio.get_running_loop().create_future()
+            except asyncio.CancelledError:
+                self.cancellations += 1
+                self.cancelled.set()
+                raise
         return await super().run(spec, parameters, shards)
 
 
 def test_steps_past_the_deadline_are_cancelled() -> None:
-    executor = _SlowExecutor(delay=5.0)
+    executor = _HangingExecutor()
     with serve(executor=executor, step_timeout_seconds=1.0) as server, client_for(server) as client:
         session = client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=2)
         session.push_parameters(build())
         with pytest.raises(ServiceError) as err:
             session.compute_gradients(*mlp_batch(2))
         assert (err.value.code, err.value.reason) == (grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED")
-        assert executor.cancelled == 1 and session.info().steps == 0
-        executor.delay = 0.0
+        assert executor.cancelled.wait(timeout=10), "the step was never cancelled"
+        assert executor.cancellations == 1 and session.info().steps == 0
+        executor.hang = False
         assert session.compute_gradients(*mlp_batch(2)).step == 1
 
 
 def test_client_deadline_cancels_the_step_on_the_server() -> None:
-    executor = _SlowExecutor(delay=5.0)
+    executor = _HangingExecutor()
     with serve(executor=executor) as server, client_for(server) as client:
         session = client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=2)
         session.push_parameters(build())
@@ -131,10 +157,9 @@ def test_client_deadline_cancels_the_step_on_the_server() -> None:
         with pytest.raises(ServiceError) as err:
             session.compute_gradients(*mlp_batch(2))
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        deadline = time.monotonic() + 5
-        while executor.cancelled == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert executor.cancelled == 1
+        # The client gave up; the server notices the cancelled RPC in its own time.
+        assert executor.cancelled.wait(timeout=10), "the server never cancelled the step"
+        assert executor.cancellations == 1
 
 
 class _NoWorkers(InProcessExecutor):
@@ -156,6 +181,8 @@ def test_no_live_workers_is_unavailable_and_retried() -> None:
 def test_idle_sessions_expire() -> None:
     with serve(session_idle_seconds=0.2) as server, client_for(server) as client:
         session = client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=2)
+        # Not synchronisation: the idle time itself is what is tested, and sleep() guarantees at
+        # least this much of it (twice the limit) whatever the load.
         time.sleep(0.4)
         client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=2)
         with pytest.raises(ServiceError) as err:
