@@ -2,8 +2,9 @@
 
 The model is the server registry's ``mlp`` (784 -> 1024 -> 256 -> 10, about 1.07 M parameters at
 the full size), batch 256, K = 1, no noise, hooks backend. The in-process step is what the server
-does for a step: :func:`psg_core.dp_gradient` (per-sample gradients, clip, sum), then
-:func:`psg_core.add_noise` and the division by the expected batch size. The service step is what
+does for a step: :func:`psg_core.dp_gradient` (per-sample gradients, clip, sum), then the noise
+and the division by the expected batch size of :class:`psg_core.privacy_step.PrivacyStep`, the
+server's own. The service step is what
 a trainer does against a real server (:class:`psg_server.background.BackgroundServer` on a
 loopback port, in-process executor, one worker thread): ``push_parameters`` of the current model,
 then ``compute_gradients`` on the batch, over :class:`psg_client.GradientClient`. Both are timed
@@ -52,7 +53,7 @@ def measure(payload: dict[str, Any]) -> dict[str, Any]:
     from psg_core.config import DPConfig
     from psg_core.dp import dp_gradient
     from psg_core.modes import GradSampleMode
-    from psg_core.noise import add_noise
+    from psg_core.privacy_step import PrivacyStep
     from psg_server.background import BackgroundServer
     from psg_server.config import ServerConfig
     from psg_server.models import default_registry
@@ -78,12 +79,11 @@ def measure(payload: dict[str, Any]) -> dict[str, Any]:
     repeats = options.repeats if options.size == "tiny" else max(options.repeats, _MIN_REPEATS)
     config = DPConfig(mode=GradSampleMode.HOOKS, augmentation_multiplicity=1, max_grad_norm=1.0, noise_multiplier=0.0)
     loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    privacy = PrivacyStep.for_config(config, sample_rate=1.0, expected_batch_size=batch)
 
     def local_step() -> dict[str, torch.Tensor]:
         merged = dp_gradient(model, inputs, targets, loss_fn=loss_fn, config=config)
-        noised = add_noise(merged.grads, noise_multiplier=config.noise_multiplier,
-                           max_grad_norm=config.max_grad_norm)
-        return {name: grad.div_(batch) for name, grad in noised.items()}
+        return privacy.noise_and_normalise(merged.grads)
 
     server_config = ServerConfig(port=0, executor="inprocess", num_workers=1)
     with BackgroundServer(server_config) as server, GradientClient(server.target) as client:

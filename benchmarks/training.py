@@ -126,7 +126,7 @@ def _apply_private_gradient(model: nn.Module, summed: dict[str, torch.Tensor], n
     """Noise once on the clipped sum, divide by N, hand it to the optimizer: the DP-SGD update."""
     from psg_core.noise import add_noise
 
-    noisy = add_noise(summed, noise_multiplier=case.noise_multiplier, max_grad_norm=MAX_GRAD_NORM,
+    noisy = add_noise(summed, noise_multiplier=case.noise_multiplier, sensitivity=MAX_GRAD_NORM,
                       generator=generator)
     for name, p in _trainable(model).items():
         p.grad = noisy[name].div_(num_samples)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from psg_client.client import (GradientClient, GradientResult, RetryPolicy, ServiceError, Session,
                                TLSConfig)
-from psg_client.codec import CodecError, CodecLimits, TensorLimitError
+from psg_wire.codec import CodecError, CodecLimits, TensorLimitError
 
 __all__ = [
     "CodecError",

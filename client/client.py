@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -28,20 +29,21 @@ import grpc
 import torch
 from torch import nn
 
-from psg_client._proto import gradient_service_pb2 as pb
-from psg_client._proto import gradient_service_pb2_grpc as pb_grpc
-from psg_client.codec import DEFAULT_CHUNK_BYTES, DTYPES, CodecLimits, FrameWire, TensorDecoder
 from psg_client.torch import apply_gradients, check_parameters, parameter_tensors
 from psg_core.config import DPConfig
 from psg_core.errors import PsgError
+from psg_wire.codec import DEFAULT_CHUNK_BYTES, CodecLimits, FrameWire, TensorDecoder
+from psg_wire.convert import (PrivacyRequest, dp_config_to_proto, parameter_spec_from_proto, privacy_to_proto,
+                              step_stats_from_proto)
+from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME, TARGETS, Reason, input_name
+from psg_wire.v1 import gradient_service_pb2 as pb
+from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 
 __all__ = ["GradientClient", "GradientResult", "RetryPolicy", "ServiceError", "Session", "TLSConfig"]
 
 logger = logging.getLogger(__name__)
 
-_REASON_KEY = "psg-error-reason"
 _T = TypeVar("_T")
-_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GradientService"].full_name
 _PUSH_WIRE = FrameWire(pb.PushParametersRequest)
 _COMPUTE_WIRE = FrameWire(pb.ComputeGradientsRequest)
 _REPLY_WIRE = FrameWire(pb.ComputeGradientsResponse)
@@ -69,7 +71,7 @@ class ServiceError(PsgError, RuntimeError):
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         details = error.details() if hasattr(error, "details") else str(error)
         trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-        reason = next((str(v) for k, v in (trailers or ()) if k == _REASON_KEY), "")
+        reason = next((str(v) for k, v in (trailers or ()) if k == REASON_METADATA_KEY), "")
         return cls(code, details or "", reason)
 
 
@@ -216,16 +218,12 @@ class GradientClient:
             seed: seeds the per-step noise (default: a secret random seed chosen by the server).
             secure_rng: draw noise from a cryptographically secure source instead.
         """
-        dp = pb.DPSettings(mode=config.mode.value, augmentation_multiplicity=config.augmentation_multiplicity,
-                           loss_reduction=config.loss_reduction.value, batch_first=config.batch_first,
-                           max_grad_norm=config.max_grad_norm, clipping=config.clipping.value,
-                           noise_multiplier=config.noise_multiplier,
-                           per_layer_max_grad_norms=list(config.per_layer_max_grad_norms or ()))
-        privacy = pb.PrivacySettings(accountant=accountant or "", sample_rate=sample_rate or 0.0,
-                                     delta=delta or 0.0, target_epsilon=target_epsilon or 0.0)
+        privacy = PrivacyRequest(accountant=accountant, sample_rate=sample_rate, delta=delta,
+                                 target_epsilon=target_epsilon)
         request = pb.CreateSessionRequest(model=model, model_kwargs_json=json.dumps(dict(model_kwargs or {})),
-                                          loss=loss, dp=dp, expected_batch_size=expected_batch_size,
-                                          privacy=privacy, secure_rng=secure_rng)
+                                          loss=loss, dp=dp_config_to_proto(config),
+                                          expected_batch_size=expected_batch_size,
+                                          privacy=privacy_to_proto(privacy), secure_rng=secure_rng)
         if seed is not None:
             request.seed = seed
         reply = self.call(lambda stub, kw: stub.CreateSession(request, **kw))
@@ -250,7 +248,7 @@ class Session:
         self.id = session_id
         #: ``{name: (dtype, shape)}`` of every model parameter.
         self.parameter_specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-            p.name: (DTYPES[p.dtype], tuple(p.shape)) for p in parameters}
+            p.name: parameter_spec_from_proto(p) for p in parameters}
         self.param_version = param_version
         self._pushed: list[tuple[str, torch.Tensor]] | None = None
 
@@ -277,7 +275,7 @@ class Session:
         try:
             return self._compute(inputs, targets, step_seed)
         except ServiceError as error:
-            if error.reason != "PARAMETERS_MISSING" or self._pushed is None:
+            if error.reason != Reason.PARAMETERS_MISSING or self._pushed is None:
                 raise
         logger.warning("psg client: the server lost the parameters of session %s; pushing them again",
                        self.id)
@@ -304,7 +302,7 @@ class Session:
     def _compute(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor,
                  step_seed: int | None) -> GradientResult:
         positional = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        named = [(f"inputs/{i}", t) for i, t in enumerate(positional)] + [("targets", targets)]
+        named = [(input_name(i), t) for i, t in enumerate(positional)] + [(TARGETS, targets)]
         header = pb.ComputeGradientsHeader(session_id=self.id, param_version=self.param_version)
         if step_seed is not None:
             header.step_seed = step_seed
@@ -323,10 +321,10 @@ def _stub(channel: grpc.Channel) -> pb_grpc.GradientServiceStub:
     chunk frames are serialised and read without protobuf's extra copies of their payload."""
     stub = pb_grpc.GradientServiceStub(channel)
     stub.PushParameters = channel.stream_unary(  # type: ignore[method-assign]
-        f"/{_SERVICE_NAME}/PushParameters", request_serializer=_PUSH_WIRE.serialize,
+        f"/{SERVICE_NAME}/PushParameters", request_serializer=_PUSH_WIRE.serialize,
         response_deserializer=pb.PushParametersResponse.FromString, _registered_method=True)
     stub.ComputeGradients = channel.stream_stream(  # type: ignore[method-assign]
-        f"/{_SERVICE_NAME}/ComputeGradients", request_serializer=_COMPUTE_WIRE.serialize,
+        f"/{SERVICE_NAME}/ComputeGradients", request_serializer=_COMPUTE_WIRE.serialize,
         response_deserializer=_REPLY_WIRE.parse, _registered_method=True)
     return stub
 
@@ -348,9 +346,6 @@ def _read_result(responses: Iterator[pb.ComputeGradientsResponse], limits: Codec
             decoder.add_message(message)
     if stats is None:
         raise PsgError("compute_gradients: the server's reply was empty")
-    return GradientResult(grads=decoder.finish(), step=stats.step, param_version=stats.param_version,
-                          samples=stats.samples, mean_loss=stats.mean_loss,
-                          norm_quantiles={q.quantile: q.value for q in stats.norm_quantiles},
-                          fraction_clipped=stats.fraction_clipped, epsilon_spent=stats.epsilon_spent,
-                          budget_left=stats.budget_left, server_seconds=stats.server_seconds)
+    report = step_stats_from_proto(stats)
+    return GradientResult(grads=decoder.finish(), **dataclasses.asdict(report))
 

@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
 from psg_client.client import GradientClient, Session
+from psg_core.architectures import cnn_groupnorm
 from psg_core.config import DPConfig
 from psg_core.sampling import PoissonBatchSampler
 
@@ -170,12 +171,10 @@ def run_demo(target: str, *, epochs: int, augmentation_multiplicity: int, noise_
     """Trains through the service at ``target``; returns per-epoch accuracy and epsilon."""
     from tqdm import tqdm
 
-    from psg_server.models import default_registry
-
     torch.manual_seed(seed)
     train_x, train_y, test_x, test_y = _load_digits(seed)
     sample_rate = batch_size / len(train_y)
-    model = default_registry().build(_MODEL, _MODEL_KWARGS)
+    model = cnn_groupnorm(**_MODEL_KWARGS)  # the architecture the server builds as _MODEL
     optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=0.9)
     config = DPConfig(mode=backend, augmentation_multiplicity=augmentation_multiplicity,
                       max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)

@@ -11,11 +11,10 @@ from torch import nn
 from psg_core.accounting import PrivacyAccountant
 from psg_core.backends.base import trainable_parameters
 from psg_core.config import DPConfig, DPGradient
-from psg_core.dp import dp_gradient, l2_sensitivity
+from psg_core.dp import dp_gradient
 from psg_core.errors import ConfigError
 from psg_core.losses import LossFn
-from psg_core.modes import LossReduction
-from psg_core.noise import add_noise
+from psg_core.privacy_step import PrivacyStep
 
 __all__ = ["DPStep"]
 
@@ -27,9 +26,11 @@ class DPStep:
     Each call runs :func:`psg_core.dp_gradient` (clipped sum), adds Gaussian noise of std
     ``noise_multiplier * sensitivity`` once, normalises, overwrites ``p.grad`` of every trainable
     parameter, and records one step of ``(noise_multiplier, sample_rate)`` in its accountant.
-    Normalising is what the service does: with ``loss_reduction="mean"`` the noisy sum is divided
-    by ``expected_batch_size`` (the fixed normaliser Poisson sampling calls for, not the realised
-    batch size), the private analogue of a batch-mean gradient; with ``"sum"`` it is used as is. With a budget, a step that would exceed it raises
+    Everything but the clipped sum is :class:`~psg_core.privacy_step.PrivacyStep`, which the
+    service's frontend runs too: with ``loss_reduction="mean"`` the noisy sum is divided by
+    ``expected_batch_size`` (the fixed normaliser Poisson sampling calls for, not the realised
+    batch size), the private analogue of a batch-mean gradient; with ``"sum"`` it is used as is.
+    With a budget, a step that would exceed it raises
     :class:`~psg_core.errors.BudgetExhaustedError` before anything is computed.
 
     Args:
@@ -89,20 +90,24 @@ class DPStep:
             the :class:`~psg_core.config.DPGradient` statistics of the batch (clipped sum before
             noise, per-sample norms, loss sum, counts).
         """
-        sigma = self.config.noise_multiplier
-        self.accountant.check_step(sigma, self.sample_rate)
+        privacy = self._privacy_step()
+        privacy.check_budget(self.accountant)
         result = dp_gradient(self.model, inputs, targets, loss_fn=self.loss_fn, config=self.config)
-        noised = add_noise(result.grads, noise_multiplier=sigma, max_grad_norm=l2_sensitivity(self.config),
-                           generator=self.generator, secure_rng=self.secure_rng)
+        released = privacy.noise_and_normalise(result.grads, generator=self.generator, secure_rng=self.secure_rng)
         for name, param in trainable_parameters(self.model).items():
-            param.grad = (noised[name] / self.normaliser).to(param.dtype)  # (*param.shape)
-        self.accountant.step(sigma, self.sample_rate)
+            param.grad = released[name].to(param.dtype)  # (*param.shape)
+        privacy.account(self.accountant)
         return result
 
     @property
     def normaliser(self) -> float:
         """What the noisy sum is divided by: ``expected_batch_size`` under mean reduction, else 1."""
-        return self.expected_batch_size if self.config.loss_reduction is LossReduction.MEAN else 1.0
+        return self._privacy_step().normaliser
+
+    def _privacy_step(self) -> PrivacyStep:
+        # Built per call from the public attributes, which a caller may change between steps.
+        return PrivacyStep.for_config(self.config, sample_rate=self.sample_rate,
+                                      expected_batch_size=self.expected_batch_size)
 
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far by this helper's accountant (see :meth:`PrivacyAccountant.epsilon`)."""

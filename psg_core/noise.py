@@ -1,8 +1,10 @@
-"""Gaussian noise for DP-SGD (DESIGN.md §2 "Noise").
+"""Gaussian noise for DP-SGD.
 
-The Gaussian mechanism adds ``N(0, (noise_multiplier * max_grad_norm)^2)`` independently to every
+The Gaussian mechanism adds ``N(0, (noise_multiplier * sensitivity)^2)`` independently to every
 coordinate of the *sum* of clipped per-sample gradients, once per step (in the service: on the
-frontend, after the shard results are merged, never per shard).
+frontend, after the shard results are merged, never per shard). The sensitivity is the L2 bound on
+one sample's clipped contribution, :func:`psg_core.dp.l2_sensitivity` of the step's configuration:
+the clipping bound C, or ``sqrt(sum_i C_i^2)`` under per-layer clipping with explicit bounds.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -67,10 +70,24 @@ def _check_number(value: object, *, what: str, positive: bool) -> float:
     return float(value)
 
 
-def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, max_grad_norm: float,
-              generator: torch.Generator | None = None,
-              secure_rng: bool = False) -> dict[str, torch.Tensor]:
-    """Returns ``grads`` plus Gaussian noise of std ``noise_multiplier * max_grad_norm``.
+def _sensitivity(sensitivity: float | None, max_grad_norm: float | None) -> float:
+    """The bound, given under its name or (with a ``DeprecationWarning``) under its old one."""
+    if max_grad_norm is None:
+        if sensitivity is None:
+            raise ConfigError("add_noise: sensitivity is required (the L2 bound on one sample's "
+                              "contribution, psg_core.l2_sensitivity(config))")
+        return sensitivity
+    if sensitivity is not None:
+        raise ConfigError("add_noise: pass sensitivity only (max_grad_norm is its deprecated name), not both")
+    warnings.warn("add_noise: max_grad_norm is deprecated; pass sensitivity=psg_core.l2_sensitivity(config)",
+                  DeprecationWarning, stacklevel=3)
+    return max_grad_norm
+
+
+def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, sensitivity: float | None = None,
+              generator: torch.Generator | None = None, secure_rng: bool = False,
+              max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
+    """Returns ``grads`` plus Gaussian noise of std ``noise_multiplier * sensitivity``.
 
     The input tensors are not modified. Noise is drawn parameter by parameter in the mapping's
     order, so the same generator state and the same names give the same noise. It is drawn in
@@ -80,23 +97,28 @@ def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, max
     Args:
         grads: ``{name: tensor}``, typically the clipped sum from :func:`psg_core.dp_gradient`.
         noise_multiplier: sigma >= 0; zero returns copies without noise.
-        max_grad_norm: C > 0, the clipping bound the sum was computed with (its sensitivity).
+        sensitivity: > 0, the L2 bound on one sample's contribution to the sum:
+            ``psg_core.l2_sensitivity(config)`` of the config the sum was computed with (the
+            clipping bound C, or ``sqrt(sum_i C_i^2)`` for per-layer bounds ``C_i``).
         generator: a seeded ``torch.Generator`` (seed it per step for reproducible runs); None
             uses torch's global generator, unless ``secure_rng``.
         secure_rng: draw every noise value directly from the OS's CSPRNG (see
             :func:`secure_normal`); incompatible with ``generator``.
+        max_grad_norm: deprecated name of ``sensitivity`` (it is only the clipping bound under
+            flat or automatic clipping); still accepted, with a ``DeprecationWarning``.
 
     Returns:
         ``{name: noised tensor}`` with the same names, shapes, dtypes and devices.
 
     >>> g = torch.Generator().manual_seed(0)
-    >>> noised = add_noise({"w": torch.zeros(10_000)}, noise_multiplier=2.0, max_grad_norm=0.5,
+    >>> noised = add_noise({"w": torch.zeros(10_000)}, noise_multiplier=2.0, sensitivity=0.5,
     ...                    generator=g)
     >>> round(noised["w"].std().item(), 1)
     1.0
     """
     sigma = _check_number(noise_multiplier, what="noise_multiplier", positive=False)
-    clip = _check_number(max_grad_norm, what="max_grad_norm", positive=True)
+    bound = _check_number(_sensitivity(sensitivity, max_grad_norm), positive=True,
+                          what="sensitivity" if max_grad_norm is None else "max_grad_norm")
     if generator is not None and secure_rng:
         raise ConfigError("add_noise: pass either a generator or secure_rng=True, not both")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -107,7 +129,7 @@ def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, max
                               f"{type(grad).__name__} {getattr(grad, 'dtype', '')}")
     if sigma == 0.0:
         return {name: grad.clone() for name, grad in grads.items()}
-    std = sigma * clip
+    std = sigma * bound
     out = {}
     for name, grad in grads.items():
         work_dtype = torch.promote_types(grad.dtype, torch.float32)

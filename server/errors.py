@@ -2,9 +2,10 @@
 
 Servicer methods never catch anything: the method wrapper in :mod:`psg_server.service` hands every
 exception to :func:`translate`, which walks :data:`STATUS_TABLE` (first match by ``isinstance``)
-and returns the status code, the public message and a short machine-readable reason that travels
-as trailing metadata ``psg-error-reason``. Anything not in the table is INTERNAL with a generic
-message and a reference id; the detail goes to the log under that id.
+and returns the status code, the public message and a short machine-readable reason
+(:class:`psg_wire.names.Reason`) that travels as trailing metadata ``psg-error-reason``. Anything
+not in the table is INTERNAL with a generic message and a reference id; the detail goes to the log
+under that id.
 
 >>> translate(SessionNotFoundError("GetSession: no session 'abc'")).code
 <StatusCode.NOT_FOUND: (5, 'not found')>
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from psg_client.codec import CodecError, TensorLimitError
 from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError, NonFiniteInputError,
                              PsgError, UnsupportedModuleError)
+from psg_wire.codec import CodecError, TensorLimitError
+from psg_wire.names import REASON_METADATA_KEY, Reason
 
 __all__ = [
     "REASON_METADATA_KEY",
@@ -41,9 +43,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Trailing metadata key carrying :attr:`Status.reason` (e.g. ``PARAMETERS_MISSING``).
-REASON_METADATA_KEY = "psg-error-reason"
 
 
 class InvalidRequestError(PsgError, ValueError):
@@ -89,25 +88,25 @@ class AuthenticationError(PsgError):
 
 #: (error type, status code, reason). First isinstance match wins, so subclasses come first.
 STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
-    (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"),
-    (SessionNotFoundError, grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND"),
-    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND, "MODEL_NOT_FOUND"),
-    (LossNotFoundError, grpc.StatusCode.NOT_FOUND, "LOSS_NOT_FOUND"),
-    (StaleParametersError, grpc.StatusCode.FAILED_PRECONDITION, "STALE_PARAMETERS"),
-    (ParametersMissingError, grpc.StatusCode.FAILED_PRECONDITION, "PARAMETERS_MISSING"),
-    (BudgetExhaustedError, grpc.StatusCode.FAILED_PRECONDITION, "BUDGET_EXHAUSTED"),
-    (TensorLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED, "LIMIT_EXCEEDED"),
-    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, "LIMIT_EXCEEDED"),
-    (NoWorkersError, grpc.StatusCode.UNAVAILABLE, "NO_WORKERS"),
-    (StepTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
-    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
-    (CodecError, grpc.StatusCode.INVALID_ARGUMENT, "BAD_TENSOR"),
-    (DecodeError, grpc.StatusCode.INVALID_ARGUMENT, "BAD_MESSAGE"),
-    (NonFiniteInputError, grpc.StatusCode.INVALID_ARGUMENT, "NON_FINITE_INPUT"),
-    (BatchLayoutError, grpc.StatusCode.INVALID_ARGUMENT, "BATCH_LAYOUT"),
-    (UnsupportedModuleError, grpc.StatusCode.INVALID_ARGUMENT, "UNSUPPORTED_MODULE"),
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"),
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CONFIG"),
+    (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED, Reason.UNAUTHENTICATED),
+    (SessionNotFoundError, grpc.StatusCode.NOT_FOUND, Reason.SESSION_NOT_FOUND),
+    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND, Reason.MODEL_NOT_FOUND),
+    (LossNotFoundError, grpc.StatusCode.NOT_FOUND, Reason.LOSS_NOT_FOUND),
+    (StaleParametersError, grpc.StatusCode.FAILED_PRECONDITION, Reason.STALE_PARAMETERS),
+    (ParametersMissingError, grpc.StatusCode.FAILED_PRECONDITION, Reason.PARAMETERS_MISSING),
+    (BudgetExhaustedError, grpc.StatusCode.FAILED_PRECONDITION, Reason.BUDGET_EXHAUSTED),
+    (TensorLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.LIMIT_EXCEEDED),
+    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.LIMIT_EXCEEDED),
+    (NoWorkersError, grpc.StatusCode.UNAVAILABLE, Reason.NO_WORKERS),
+    (StepTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.DEADLINE_EXCEEDED),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.DEADLINE_EXCEEDED),
+    (CodecError, grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_TENSOR),
+    (DecodeError, grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_MESSAGE),
+    (NonFiniteInputError, grpc.StatusCode.INVALID_ARGUMENT, Reason.NON_FINITE_INPUT),
+    (BatchLayoutError, grpc.StatusCode.INVALID_ARGUMENT, Reason.BATCH_LAYOUT),
+    (UnsupportedModuleError, grpc.StatusCode.INVALID_ARGUMENT, Reason.UNSUPPORTED_MODULE),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, Reason.INVALID_REQUEST),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT, Reason.INVALID_CONFIG),
 )
 
 # Messages of known errors are written for the caller; protobuf's own are not, so they get this.
@@ -141,4 +140,4 @@ def translate(error: BaseException, *, method: str = "") -> Status:
     logger.error("%s: unexpected error, reference %s", method or "rpc", reference, exc_info=error)
     return Status(code=grpc.StatusCode.INTERNAL,
                   message=f"internal server error (reference {reference}); see the server log",
-                  reason="INTERNAL")
+                  reason=Reason.INTERNAL)

@@ -32,11 +32,9 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 import psg_core
-from psg_client._proto import gradient_service_pb2 as pb
-from psg_client.codec import CodecLimits, FrameWire
 from psg_core.modes import GradSampleMode
 from psg_server.config import ServerConfig
-from psg_server.errors import REASON_METADATA_KEY, translate
+from psg_server.errors import translate
 from psg_server.executor import InProcessExecutor, ShardExecutor
 from psg_server.losses import LOSSES
 from psg_server.metrics import Metrics
@@ -45,14 +43,15 @@ from psg_server.security import AuthInterceptor, TokenAuthenticator, check_bind_
 from psg_server.sessions import SessionStore, open_session, parameter_specs
 from psg_server.step import StepRunner
 from psg_server.streams import read_header, receive_parameters
+from psg_wire.codec import CodecLimits, FrameWire
+from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME
+from psg_wire.v1 import gradient_service_pb2 as pb
 
 __all__ = ["SERVICE_NAME", "GradientServicer", "PsgServer", "create_server"]
 
 logger = logging.getLogger(__name__)
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["GradientService"]
-#: Full name of the service, as health checks and reflection know it.
-SERVICE_NAME = _SERVICE.full_name
 
 
 class GradientServicer:
@@ -80,7 +79,6 @@ class GradientServicer:
                            max_tensor_bytes=config.max_tensor_bytes,
                            max_request_bytes=config.max_request_bytes, chunk_bytes=config.chunk_bytes,
                            max_model_bytes=config.max_model_bytes)
-        # The wire's WorkerInfo has no node field: a Ray worker's id carries it as "<name>@<node>".
         workers = [pb.WorkerInfo(id=w.id, device=w.device, node=w.node or "")
                    for w in self._executor.workers()]
         return pb.ServerInfo(version=psg_core.__version__, backends=[m.value for m in GradSampleMode],
@@ -335,6 +333,5 @@ def _default_executor(config: ServerConfig, registry: ModelRegistry) -> ShardExe
         from psg_server.pool import WorkerPool  # Ray is imported only when the pool is used
 
         return WorkerPool(plugins=registry.plugins, num_workers=config.num_workers,
-                          cpus_per_worker=config.cpus_per_worker, ray_address=config.ray_address,
-                          max_shard_samples=config.max_shard_samples)
+                          cpus_per_worker=config.cpus_per_worker, ray_address=config.ray_address)
     return InProcessExecutor(registry, num_workers=config.num_workers or 1)

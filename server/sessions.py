@@ -18,16 +18,18 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from psg_client._proto import gradient_service_pb2 as pb
+
 from psg_core.accounting import PrivacyAccountant
 from psg_core.config import DPConfig
-from psg_core.modes import LossReduction
+from psg_core.privacy_step import PrivacyStep
 from psg_server.config import ServerConfig
 from psg_server.errors import (InvalidRequestError, LimitExceededError, ParametersMissingError,
                                SessionNotFoundError, StaleParametersError)
 from psg_server.executor import ParameterSet, SessionSpec
 from psg_server.losses import LossEntry, get_loss
 from psg_server.models import ModelRegistry, ModelSignature, ParameterInfo
+from psg_wire.convert import dp_config_from_proto, parameter_spec_to_proto, privacy_from_proto
+from psg_wire.v1 import gradient_service_pb2 as pb
 
 __all__ = ["PrivacyPlan", "Session", "SessionStore", "open_session"]
 
@@ -61,6 +63,9 @@ class Session:
         self.loss = loss
         self.expected_batch_size = expected_batch_size
         self.privacy = privacy
+        #: Budget check, noise, normalisation and accounting of every step (psg_core's, as DPStep's).
+        self.privacy_step = PrivacyStep.for_config(spec.dp_config, sample_rate=privacy.sample_rate,
+                                                   expected_batch_size=expected_batch_size)
         self.seed = seed if seed is not None else secrets.randbits(64)
         self.secure_rng = secure_rng
         #: Steps of one session run one at a time, so accounting follows step order.
@@ -84,7 +89,7 @@ class Session:
     @property
     def normaliser(self) -> float:
         """What the noised sum is divided by: the expected batch size under mean reduction."""
-        return float(self.expected_batch_size) if self.dp_config.loss_reduction is LossReduction.MEAN else 1.0
+        return self.privacy_step.normaliser
 
     @property
     def accounted(self) -> bool:
@@ -109,13 +114,12 @@ class Session:
 
     def check_budget(self) -> None:
         """:class:`BudgetExhaustedError` when one more step would exceed the budget; records nothing."""
-        if self._accountant is not None:
-            self._accountant.check_step(self.dp_config.noise_multiplier, self.privacy.sample_rate)
+        self.privacy_step.check_budget(self._accountant)
 
     def record_step(self) -> int:
         """Accounts a completed step and returns its 1-based index."""
         if self._accountant is not None:
-            self._accountant.step(self.dp_config.noise_multiplier, self.privacy.sample_rate)
+            self.privacy_step.account(self._accountant)
             self.epsilon_spent = self._accountant.epsilon(self.privacy.delta)
         self.steps += 1
         return self.steps
@@ -137,31 +141,19 @@ class Session:
 
 def parameter_specs(parameters: list[ParameterInfo]) -> list[pb.ParameterSpec]:
     """Wire form of a model's parameters."""
-    from psg_client.codec import dtype_name
-
-    return [pb.ParameterSpec(name=p.name, dtype=dtype_name(p.dtype), shape=list(p.shape),
-                             requires_grad=p.requires_grad) for p in parameters]
-
-
-def _dp_config(settings: pb.DPSettings) -> DPConfig:
-    return DPConfig(mode=settings.mode or "hooks",
-                    augmentation_multiplicity=settings.augmentation_multiplicity or 1,
-                    loss_reduction=settings.loss_reduction or "mean",
-                    batch_first=settings.batch_first if settings.HasField("batch_first") else True,
-                    max_grad_norm=settings.max_grad_norm, clipping=settings.clipping or "flat",
-                    noise_multiplier=settings.noise_multiplier,
-                    per_layer_max_grad_norms=tuple(settings.per_layer_max_grad_norms) or None)
+    return [parameter_spec_to_proto(p.name, p.dtype, p.shape, requires_grad=p.requires_grad) for p in parameters]
 
 
 def _privacy(request: pb.CreateSessionRequest, dp_config: DPConfig, default_accountant: str) -> PrivacyPlan:
-    settings = request.privacy
+    settings = privacy_from_proto(request.privacy)
     accountant = settings.accountant or default_accountant
     if accountant not in ("rdp", "pld"):
         raise InvalidRequestError(f"CreateSession: accountant must be 'rdp' or 'pld', got {accountant!r:.40}")
     sample_rate = settings.sample_rate or 1.0
     if not 0 < sample_rate <= 1:
         raise InvalidRequestError(f"CreateSession: sample_rate must be in (0, 1], got {sample_rate!r}")
-    target = settings.target_epsilon or None
+    target = settings.target_epsilon
+    delta = settings.delta or 0.0
     if target is not None and not (math.isfinite(target) and target > 0):
         raise InvalidRequestError(f"CreateSession: target_epsilon must be a finite number > 0, got "
                                   f"{target!r}")
@@ -169,10 +161,10 @@ def _privacy(request: pb.CreateSessionRequest, dp_config: DPConfig, default_acco
     if target is not None and not noisy:
         raise InvalidRequestError("CreateSession: a privacy budget (target_epsilon) needs "
                                   "noise_multiplier > 0")
-    if noisy and not 0 < settings.delta < 1:
+    if noisy and not 0 < delta < 1:
         raise InvalidRequestError(f"CreateSession: delta must be in (0, 1) when noise_multiplier > 0, got "
-                                  f"{settings.delta!r}")
-    return PrivacyPlan(accountant=accountant, sample_rate=sample_rate, delta=settings.delta if noisy else 0.0,
+                                  f"{delta!r}")
+    return PrivacyPlan(accountant=accountant, sample_rate=sample_rate, delta=delta if noisy else 0.0,
                        target_epsilon=target)
 
 
@@ -182,7 +174,7 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
     entry = registry.entry(request.model)
     loss = get_loss(request.loss)
     kwargs = registry.parse_kwargs(request.model, request.model_kwargs_json)
-    dp_config = _dp_config(request.dp)
+    dp_config = dp_config_from_proto(request.dp)
     if entry.batch_first_only and not dp_config.batch_first:
         raise InvalidRequestError(f"CreateSession: model {request.model!r} takes its batch on dimension 0; "
                                   "set batch_first=True")

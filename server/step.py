@@ -1,7 +1,9 @@
-"""One DP step on the frontend (DESIGN.md §3 "Flow of one step").
+"""One DP step on the frontend (README.md, "The gradient service": "One step").
 
 validate -> split the N samples (K rows together) into shards -> executor -> merge in shard order
 -> noise once (seeded per step) -> normalise by the expected batch size -> account -> reply.
+The privacy part (budget check, noise, normalisation, accounting) is
+:class:`psg_core.privacy_step.PrivacyStep`, the one :class:`psg_core.DPStep` runs in process.
 The result equals :func:`psg_core.dp.dp_gradient` on the whole batch, noised and normalised,
 for any number of shards (up to floating point summation order).
 """
@@ -17,13 +19,9 @@ from typing import Any
 
 import torch
 
-from psg_client._proto import gradient_service_pb2 as pb
-from psg_client.codec import CodecLimits, TensorDecoder
 from psg_core.backends.base import check_rows
 from psg_core.config import DPGradient
-from psg_core.dp import l2_sensitivity
 from psg_core.errors import BatchLayoutError, NonFiniteInputError
-from psg_core.noise import add_noise
 from psg_server.config import ServerConfig
 from psg_server.errors import InvalidRequestError, LimitExceededError, StepTimeoutError
 from psg_server.executor import Shard, ShardExecutor
@@ -32,13 +30,15 @@ from psg_server.metrics import Metrics
 from psg_server.models import InputSpec
 from psg_server.sessions import Session, SessionStore
 from psg_server.streams import all_finite, read_header, read_tensors, tensor_messages
+from psg_wire.codec import CodecLimits, TensorDecoder
+from psg_wire.convert import StepReport, step_stats_to_proto
+from psg_wire.names import INPUT_PREFIX, TARGETS, input_name
+from psg_wire.v1 import gradient_service_pb2 as pb
 
 __all__ = ["NORM_QUANTILES", "Batch", "StepRunner", "split_shards", "validate_batch"]
 
 #: Quantiles of the per-sample norms reported with every step.
 NORM_QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
-_TARGETS = "targets"
-_INPUT_PREFIX = "inputs/"
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,9 @@ def _rows_check(session: Session, max_rows: int) -> Any:
     batch_dim = 0 if session.dp_config.batch_first else 1
 
     def check(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        if name != _TARGETS and not (name.startswith(_INPUT_PREFIX) and name[len(_INPUT_PREFIX):].isdigit()):
+        if name != TARGETS and not (name.startswith(INPUT_PREFIX) and name[len(INPUT_PREFIX):].isdigit()):
             raise InvalidRequestError(f"ComputeGradients: unexpected tensor {name!r}; send "
-                                      f"'{_INPUT_PREFIX}0', '{_INPUT_PREFIX}1', ... and '{_TARGETS}'")
+                                      f"'{input_name(0)}', '{input_name(1)}', ... and '{TARGETS}'")
         dim = batch_dim  # targets follow the inputs' layout
         if len(shape) > dim and shape[dim] > max_rows:
             raise LimitExceededError(f"ComputeGradients: {name!r} has {shape[dim]} rows, more than the "
@@ -71,7 +71,7 @@ def _fits(dim: int, spec: int | tuple[int, int]) -> bool:
 
 def _prepare_input(index: int, tensor: torch.Tensor, spec: InputSpec | None, *, batch_dim: int,
                    dtype: torch.dtype) -> torch.Tensor:
-    where = f"ComputeGradients: {_INPUT_PREFIX}{index}"
+    where = f"ComputeGradients: {input_name(index)}"
     if spec is not None:
         per_row = tuple(d for i, d in enumerate(tensor.shape) if i != batch_dim)
         if len(per_row) != len(spec.sample_shape) or not all(map(_fits, per_row, spec.sample_shape)):
@@ -99,13 +99,13 @@ def validate_batch(session: Session, tensors: Mapping[str, torch.Tensor]) -> Bat
     """Checks a decoded batch against the session (layout, K, model signature, loss targets)."""
     config = session.dp_config
     batch_dim = 0 if config.batch_first else 1
-    if _TARGETS not in tensors:
-        raise InvalidRequestError(f"ComputeGradients: the batch has no {_TARGETS!r} tensor")
+    if TARGETS not in tensors:
+        raise InvalidRequestError(f"ComputeGradients: the batch has no {TARGETS!r} tensor")
     count = len(tensors) - 1
-    names = [f"{_INPUT_PREFIX}{i}" for i in range(count)]
+    names = [input_name(i) for i in range(count)]
     if count == 0 or any(name not in tensors for name in names):
-        raise InvalidRequestError(f"ComputeGradients: inputs must be named {names or [_INPUT_PREFIX + '0']}, "
-                                  f"got {sorted(n for n in tensors if n != _TARGETS)}")
+        raise InvalidRequestError(f"ComputeGradients: inputs must be named {names or [input_name(0)]}, "
+                                  f"got {sorted(n for n in tensors if n != TARGETS)}")
     signature = session.signature
     if signature is not None and count != len(signature.inputs):
         raise InvalidRequestError(f"ComputeGradients: model {session.spec.model!r} takes "
@@ -121,7 +121,7 @@ def validate_batch(session: Session, tensors: Mapping[str, torch.Tensor]) -> Bat
     dtype = next(p.dtype for p in session.parameter_info if p.dtype.is_floating_point)
     inputs = tuple(_prepare_input(i, tensors[name], signature.inputs[i] if signature else None,
                                   batch_dim=batch_dim, dtype=dtype) for i, name in enumerate(names))
-    targets = prepare_targets(session.loss, tensors[_TARGETS], rows=num_rows,
+    targets = prepare_targets(session.loss, tensors[TARGETS], rows=num_rows,
                               num_outputs=signature.num_outputs if signature else None, dtype=dtype,
                               batch_dim=batch_dim)
     return Batch(inputs=inputs, targets=targets, num_samples=num_samples)
@@ -221,15 +221,11 @@ class StepRunner:
     @staticmethod
     def _noise_and_normalise(session: Session, merged: DPGradient,
                              step_seed: int | None) -> dict[str, torch.Tensor]:
-        config = session.dp_config
         generator = None
-        if config.noise_multiplier > 0 and not session.secure_rng:
+        if session.dp_config.noise_multiplier > 0 and not session.secure_rng:
             generator = torch.Generator().manual_seed(session.noise_seed(step_seed))
-        noised = add_noise(merged.grads, noise_multiplier=config.noise_multiplier,
-                           max_grad_norm=l2_sensitivity(config), generator=generator,
-                           secure_rng=session.secure_rng)
-        scale = session.normaliser
-        return {name: grad.div_(scale) for name, grad in noised.items()}
+        return session.privacy_step.noise_and_normalise(merged.grads, generator=generator,
+                                                        secure_rng=session.secure_rng)
 
 
 async def _account(session: Session, function: Callable[[], Any]) -> Any:
@@ -256,11 +252,8 @@ def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
     # An empty (Poisson) batch has no norms: report no quantiles rather than invent some.
     values = torch.quantile(norms, levels).tolist() if norms.numel() else []
     samples = max(merged.num_samples, 1)
-    return pb.StepStats(step=step, param_version=version, samples=merged.num_samples,
-                        mean_loss=merged.loss_sum / samples,
-                        norm_quantiles=[pb.NormQuantile(quantile=q, value=v)
-                                        for q, v in zip(NORM_QUANTILES, values)],
-                        fraction_clipped=merged.num_clipped / samples,
-                        epsilon_spent=session.epsilon_spent, budget_left=session.budget_left,
-                        server_seconds=seconds)
+    return step_stats_to_proto(StepReport(
+        step=step, param_version=version, samples=merged.num_samples, mean_loss=merged.loss_sum / samples,
+        norm_quantiles=dict(zip(NORM_QUANTILES, values)), fraction_clipped=merged.num_clipped / samples,
+        epsilon_spent=session.epsilon_spent, budget_left=session.budget_left, server_seconds=seconds))
 

@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from psg_client.codec import CodecLimits, FrameWire, TensorDecoder
 from psg_core.errors import NonFiniteInputError
 from psg_server.errors import InvalidRequestError, StaleParametersError
 from psg_server.executor import ParameterSet
 from psg_server.sessions import Session
+from psg_wire.codec import CodecLimits, FrameWire, TensorDecoder
 
 __all__ = ["all_finite", "read_header", "read_tensors", "receive_parameters", "tensor_messages"]
 
@@ -86,6 +86,6 @@ async def receive_parameters(requests: AsyncIterator[Any], session: Session, ver
 def tensor_messages(message_type: type[Message], named: Iterable[tuple[str, torch.Tensor]], *,
                     chunk_bytes: int) -> Iterator[Message | bytes]:
     """``message_type(tensor=...)`` for every tensor header of ``named`` and, for every chunk, the
-    serialised ``message_type(chunk=...)`` as ``bytes`` (see :class:`~psg_client.codec.FrameWire`;
+    serialised ``message_type(chunk=...)`` as ``bytes`` (see :class:`~psg_wire.codec.FrameWire`;
     the method's response serialiser passes them through)."""
     return FrameWire(message_type).messages(named, chunk_bytes=chunk_bytes)

@@ -280,7 +280,7 @@ def test_dp_step_fills_grad_with_normalised_noisy_sum() -> None:
                   accountant=PrivacyAccountant("rdp"), generator=torch.Generator().manual_seed(9))
     stats = step(x, y)
     clean = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
-    noised = add_noise(clean.grads, noise_multiplier=1.3, max_grad_norm=0.5,
+    noised = add_noise(clean.grads, noise_multiplier=1.3, sensitivity=0.5,
                        generator=torch.Generator().manual_seed(9))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, noised[name] / 8.0)
@@ -312,7 +312,7 @@ def test_dp_step_noise_uses_the_per_layer_sensitivity() -> None:
                   generator=torch.Generator().manual_seed(4), accountant=PrivacyAccountant("rdp"))
     step(torch.zeros(0, 2), torch.zeros(0, 1))  # empty batch: pure noise of std 5
     expected = add_noise({n: torch.zeros_like(p) for n, p in model.named_parameters()}, noise_multiplier=1.0,
-                         max_grad_norm=5.0, generator=torch.Generator().manual_seed(4))
+                         sensitivity=5.0, generator=torch.Generator().manual_seed(4))
     for name, p in model.named_parameters():
         assert torch.isfinite(p.grad).all()
         torch.testing.assert_close(p.grad, expected[name])

@@ -368,6 +368,21 @@ def test_dockerfile_copies_exist_and_pass_dockerignore(dockerfile: Path) -> None
         assert _dockerignore_excludes(secret_like, patterns), secret_like
 
 
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, DOCKERFILE_CPU], ids=["gpu", "cpu"])
+def test_dockerfile_copies_every_package_folder(dockerfile: Path) -> None:
+    # pip installs what pyproject's package-dir maps (psg_wire lives in proto/wire): each folder
+    # must be copied into the image, or the install inside it silently lacks a package.
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert set(package_dir) == {"psg_core", "psg_wire", "psg_server", "psg_client"}
+    copied = set()
+    for copy in (i for i in parse_dockerfile(dockerfile) if i.keyword == "COPY"):
+        *sources, _ = [w for w in shlex.split(copy.arguments) if not w.startswith("--")]
+        copied.update(source.rstrip("/") for source in sources)
+    for package, folder in package_dir.items():
+        assert any(folder == source or folder.startswith(source + "/") for source in copied), \
+            f"{dockerfile.name} does not COPY {folder} (package {package})"
+
+
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE|CREDENTIAL)", re.I)
 
 

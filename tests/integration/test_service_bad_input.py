@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from psg_client import GradientClient, ServiceError
-from psg_client._proto import gradient_service_pb2 as pb
-from psg_client._proto import gradient_service_pb2_grpc as pb_grpc
-from psg_client._proto.tensor_pb2 import TensorHeader
 from psg_core.config import DPConfig
 from psg_server.background import BackgroundServer
+from psg_wire.v1 import gradient_service_pb2 as pb
+from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
+from psg_wire.v1.tensor_pb2 import TensorHeader
 from tests.server.service_harness import MLP_KWARGS, TOKEN_ALICE, TOKEN_BOB, build, client_for, mlp_batch, serve
 
 Code = grpc.StatusCode

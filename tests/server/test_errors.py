@@ -8,12 +8,12 @@ import grpc
 import pytest
 from google.protobuf.message import DecodeError
 
-from psg_client.codec import CodecError, TensorLimitError
 from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError, NonFiniteInputError,
                              UnsupportedModuleError)
 from psg_server.errors import (STATUS_TABLE, AuthenticationError, InvalidRequestError, LimitExceededError,
                                LossNotFoundError, ModelNotFoundError, NoWorkersError, ParametersMissingError,
                                SessionNotFoundError, StaleParametersError, StepTimeoutError, translate)
+from psg_wire.codec import CodecError, TensorLimitError
 
 Code = grpc.StatusCode
 

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from psg_client._proto import gradient_service_pb2 as pb
 from psg_core.errors import BudgetExhaustedError
 from psg_server.config import ServerConfig
 from psg_server.errors import (LimitExceededError, ParametersMissingError, SessionNotFoundError,
@@ -15,6 +14,7 @@ from psg_server.errors import (LimitExceededError, ParametersMissingError, Sessi
 from psg_server.executor import ParameterSet
 from psg_server.models import default_registry
 from psg_server.sessions import Session, SessionStore, open_session
+from psg_wire.v1 import gradient_service_pb2 as pb
 
 REGISTRY = default_registry()
 

@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psg_client._proto import gradient_service_pb2 as pb
 from psg_core.errors import BatchLayoutError, NonFiniteInputError
 from psg_server.config import ServerConfig
 from psg_server.errors import InvalidRequestError
@@ -16,6 +15,7 @@ from psg_server.models import default_registry
 from psg_server.sessions import Session, open_session
 from psg_server.step import Batch, split_shards, validate_batch
 from psg_server.streams import all_finite
+from psg_wire.v1 import gradient_service_pb2 as pb
 
 REGISTRY = default_registry()
 

@@ -1,7 +1,7 @@
 """Tensor wire codec: ``{name, dtype, shape, raw little-endian bytes}`` as a header plus chunks.
 
 No pickle is involved anywhere: a tensor is its dtype name, its shape and its raw bytes. Encoding
-yields a :class:`~psg_client._proto.tensor_pb2.TensorHeader` followed by ``bytes`` chunks of at
+yields a :class:`~psg_wire.v1.tensor_pb2.TensorHeader` followed by ``bytes`` chunks of at
 most ``chunk_bytes``; decoding (:class:`TensorDecoder`) checks the dtype against :data:`DTYPES`,
 ``num_bytes == prod(shape) * itemsize`` and the declared sizes against :class:`CodecLimits`
 *before* it allocates, then copies each chunk once into the tensor's buffer.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from google.protobuf.descriptor import FieldDescriptor
 
-from psg_client._proto.tensor_pb2 import TensorHeader
+from psg_wire.v1.tensor_pb2 import TensorHeader
 from psg_core.errors import PsgError
 
 __all__ = [
@@ -215,7 +215,7 @@ class FrameWire:
     Every other message goes through protobuf, and so does any received message that is not
     exactly one chunk field (protobuf then accepts or refuses it as usual).
 
-    >>> from psg_client._proto import gradient_service_pb2 as pb
+    >>> from psg_wire.v1 import gradient_service_pb2 as pb
     >>> wire = FrameWire(pb.PushParametersRequest)
     >>> wire.chunk(b"abc") == pb.PushParametersRequest(chunk=b"abc").SerializeToString()
     True

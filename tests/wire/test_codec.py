@@ -8,12 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psg_client._proto.tensor_pb2 import TensorHeader
 from google.protobuf.message import DecodeError
 
-from psg_client._proto import gradient_service_pb2 as pb
-from psg_client.codec import (DTYPES, ChunkFrame, CodecError, CodecLimits, FrameWire, TensorDecoder, TensorLimitError,
-                              _swap_bytes, dtype_name, encode_tensor, encode_tensors)
+from psg_wire.codec import (DTYPES, ChunkFrame, CodecError, CodecLimits, FrameWire, TensorDecoder, TensorLimitError,
+                            _swap_bytes, dtype_name, encode_tensor, encode_tensors)
+from psg_wire.v1 import gradient_service_pb2 as pb
+from psg_wire.v1.tensor_pb2 import TensorHeader
 
 
 def roundtrip(named: list[tuple[str, torch.Tensor]], *, chunk_bytes: int = 7,

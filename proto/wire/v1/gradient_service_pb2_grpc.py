@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from psg_client._proto import gradient_service_pb2 as psg_dot_v1_dot_gradient__service__pb2
+from psg_wire.v1 import gradient_service_pb2 as psg_dot_v1_dot_gradient__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,11 +1,11 @@
-"""Regenerates the committed protobuf/gRPC modules of this package from ``proto/psg/v1``.
+"""Regenerates the committed protobuf/gRPC modules of :mod:`psg_wire.v1` from ``proto/psg/v1``.
 
 ``protoc`` names generated imports after the proto path (``from psg.v1 import tensor_pb2``); the
-modules live flat in :mod:`psg_client._proto`, so those imports are rewritten. The descriptor file
-names stay ``psg/v1/*.proto``, which is what server reflection shows.
+modules live flat in :mod:`psg_wire.v1`, so those imports are rewritten. The descriptor file names
+stay ``psg/v1/*.proto``, which is what server reflection shows.
 
-Run ``python -m psg_client._proto.regenerate`` from a checkout after editing a ``.proto`` file;
-``tests/client/test_proto_drift.py`` regenerates into a temporary folder and fails on any difference.
+Run ``python -m psg_wire.regenerate`` from a checkout after editing a ``.proto`` file;
+``tests/wire/test_proto_drift.py`` regenerates into a temporary folder and fails on any difference.
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ __all__ = ["default_proto_root", "generate", "main"]
 
 logger = logging.getLogger(__name__)
 
-_PACKAGE = "psg_client._proto"
+_PACKAGE = "psg_wire.v1"
 _PROTO_PACKAGE_DIR = Path("psg") / "v1"
 _IMPORT = re.compile(r"^from psg\.v1 import ", re.MULTILINE)
 
 
 def default_proto_root() -> Path:
-    """``proto/`` of the checkout this package sits in (``client/_proto`` -> ``proto``)."""
-    return Path(__file__).resolve().parents[2] / "proto"
+    """``proto/``, the folder this package sits in (``proto/wire``) beside ``proto/psg/v1``."""
+    return Path(__file__).resolve().parents[1]
 
 
 def generate(out_dir: Path, proto_root: Path | None = None) -> list[Path]:
     """Runs protoc (grpcio-tools) on every ``psg/v1/*.proto`` under ``proto_root``.
 
     Writes ``<name>_pb2.py``, ``<name>_pb2.pyi`` and ``<name>_pb2_grpc.py`` flat into ``out_dir``
-    with imports pointing into :mod:`psg_client._proto`, and returns the written paths (sorted).
+    with imports pointing into :mod:`psg_wire.v1`, and returns the written paths (sorted).
 
     >>> paths = generate(Path(tempfile.mkdtemp()))  # doctest: +SKIP
     """
@@ -63,10 +63,10 @@ def generate(out_dir: Path, proto_root: Path | None = None) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: regenerate into this package's folder (or ``--out``)."""
+    """Command line: regenerate into :mod:`psg_wire.v1`'s folder (or ``--out``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--proto-root", type=Path, default=None, help="folder holding psg/v1/*.proto")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "v1")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     generate(args.out, args.proto_root)

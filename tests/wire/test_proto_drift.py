@@ -1,11 +1,11 @@
-"""The committed stubs in client/_proto are exactly what grpcio-tools generates from proto/."""
+"""The committed stubs in proto/wire/v1 (psg_wire.v1) are exactly what grpcio-tools generates from proto/psg/v1."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import psg_client._proto as committed_package
-from psg_client._proto.regenerate import default_proto_root, generate
+import psg_wire.v1 as committed_package
+from psg_wire.regenerate import default_proto_root, generate
 
 
 def test_generated_modules_match_the_committed_ones(tmp_path: Path) -> None:
@@ -14,7 +14,7 @@ def test_generated_modules_match_the_committed_ones(tmp_path: Path) -> None:
     assert {p.name for p in written} == {p.name for p in committed_dir.glob("*_pb2*.py*")}
     drifted = [p.name for p in written if p.read_text() != (committed_dir / p.name).read_text()]
     assert not drifted, (f"{drifted} differ from {default_proto_root()}; run "
-                         "`python -m psg_client._proto.regenerate` and commit the result")
+                         "`python -m psg_wire.regenerate` and commit the result")
 
 
 def test_generated_imports_stay_inside_the_package(tmp_path: Path) -> None:

@@ -1,0 +1,154 @@
+"""Python values <-> their ``psg.v1`` messages, written once for the client and the server.
+
+Each message's "unset" convention (``proto/psg/v1/gradient_service.proto``: an empty string, a
+zero, an absent optional) is read and written here and nowhere else:
+
+* :class:`~psg_core.config.DPConfig` <-> ``DPSettings``
+* :class:`PrivacyRequest` <-> ``PrivacySettings``
+* :class:`StepReport` <-> ``StepStats``
+* a parameter's ``(name, dtype, shape, requires_grad)`` <-> ``ParameterSpec``
+
+>>> from psg_core.config import DPConfig
+>>> config = DPConfig(mode="ghost", augmentation_multiplicity=4, noise_multiplier=1.1)
+>>> dp_config_from_proto(dp_config_to_proto(config)) == config
+True
+>>> privacy_from_proto(privacy_to_proto(PrivacyRequest(delta=1e-5)))
+PrivacyRequest(accountant=None, sample_rate=None, delta=1e-05, target_epsilon=None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from psg_core.config import DPConfig
+from psg_wire.codec import DTYPES, CodecError, dtype_name
+from psg_wire.v1 import gradient_service_pb2 as pb
+
+__all__ = [
+    "PrivacyRequest",
+    "StepReport",
+    "dp_config_from_proto",
+    "dp_config_to_proto",
+    "parameter_spec_from_proto",
+    "parameter_spec_to_proto",
+    "privacy_from_proto",
+    "privacy_to_proto",
+    "step_stats_from_proto",
+    "step_stats_to_proto",
+]
+
+
+# ------------------------------------------------------------------------------------ DPSettings
+def dp_config_to_proto(config: DPConfig) -> pb.DPSettings:
+    """``DPSettings`` carrying every field of ``config`` (none left to the server's defaults)."""
+    return pb.DPSettings(mode=config.mode.value, augmentation_multiplicity=config.augmentation_multiplicity,
+                         loss_reduction=config.loss_reduction.value, batch_first=config.batch_first,
+                         max_grad_norm=config.max_grad_norm, clipping=config.clipping.value,
+                         noise_multiplier=config.noise_multiplier,
+                         per_layer_max_grad_norms=list(config.per_layer_max_grad_norms or ()))
+
+
+def dp_config_from_proto(settings: pb.DPSettings) -> DPConfig:
+    """The :class:`DPConfig` a ``DPSettings`` describes; unset fields take DPConfig's defaults.
+
+    Raises :class:`~psg_core.errors.ConfigError` when the values are out of range (DPConfig
+    validates them).
+    """
+    return DPConfig(mode=settings.mode or "hooks",
+                    augmentation_multiplicity=settings.augmentation_multiplicity or 1,
+                    loss_reduction=settings.loss_reduction or "mean",
+                    batch_first=settings.batch_first if settings.HasField("batch_first") else True,
+                    max_grad_norm=settings.max_grad_norm, clipping=settings.clipping or "flat",
+                    noise_multiplier=settings.noise_multiplier,
+                    per_layer_max_grad_norms=tuple(settings.per_layer_max_grad_norms) or None)
+
+
+# ------------------------------------------------------------------------------- PrivacySettings
+@dataclass(frozen=True)
+class PrivacyRequest:
+    """A session's privacy settings as the client asked for them; None = not given.
+
+    The server fills what is not given (its default accountant, sample rate 1) and validates the
+    rest; this type only carries the request across the wire.
+    """
+
+    #: "rdp" or "pld"; None = the server's default.
+    accountant: str | None = None
+    #: Poisson sampling rate q; None = 1 (full batch).
+    sample_rate: float | None = None
+    #: delta of the reported epsilon; needed when the session adds noise.
+    delta: float | None = None
+    #: Refuse steps past this epsilon; None = no budget.
+    target_epsilon: float | None = None
+
+
+def privacy_to_proto(request: PrivacyRequest) -> pb.PrivacySettings:
+    """``PrivacySettings`` of ``request`` (None travels as the field's zero value)."""
+    return pb.PrivacySettings(accountant=request.accountant or "", sample_rate=request.sample_rate or 0.0,
+                              delta=request.delta or 0.0, target_epsilon=request.target_epsilon or 0.0)
+
+
+def privacy_from_proto(settings: pb.PrivacySettings) -> PrivacyRequest:
+    """The :class:`PrivacyRequest` of ``settings`` (a zero value reads as not given)."""
+    return PrivacyRequest(accountant=settings.accountant or None, sample_rate=settings.sample_rate or None,
+                          delta=settings.delta or None, target_epsilon=settings.target_epsilon or None)
+
+
+# ------------------------------------------------------------------------------------- StepStats
+@dataclass(frozen=True)
+class StepReport:
+    """The statistics of one step, as ``StepStats`` carries them."""
+
+    #: 1-based index of the step in its session.
+    step: int
+    param_version: int
+    #: Samples (N, not rows) in the batch.
+    samples: int
+    #: Mean over samples of each sample's loss.
+    mean_loss: float
+    #: Per-sample gradient norms before clipping, ``{quantile: norm}``.
+    norm_quantiles: Mapping[float, float]
+    fraction_clipped: float
+    #: Epsilon after the step at the session's delta; +inf without noise.
+    epsilon_spent: float
+    budget_left: float
+    #: Seconds the server spent on the step.
+    server_seconds: float
+
+
+def step_stats_to_proto(report: StepReport) -> pb.StepStats:
+    """``StepStats`` of ``report`` (quantiles in the mapping's order)."""
+    return pb.StepStats(step=report.step, param_version=report.param_version, samples=report.samples,
+                        mean_loss=report.mean_loss,
+                        norm_quantiles=[pb.NormQuantile(quantile=q, value=v)
+                                        for q, v in report.norm_quantiles.items()],
+                        fraction_clipped=report.fraction_clipped, epsilon_spent=report.epsilon_spent,
+                        budget_left=report.budget_left, server_seconds=report.server_seconds)
+
+
+def step_stats_from_proto(stats: pb.StepStats) -> StepReport:
+    """The :class:`StepReport` of ``stats``."""
+    return StepReport(step=stats.step, param_version=stats.param_version, samples=stats.samples,
+                      mean_loss=stats.mean_loss,
+                      norm_quantiles={q.quantile: q.value for q in stats.norm_quantiles},
+                      fraction_clipped=stats.fraction_clipped, epsilon_spent=stats.epsilon_spent,
+                      budget_left=stats.budget_left, server_seconds=stats.server_seconds)
+
+
+# --------------------------------------------------------------------------------- ParameterSpec
+def parameter_spec_to_proto(name: str, dtype: torch.dtype, shape: Sequence[int], *,
+                            requires_grad: bool) -> pb.ParameterSpec:
+    """``ParameterSpec`` of one model parameter; :class:`CodecError` for a dtype the wire lacks."""
+    return pb.ParameterSpec(name=name, dtype=dtype_name(dtype), shape=list(shape), requires_grad=requires_grad)
+
+
+def parameter_spec_from_proto(spec: pb.ParameterSpec) -> tuple[torch.dtype, tuple[int, ...]]:
+    """``(dtype, shape)`` of a ``ParameterSpec``: what a pushed tensor of that name must be."""
+    dtype = DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise CodecError(f"parameter_spec_from_proto: parameter {spec.name!r} has unknown dtype "
+                         f"{spec.dtype[:40]!r}; supported: {', '.join(DTYPES)}")
+    return dtype, tuple(spec.shape)

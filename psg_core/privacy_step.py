@@ -1,0 +1,89 @@
+"""The privacy half of a DP-SGD step, written once for :class:`~psg_core.dp_step.DPStep` and for the
+gradient service's frontend.
+
+A step is: check the budget -> compute the clipped sum -> add noise once -> normalise -> account.
+Computing the clipped sum is the caller's (one :func:`~psg_core.dp.dp_gradient` call in process;
+shards on workers, merged on the frontend, in the service); :class:`PrivacyStep` does the rest, so
+both paths release the same gradient and record the same ledger entry for the same batch.
+
+>>> from psg_core.accounting import PrivacyAccountant
+>>> from psg_core.config import DPConfig
+>>> privacy = PrivacyStep.for_config(DPConfig(max_grad_norm=0.5, noise_multiplier=1.0), sample_rate=0.01,
+...                                  expected_batch_size=4)
+>>> accountant = PrivacyAccountant("rdp")
+>>> privacy.check_budget(accountant)                      # before computing the clipped sum
+>>> released = privacy.noise_and_normalise({"w": torch.zeros(3)},
+...                                        generator=torch.Generator().manual_seed(0))
+>>> privacy.account(accountant)                           # after
+>>> released["w"].shape, accountant.steps
+(torch.Size([3]), 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from psg_core.accounting import PrivacyAccountant
+from psg_core.config import DPConfig
+from psg_core.dp import l2_sensitivity
+from psg_core.modes import LossReduction
+from psg_core.noise import add_noise
+
+__all__ = ["PrivacyStep"]
+
+
+@dataclass(frozen=True)
+class PrivacyStep:
+    """Everything a step does around the clipped sum: budget check, noise, normalisation, accounting.
+
+    Build it with :meth:`for_config`. The accountant is an argument of :meth:`check_budget` and
+    :meth:`account`, not a field, because its owner (a :class:`~psg_core.dp_step.DPStep`, a
+    service session) keeps it across steps; None means the steps are not accounted.
+    """
+
+    #: sigma; the noise std per coordinate is ``noise_multiplier * sensitivity``.
+    noise_multiplier: float
+    #: The L2 bound on one sample's contribution to the clipped sum (:func:`~psg_core.dp.l2_sensitivity`).
+    sensitivity: float
+    #: q, each example's probability of joining a batch; what the accountant records with sigma.
+    sample_rate: float
+    #: What the noised sum is divided by: the expected batch size under mean reduction (the fixed
+    #: normaliser Poisson sampling calls for, not the realised batch size), 1 under sum reduction.
+    normaliser: float
+
+    @classmethod
+    def for_config(cls, config: DPConfig, *, sample_rate: float, expected_batch_size: float) -> PrivacyStep:
+        """The privacy step of ``config`` for batches drawn at ``sample_rate`` with
+        ``expected_batch_size`` samples on average.
+
+        >>> PrivacyStep.for_config(DPConfig(loss_reduction="sum"), sample_rate=0.5,
+        ...                        expected_batch_size=8).normaliser
+        1.0
+        """
+        mean = config.loss_reduction is LossReduction.MEAN
+        return cls(noise_multiplier=config.noise_multiplier, sensitivity=l2_sensitivity(config),
+                   sample_rate=float(sample_rate), normaliser=float(expected_batch_size) if mean else 1.0)
+
+    def check_budget(self, accountant: PrivacyAccountant | None) -> None:
+        """Raises :class:`~psg_core.errors.BudgetExhaustedError` when one more step would exceed
+        ``accountant``'s budget; records nothing. Call it before computing the clipped sum."""
+        if accountant is not None:
+            accountant.check_step(self.noise_multiplier, self.sample_rate)
+
+    def noise_and_normalise(self, clipped_sum: Mapping[str, torch.Tensor], *,
+                            generator: torch.Generator | None = None,
+                            secure_rng: bool = False) -> dict[str, torch.Tensor]:
+        """``(clipped_sum + noise) / normaliser``: Gaussian noise of std ``noise_multiplier *
+        sensitivity`` added once (see :func:`~psg_core.noise.add_noise` for ``generator`` and
+        ``secure_rng``). ``clipped_sum`` is not modified; the returned tensors are new."""
+        noised = add_noise(clipped_sum, noise_multiplier=self.noise_multiplier, sensitivity=self.sensitivity,
+                           generator=generator, secure_rng=secure_rng)
+        return {name: grad.div_(self.normaliser) for name, grad in noised.items()}
+
+    def account(self, accountant: PrivacyAccountant | None) -> None:
+        """Records the step in ``accountant`` (after :meth:`noise_and_normalise`)."""
+        if accountant is not None:
+            accountant.step(self.noise_multiplier, self.sample_rate)

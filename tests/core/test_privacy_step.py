@@ -1,0 +1,75 @@
+"""PrivacyStep: the budget check, noise, normalisation and accounting shared by DPStep and the service."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from psg_core.accounting import PrivacyAccountant
+from psg_core.config import DPConfig
+from psg_core.dp import dp_gradient
+from psg_core.dp_step import DPStep
+from psg_core.errors import BudgetExhaustedError
+from psg_core.noise import add_noise
+from psg_core.privacy_step import PrivacyStep
+
+
+@pytest.mark.parametrize(("config", "sensitivity", "normaliser"), [
+    (DPConfig(max_grad_norm=0.5), 0.5, 8.0),
+    (DPConfig(max_grad_norm=0.5, loss_reduction="sum"), 0.5, 1.0),
+    (DPConfig(max_grad_norm=0.5, clipping="automatic"), 0.5, 8.0),
+    (DPConfig(max_grad_norm=2.0, clipping="per_layer"), 2.0, 8.0),
+    (DPConfig(clipping="per_layer", per_layer_max_grad_norms=(3.0, 4.0)), 5.0, 8.0),
+])
+def test_for_config_takes_the_l2_sensitivity_and_the_normaliser(config: DPConfig, sensitivity: float,
+                                                                 normaliser: float) -> None:
+    privacy = PrivacyStep.for_config(config, sample_rate=0.1, expected_batch_size=8)
+    assert privacy.sensitivity == pytest.approx(sensitivity)
+    assert privacy.normaliser == normaliser and privacy.sample_rate == 0.1
+
+
+def test_noise_and_normalise_is_add_noise_divided_by_the_normaliser() -> None:
+    config = DPConfig(clipping="per_layer", per_layer_max_grad_norms=(3.0, 4.0), noise_multiplier=0.7)
+    privacy = PrivacyStep.for_config(config, sample_rate=0.5, expected_batch_size=4)
+    clean = {"w": torch.randn(3, 2), "b": torch.randn(3)}
+    before = {name: t.clone() for name, t in clean.items()}
+    released = privacy.noise_and_normalise(clean, generator=torch.Generator().manual_seed(1))
+    expected = add_noise(clean, noise_multiplier=0.7, sensitivity=5.0, generator=torch.Generator().manual_seed(1))
+    for name in clean:
+        assert torch.equal(released[name], expected[name] / 4.0)
+        assert torch.equal(clean[name], before[name])  # the clipped sum is left alone
+
+
+def test_budget_check_and_accounting_go_to_the_given_accountant() -> None:
+    privacy = PrivacyStep.for_config(DPConfig(noise_multiplier=1.5), sample_rate=0.05, expected_batch_size=2)
+    privacy.check_budget(None)
+    privacy.account(None)  # no accountant: nothing to record
+    accountant = PrivacyAccountant("rdp", target_epsilon=1.0, target_delta=1e-5)
+    allowed = accountant.steps_within_budget(noise_multiplier=1.5, sample_rate=0.05)
+    accountant.step(1.5, 0.05, num_steps=allowed - 1)
+    privacy.check_budget(accountant)
+    privacy.account(accountant)
+    assert accountant.history == [(1.5, 0.05, allowed)]
+    with pytest.raises(BudgetExhaustedError):
+        privacy.check_budget(accountant)
+
+
+def test_dp_step_is_dp_gradient_followed_by_the_privacy_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    config = DPConfig(clipping="per_layer", per_layer_max_grad_norms=(0.1, 0.2, 0.3, 0.4), noise_multiplier=1.1)
+    step = DPStep(model, loss_fn=nn.MSELoss(), config=config, sample_rate=0.02, expected_batch_size=6,
+                  accountant=PrivacyAccountant("rdp"), generator=torch.Generator().manual_seed(3))
+    step(x, y)
+    privacy = PrivacyStep.for_config(config, sample_rate=0.02, expected_batch_size=6)
+    assert privacy.sensitivity == pytest.approx(math.sqrt(0.01 + 0.04 + 0.09 + 0.16))
+    clean = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
+    expected = privacy.noise_and_normalise(clean.grads, generator=torch.Generator().manual_seed(3))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[name])
+    assert step.normaliser == privacy.normaliser == 6.0
+    assert step.accountant.history == [(1.1, 0.02, 1)]
