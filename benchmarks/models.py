@@ -11,7 +11,7 @@ Every model exists as
 Variants of one model hold the same number of parameters. Batches are synthetic (seeded random
 inputs and labels): step time and memory do not depend on the data, and no download is needed.
 Rows are sample-major: a batch of N samples with K augmented copies has ``N*K`` rows, rows
-``n*K .. n*K+K-1`` belonging to sample n (DESIGN.md §2).
+``n*K .. n*K+K-1`` belonging to sample n (README.md, "Batch layout").
 
 >>> spec = MODELS["cnn"]
 >>> model = spec.build("psg", "tiny")

@@ -1,4 +1,4 @@
-"""Per-sample clipping and summation (DESIGN.md §2 "Clipping").
+"""Per-sample clipping and summation.
 
 Three rules, all with bound ``C = max_grad_norm``:
 

@@ -1,4 +1,4 @@
-"""The microbatch oracle every per-sample gradient test compares against (DESIGN.md §2).
+"""The microbatch oracle every per-sample gradient test compares against.
 
 Sample n's gradient is computed by running the model on sample n's K rows alone, with the same
 loss reduction over those rows; that is the definition every backend must match.
@@ -89,7 +89,7 @@ def hooks_grad_samples(model: nn.Module, inputs: Any, targets: torch.Tensor, los
 
 def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "",
                         rtol: float = 1e-4, atol: float = 1e-6) -> None:
-    """Compares after dividing both by the reference's largest magnitude (DESIGN.md tolerances)."""
+    """Compares after dividing both by the reference's largest magnitude (fp32 tolerances by default)."""
     assert actual is not None, f"{name}: missing"
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     expected = expected.to(torch.float64)

@@ -35,7 +35,7 @@ def mlp(seed: int = 0) -> nn.Module:
 def clipped_oracle(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, K: int,
                    loss_reduction: str, C: float, clipping: str, batch_dim: int = 0
                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int, float]:
-    """float64 reference: oracle per-sample grads, clipped by the DESIGN.md formulas, summed."""
+    """float64 reference: oracle per-sample grads, clipped by the rules psg_core/clipping.py states, summed."""
     samples = split_samples(inputs, targets, K, batch_dim=batch_dim)
     per_sample = microbatch_oracle(model, samples, mse_loss(loss_reduction))
     n = len(samples)

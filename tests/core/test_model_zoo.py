@@ -1,4 +1,4 @@
-"""Every backend against the microbatch oracle on a zoo of small models (DESIGN.md §2).
+"""Every backend against the microbatch oracle on a zoo of small models.
 
 Grid: reduction x K {1, 2, 4} x batch_first (where the model has a layout choice); the full grid
 for the smallest models and a diagonal for the bigger ones. Modes that cannot run a model must

@@ -1,4 +1,4 @@
-"""The compose topology run for real without Docker (DESIGN.md §4).
+"""The compose topology run for real without Docker (deploy/README.md).
 
 The services of deploy/docker-compose.yml + deploy/docker-compose.cpu.yml (this machine has no GPU;
 the CPU worker runs the GPU worker's command) start as local processes, in compose's dependency

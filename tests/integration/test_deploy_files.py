@@ -1,4 +1,4 @@
-"""The deploy files, checked without Docker or Kubernetes (DESIGN.md §4).
+"""The deploy files, checked without Docker or Kubernetes (deploy/README.md).
 
 * docker-compose.yml (and the CPU override) validate against the Compose Specification schema,
   vendored in tests/data/compose-spec.json from check-jsonschema's built-in copy (Apache-2.0,
