@@ -1,7 +1,8 @@
 """Ray pool scaling: DP-step throughput (samples/s) with 1 and 2 workers, one torch thread each.
 
 Each configuration runs the same training-like step (``dp_gradient`` of a small CNN, hooks backend,
-a new parameter version every step, the batch split into one shard per worker) through
+a new parameter version every step, the batch planned as the frontend plans it: one shard per
+worker, weighed by measured throughput) through
 :class:`psg_server.pool.WorkerPool` on a local Ray; an in-process run on one thread
 (:class:`psg_server.executor.ShardRunner`, no Ray) is the reference: under the same allocator
 settings (see below) the gap between it and the 1-worker pool is the pool's per-step overhead
@@ -50,10 +51,12 @@ import torch
 from benchmarks.harness import RunOptions, Suite, TargetCheck, register_suite
 from psg_core.config import DPConfig
 from psg_core.modes import GradSampleMode
-from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardRunner
+from psg_server.config import ServerConfig
+from psg_server.executor import ParameterSet, SessionSpec, ShardRunner
 from psg_server.models import default_registry
 from psg_server.pool import WORKER_ENV, WorkerPool
-from psg_server.step import Batch, split_shards
+from psg_server.scheduler import ShardPlan, cut_shards, plan_shards
+from psg_server.step import Batch
 
 __all__ = ["TARGET_SPEEDUP", "main", "render", "render_rows", "run", "run_suite", "suite_targets"]
 
@@ -63,6 +66,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _MODEL = "cnn_groupnorm"
 _IN_PROCESS = "in-process (no Ray)"
 _POOL = "Ray pool"
+#: The server's default (ServerConfig.max_shard_samples): the batch fits one shard per worker.
+_MAX_SHARD_SAMPLES = ServerConfig().max_shard_samples
 
 
 #: The issue's bound: 2 workers give at least this multiple of 1 worker's throughput.
@@ -166,7 +171,8 @@ async def _measure(spec: SessionSpec, tensors: dict[str, torch.Tensor], batch: B
         version += 1
         return ParameterSet(version=version, tensors=tensors)
 
-    (whole,) = split_shards(batch, augmentation_multiplicity=1, batch_first=True, num_shards=1)
+    (whole,) = cut_shards(batch.inputs, batch.targets, ShardPlan.even(batch.num_samples, 1),
+                          augmentation_multiplicity=1, batch_first=True)
 
     async def in_process() -> None:
         runner.run_shard(spec, parameters(), whole)
@@ -181,8 +187,7 @@ async def _measure(spec: SessionSpec, tensors: dict[str, torch.Tensor], batch: B
         for workers in pools:
             pool = pool_of[(_POOL, workers)] = WorkerPool(num_workers=workers, cpus_per_worker=1,
                                                           use_gpus=device == "cuda")
-            shards = split_shards(batch, augmentation_multiplicity=1, batch_first=True, num_shards=workers)
-            steps[(_POOL, workers)] = _pool_step(pool, spec, parameters, shards)
+            steps[(_POOL, workers)] = _pool_step(pool, spec, parameters, batch)
             timings[(_POOL, workers)] = []
             if together:
                 await pool.start()
@@ -215,8 +220,10 @@ async def _measure(spec: SessionSpec, tensors: dict[str, torch.Tensor], batch: B
 
 
 def _pool_step(pool: WorkerPool, spec: SessionSpec, parameters: Callable[[], ParameterSet],
-               shards: Sequence[Shard]) -> Callable[[], Awaitable[None]]:
-    async def step() -> None:
+               batch: Batch) -> Callable[[], Awaitable[None]]:
+    async def step() -> None:  # what the frontend's step does around the pool (views: no copy)
+        plan = plan_shards(batch.num_samples, pool.throughputs(), max_shard_samples=_MAX_SHARD_SAMPLES)
+        shards = cut_shards(batch.inputs, batch.targets, plan, augmentation_multiplicity=1, batch_first=True)
         await pool.run(spec, parameters(), shards)
     return step
 

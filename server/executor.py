@@ -2,7 +2,8 @@
 
 The frontend hands an executor one step at a time: the session's :class:`SessionSpec` (enough to
 rebuild the model anywhere), the :class:`ParameterSet` of the requested version and the batch cut
-into :class:`Shard` objects. The executor returns one :class:`~psg_core.config.DPGradient` per
+into :class:`Shard` objects (by :mod:`psg_server.scheduler`, from the executor's
+:meth:`~ShardExecutor.throughputs`). The executor returns one :class:`~psg_core.config.DPGradient` per
 shard, in shard order; the frontend merges, noises and accounts. :class:`ShardRunner` is the part
 every executor shares: it builds and caches one model per session, loads parameters on a version
 change and calls :func:`psg_core.dp.dp_gradient`. The Ray pool wraps the same runner in actors.
@@ -74,11 +75,15 @@ class ParameterSet:
 
 @dataclass(frozen=True)
 class Shard:
-    """A contiguous run of samples (K rows each) of one batch."""
+    """A contiguous run of samples (K rows each) of one batch, as planned by
+    :func:`psg_server.scheduler.plan_shards`."""
 
     index: int
     inputs: tuple[torch.Tensor, ...]
     targets: torch.Tensor
+    #: Id of the worker the plan meant the shard for; None: whichever worker is free first. An
+    #: executor that balances by throughput (the Ray pool) follows it while that worker is live.
+    worker: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,14 +117,17 @@ class ShardExecutor(Protocol):
         """The live workers."""
         ...
 
+    def throughputs(self) -> dict[str, float | None]:
+        """The live workers' measured throughput in samples/s (None where not measured), keyed by
+        worker id in the executor's order: what :func:`psg_server.scheduler.plan_shards` weighs."""
+        ...
+
     async def run(self, spec: SessionSpec, parameters: ParameterSet,
                   shards: Sequence[Shard]) -> list[DPGradient]:
-        """The shards' results in sample order; cancelling the awaiting task cancels the shards.
+        """One result per shard, in shard order; cancelling the awaiting task cancels the shards.
 
-        The results cover the shards' samples in order, so :meth:`DPGradient.merge` of them is the
-        step's result. An executor may regroup the samples (the Ray pool re-cuts the shards in
-        proportion to its workers' throughput), keeping the K rows of a sample together; the
-        in-process executor returns exactly one result per shard.
+        The shards are run as given (the frontend planned them), so :meth:`DPGradient.merge` of the
+        results is the step's result.
         """
         ...
 
@@ -187,7 +195,7 @@ class ShardRunner:
         return model, loss
 
 
-class _Worker:
+class _ThreadWorker:
     """A :class:`ShardRunner` on its own thread: one worker runs its shards one after another."""
 
     def __init__(self, index: int, registry: ModelRegistry, device: str) -> None:
@@ -215,7 +223,7 @@ class InProcessExecutor:
         self._registry = registry
         self._num_workers = num_workers
         self._device = device
-        self._workers: list[_Worker] = []
+        self._workers: list[_ThreadWorker] = []
 
     @property
     def ready(self) -> bool:
@@ -223,7 +231,7 @@ class InProcessExecutor:
 
     async def start(self) -> None:
         if not self._workers:
-            self._workers = [_Worker(i, self._registry, self._device) for i in range(self._num_workers)]
+            self._workers = [_ThreadWorker(i, self._registry, self._device) for i in range(self._num_workers)]
             logger.info("executor: %d in-process worker(s) on %s", self._num_workers, self._device)
 
     async def close(self) -> None:
@@ -233,6 +241,10 @@ class InProcessExecutor:
 
     def workers(self) -> list[WorkerDescription]:
         return [worker.description for worker in self._workers]
+
+    def throughputs(self) -> dict[str, float | None]:
+        # Threads of one process are alike: not measured, so the scheduler weighs them equally.
+        return {worker.description.id: None for worker in self._workers}
 
     async def run(self, spec: SessionSpec, parameters: ParameterSet,
                   shards: Sequence[Shard]) -> list[DPGradient]:

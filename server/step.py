@@ -11,7 +11,6 @@ for any number of shards (up to floating point summation order).
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -24,10 +23,11 @@ from psg_core.config import DPGradient
 from psg_core.errors import BatchLayoutError, NonFiniteInputError
 from psg_server.config import ServerConfig
 from psg_server.errors import InvalidRequestError, LimitExceededError, StepTimeoutError
-from psg_server.executor import Shard, ShardExecutor
+from psg_server.executor import ShardExecutor
 from psg_server.losses import prepare_targets
 from psg_server.metrics import Metrics
 from psg_server.models import InputSpec
+from psg_server.scheduler import cut_shards, plan_shards
 from psg_server.sessions import Session, SessionStore
 from psg_server.streams import all_finite, read_header, read_tensors, tensor_messages
 from psg_wire.codec import CodecLimits, TensorDecoder
@@ -35,7 +35,7 @@ from psg_wire.convert import StepReport, step_stats_to_proto
 from psg_wire.names import INPUT_PREFIX, TARGETS, input_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 
-__all__ = ["NORM_QUANTILES", "Batch", "StepRunner", "split_shards", "validate_batch"]
+__all__ = ["NORM_QUANTILES", "Batch", "StepRunner", "validate_batch"]
 
 #: Quantiles of the per-sample norms reported with every step.
 NORM_QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
@@ -127,29 +127,6 @@ def validate_batch(session: Session, tensors: Mapping[str, torch.Tensor]) -> Bat
     return Batch(inputs=inputs, targets=targets, num_samples=num_samples)
 
 
-def split_shards(batch: Batch, *, augmentation_multiplicity: int, batch_first: bool,
-                 num_shards: int) -> list[Shard]:
-    """Cuts the batch into ``num_shards`` contiguous runs of whole samples (near-equal sizes).
-
-    >>> batch = Batch(inputs=(torch.arange(10).view(10, 1),), targets=torch.arange(10), num_samples=5)
-    >>> [s.targets.tolist() for s in split_shards(batch, augmentation_multiplicity=2, batch_first=True,
-    ...                                           num_shards=2)]
-    [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
-    """
-    K = augmentation_multiplicity
-    batch_dim = 0 if batch_first else 1
-    num_shards = max(1, min(num_shards, batch.num_samples))
-    base, extra = divmod(batch.num_samples, num_shards)
-    shards, start = [], 0
-    for index in range(num_shards):
-        samples = base + (index < extra)
-        inputs = tuple(t.narrow(batch_dim, start * K, samples * K) for t in batch.inputs)  # (n*K, ...)
-        targets = batch.targets.narrow(batch_dim, start * K, samples * K)  # (n*K, ...)
-        shards.append(Shard(index=index, inputs=inputs, targets=targets))
-        start += samples
-    return shards
-
-
 class StepRunner:
     """Runs ComputeGradients: receive, validate, shard, merge, noise, normalise, account, reply."""
 
@@ -189,11 +166,12 @@ class StepRunner:
                 # fraction of a second under PLD, so it runs on a thread, off the event loop.
                 await _account(session, session.check_budget)
             with metrics.phase("compute"):
-                num_shards = max(len(self._executor.workers()),
-                                 math.ceil(batch.num_samples / self._config.max_shard_samples))
+                plan = plan_shards(batch.num_samples, self._executor.throughputs(),
+                                   max_shard_samples=self._config.max_shard_samples)
                 config = session.dp_config
-                shards = split_shards(batch, augmentation_multiplicity=config.augmentation_multiplicity,
-                                      batch_first=config.batch_first, num_shards=num_shards)
+                shards = cut_shards(batch.inputs, batch.targets, plan,
+                                    augmentation_multiplicity=config.augmentation_multiplicity,
+                                    batch_first=config.batch_first)
                 remaining = time_remaining()
                 timeout = self._config.step_timeout_seconds if remaining is None else \
                     min(self._config.step_timeout_seconds, remaining)

@@ -11,10 +11,8 @@ Parameters travel as a Ray object reference wrapped in a tuple, which Ray does n
 worker fetches the set only when its cached model does not already hold that version, so steps of
 an unchanged version never copy the parameters again.
 
-Shards, parameter sets and results cross the object store as :class:`TensorPayload`: their CPU
-tensors pickle as raw out-of-band buffers, which Ray writes straight into the object store, instead
-of torch's own pickling (a ``torch.save`` archive per storage, copied in band, and a view's whole
-storage with it). That is one copy on each side of the wire.
+Shards, parameter sets and results cross the object store as
+:class:`~psg_server.transport.TensorPayload` (raw tensor bytes out of band: one copy each side).
 
 >>> from psg_server.worker import GradientWorker
 >>> worker = GradientWorker(name="w0", num_threads=1)
@@ -24,21 +22,20 @@ storage with it). That is one copy on each side of the wire.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
 from psg_core.config import DPGradient
 from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardRunner, WorkerDescription
 from psg_server.models import default_registry
+from psg_server.transport import TensorPayload
 
-__all__ = ["CONTROL_GROUP", "GradientWorker", "TensorPayload"]
+__all__ = ["CONTROL_GROUP", "GradientWorker"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,96 +119,6 @@ class GradientWorker:
     def release(self, session_id: str) -> None:
         """Drops the session's cached model."""
         self._runner.release(session_id)
-
-
-class TensorPayload:
-    """Wraps a value for the object store so that its CPU tensors travel as raw out-of-band bytes.
-
-    Pickling with protocol 5 hands each tensor's bytes (only the bytes of the tensor itself, even
-    for a view) to the pickler's buffer callback, which Ray uses to write them straight into the
-    object store. Unpickling gives back the value itself, not the wrapper, with every tensor in
-    fresh, writable memory. Tensors are found inside tuples, lists, dicts and dataclasses
-    (:class:`Shard`, :class:`ParameterSet`, :class:`DPGradient`); other tensors (on a GPU, needing
-    grad, sparse, quantized, subclasses) and other values pickle as usual.
-
-    >>> import pickle
-    >>> rows = torch.arange(8.0).view(4, 2)  # (4, 2)
-    >>> shard = Shard(index=0, inputs=(rows[1:3],), targets=torch.tensor([1, 2]))
-    >>> copy = pickle.loads(pickle.dumps(TensorPayload(shard), protocol=5))
-    >>> type(copy).__name__, copy.inputs[0].tolist(), copy.targets.dtype
-    ('Shard', [[2.0, 3.0], [4.0, 5.0]], torch.int64)
-    """
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        return _identity, (_pack(self.value),)
-
-
-class _PackedTensor:
-    """A tensor pickled as (raw bytes as a flat uint8 array, dtype, shape)."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def __reduce__(self) -> tuple[Any, tuple[np.ndarray, torch.dtype, tuple[int, ...]]]:
-        dense = self.tensor.detach().resolve_conj().resolve_neg().contiguous()
-        raw = dense.reshape(-1).view(torch.uint8).numpy()  # (numel * itemsize,), shares dense's memory
-        return _unpack_tensor, (raw, dense.dtype, tuple(dense.shape))
-
-
-class _PackedDataclass:
-    """A dataclass instance pickled as its class and its (packed) init fields."""
-
-    __slots__ = ("cls", "fields")
-
-    def __init__(self, cls: type, fields: dict[str, Any]) -> None:
-        self.cls = cls
-        self.fields = fields
-
-    def __reduce__(self) -> tuple[Any, tuple[type, dict[str, Any]]]:
-        return _unpack_dataclass, (self.cls, self.fields)
-
-
-def _packable(tensor: torch.Tensor) -> bool:
-    return (type(tensor) is torch.Tensor and tensor.device.type == "cpu" and tensor.layout == torch.strided
-            and not tensor.requires_grad and not tensor.is_quantized)
-
-
-def _pack(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _PackedTensor(value) if _packable(value) else value
-    if type(value) in (tuple, list):
-        return type(value)(_pack(item) for item in value)
-    if type(value) is dict:
-        return {key: _pack(item) for key, item in value.items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = dataclasses.fields(value)
-        if all(f.init for f in fields):
-            return _PackedDataclass(type(value), {f.name: _pack(getattr(value, f.name)) for f in fields})
-    return value
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-def _unpack_tensor(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    # ``raw`` may be a read-only view of the object store: copy it out (which also lets the store
-    # free the object) into memory torch owns.
-    if raw.size == 0:
-        return torch.empty(shape, dtype=dtype)
-    flat = torch.from_numpy(np.array(raw, copy=True))  # (numel * itemsize,) uint8
-    return flat.view(dtype).reshape(shape)
-
-
-def _unpack_dataclass(cls: type, fields: dict[str, Any]) -> Any:
-    return cls(**fields)
 
 
 def _resolve(parameters: ParameterSet | ray.ObjectRef) -> ParameterSet:

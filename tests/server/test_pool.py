@@ -10,9 +10,11 @@ import json
 import os
 import platform
 import signal
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,8 +28,9 @@ from psg_server.config import ServerConfig
 from psg_server.errors import NoWorkersError
 from psg_server.executor import InProcessExecutor, ParameterSet, SessionSpec, Shard
 from psg_server.models import default_registry
-from psg_server.step import Batch, split_shards
+from psg_server.scheduler import ShardPlan, cut_shards, plan_shards, proportional_sizes
 from tests.server.service_harness import FAST_RETRY, MLP_KWARGS, build, client_for, local_dp, mlp_batch, serve
+from tests.waiting import wait_for_lines, wait_until
 
 MODES = ("hooks", "functorch", "ew", "ghost")
 PLUGIN = "tests.server.pool_models"
@@ -81,6 +84,14 @@ def pool(request: pytest.FixtureRequest, ray_session: Any, loop_thread: LoopThre
     loop_thread.call(started.close())
 
 
+@pytest.fixture
+def signals() -> Iterator[Path]:
+    """A directory for files the workers write to signal the test (model kwargs hold strings of at
+    most 64 characters, too few for ``tmp_path``)."""
+    with tempfile.TemporaryDirectory(prefix="psg-") as path:
+        yield Path(path)
+
+
 @pytest.fixture(scope="module")
 def reference(loop_thread: LoopThread) -> Iterator[InProcessExecutor]:
     executor = InProcessExecutor(default_registry((PLUGIN,)), num_workers=1)
@@ -102,11 +113,24 @@ def parameters_of(model: torch.nn.Module, version: int = 1) -> ParameterSet:
     return ParameterSet(version=version, tensors={n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def shards_for(config: DPConfig, samples: int, num_shards: int, *, seed: int = 0) -> list[Shard]:
+def shards_for(config: DPConfig, samples: int, num_shards: int | None = None, *, seed: int = 0,
+               pool: Any = None) -> list[Shard]:
+    """The batch of ``samples`` cut into ``num_shards`` even shards, or as the frontend would plan
+    it for ``pool``'s workers."""
     K = config.augmentation_multiplicity
     inputs, targets = mlp_batch(samples * K, seed=seed)
-    batch = Batch(inputs=(inputs,), targets=targets, num_samples=samples)
-    return split_shards(batch, augmentation_multiplicity=K, batch_first=True, num_shards=num_shards)
+    plan = (plan_shards(samples, pool.throughputs(), max_shard_samples=1024) if num_shards is None
+            else ShardPlan.even(samples, num_shards))
+    return cut_shards((inputs,), targets, plan, augmentation_multiplicity=K, batch_first=True)
+
+
+def slow_model(session_id: str, started_file: Path) -> tuple[SessionSpec, torch.nn.Module]:
+    """A session of the slow plugin model whose workers append to ``started_file`` when a forward
+    pass starts, and a local copy of the model (which does not)."""
+    kwargs: dict[str, Any] = {"in_features": 6, "num_classes": 3, "delay_ms": SLOW_MS}
+    spec = session_spec(DPConfig(max_grad_norm=0.5), session_id=session_id, model="slow_mlp",
+                        kwargs={**kwargs, "started_file": str(started_file)})
+    return spec, default_registry((PLUGIN,)).build("slow_mlp", kwargs)
 
 
 def assert_same(results: list[DPGradient], expected: DPGradient) -> None:
@@ -119,17 +143,14 @@ def assert_same(results: list[DPGradient], expected: DPGradient) -> None:
     assert (merged.num_samples, merged.num_clipped) == (expected.num_samples, expected.num_clipped)
 
 
+def live_actors(pool: Any) -> list[Any]:
+    """The pool's live actors (test-only peek inside the pool's supervisor)."""
+    return pool._supervisor.live()
+
+
 def worker_handles(pool: Any) -> list[Any]:
-    """The live workers' actor handles (test-only peek inside the pool)."""
-    return [worker.handle for worker in pool._live()]
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
+    """The live workers' actor handles."""
+    return [actor.handle for actor in live_actors(pool)]
 
 
 # ------------------------------------------------------------------------- exactness
@@ -170,7 +191,8 @@ def test_fewer_samples_than_workers(pool: Any, reference: InProcessExecutor, loo
     config = DPConfig(augmentation_multiplicity=3, max_grad_norm=0.5)
     spec = session_spec(config, session_id="few")
     parameters = parameters_of(build(seed=7))
-    shards = shards_for(config, 2, 1)  # one shard of two samples, whatever the worker count
+    shards = shards_for(config, 2, pool=pool)  # planned as the frontend does
+    assert [s.worker is not None for s in shards] == [True] * min(2, len(pool.workers()))
     results = loop_thread.call(pool.run(spec, parameters, shards))
     assert [r.num_samples for r in results] == ([2] if len(pool.workers()) == 1 else [1, 1])
     assert_same(results, DPGradient.merge(loop_thread.call(reference.run(spec, parameters, shards))))
@@ -180,17 +202,16 @@ def test_fewer_samples_than_workers(pool: Any, reference: InProcessExecutor, loo
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=lambda n: f"{n}workers")  # balancing needs >= 2
 def test_uneven_workers_get_shares_proportional_to_throughput(pool: Any, reference: InProcessExecutor,
                                                               loop_thread: LoopThread) -> None:
-    workers = pool._live()
-    assert len(workers) >= 2
+    actors = live_actors(pool)
+    assert len(actors) >= 2
     config = DPConfig(max_grad_norm=0.5)
-    for worker, rate in zip(workers, (300.0, 100.0, 100.0)):
-        worker.rate = rate
-    from psg_server.pool import _proportional_sizes
-
-    shards = shards_for(config, 12, len(workers))
-    sizes, pinned = pool._plan([s.targets.shape[0] for s in shards])
-    assert pinned == workers and sizes == _proportional_sizes(12, [w.rate for w in workers])
-    assert sizes[0] > sizes[1] and sizes[0] > 12 // len(workers)
+    for actor, rate in zip(actors, (300.0, 100.0, 100.0)):
+        actor.rate = rate
+    shards = shards_for(config, 12, pool=pool)
+    sizes = [s.targets.shape[0] for s in shards]
+    assert [s.worker for s in shards] == [w.id for w in pool.workers()]
+    assert sizes == proportional_sizes(12, [a.rate for a in actors])
+    assert sizes[0] > sizes[1] and sizes[0] > 12 // len(actors)
     spec = session_spec(config, session_id="uneven")
     parameters = parameters_of(build(seed=4))
     results = loop_thread.call(pool.run(spec, parameters, shards))
@@ -237,7 +258,7 @@ def test_one_put_per_version_and_release_drops_cached_models(pool: Any, loop_thr
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
-    from psg_server.worker import TensorPayload
+    from psg_server.transport import TensorPayload
 
     puts: list[int] = []
     original_put = ray.put
@@ -267,14 +288,12 @@ def test_one_put_per_version_and_release_drops_cached_models(pool: Any, loop_thr
 # ----------------------------------------------------------------------------- faults
 @pytest.mark.parametrize("how, num_workers", [("ray_kill", 2), ("sigkill", 2), ("sigkill", 1)])
 def test_worker_killed_mid_step_costs_latency_not_the_step(ray_session: Any, loop_thread: LoopThread,
-                                                           how: str, num_workers: int) -> None:
+                                                           signals: Path, how: str, num_workers: int) -> None:
     pool = make_pool(loop_thread, num_workers=num_workers)
     try:
-        config = DPConfig(max_grad_norm=0.5)
-        kwargs = {**MLP_KWARGS, "delay_ms": SLOW_MS}
-        kwargs.pop("hidden")
-        spec = session_spec(config, session_id=f"kill-{how}", model="slow_mlp", kwargs=kwargs)
-        model = default_registry((PLUGIN,)).build("slow_mlp", json.loads(spec.model_kwargs_json))
+        started = signals / "forwards"
+        spec, model = slow_model(f"kill-{how}", started)
+        config = spec.dp_config
         parameters = parameters_of(model)
         shards = shards_for(config, 4, num_workers)
         inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
@@ -282,7 +301,8 @@ def test_worker_killed_mid_step_costs_latency_not_the_step(ray_session: Any, loo
         victim = worker_handles(pool)[0]
         pid = ray_session.get(victim.ping.remote(), timeout=30)
         step = loop_thread.submit(pool.run(spec, parameters, shards))
-        time.sleep(SLOW_MS / 2000)  # the shards are running now
+        # One shard per worker: every worker is inside its shard's forward pass once it has signalled.
+        wait_for_lines(started, num_workers, 60, "every worker to start its shard")
         assert not step.done()
         if how == "ray_kill":
             ray_session.kill(victim, no_restart=True)
@@ -296,7 +316,7 @@ def test_worker_killed_mid_step_costs_latency_not_the_step(ray_session: Any, loo
         loop_thread.call(pool.close())
 
 
-def test_deadline_cancels_in_flight_shards(ray_session: Any, loop_thread: LoopThread,
+def test_deadline_cancels_in_flight_shards(ray_session: Any, loop_thread: LoopThread, signals: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     pool = make_pool(loop_thread, num_workers=1)
     cancelled: list[Any] = []
@@ -308,14 +328,14 @@ def test_deadline_cancels_in_flight_shards(ray_session: Any, loop_thread: LoopTh
 
     monkeypatch.setattr(ray_session, "cancel", recording_cancel)
     try:
-        config = DPConfig(max_grad_norm=0.5)
-        kwargs = {"in_features": 6, "num_classes": 3, "delay_ms": SLOW_MS}
-        spec = session_spec(config, session_id="deadline", model="slow_mlp", kwargs=kwargs)
-        model = default_registry((PLUGIN,)).build("slow_mlp", json.loads(spec.model_kwargs_json))
+        started = signals / "forwards"
+        spec, model = slow_model("deadline", started)
+        config = spec.dp_config
         parameters = parameters_of(model)
         running = loop_thread.submit(pool.run(spec, parameters, shards_for(config, 2, 1)))
-        time.sleep(0.2)
-        # A second step queues behind the first on the only worker, and times out there.
+        wait_for_lines(started, 1, 60, "the first step's shard to start")
+        # A second step queues behind the first (SLOW_MS in its forward pass) on the only worker,
+        # and times out there.
         with pytest.raises(asyncio.TimeoutError):
             loop_thread.call(asyncio.wait_for(pool.run(spec, parameters, shards_for(config, 2, 1)), 0.3))
         assert len(cancelled) == 1
@@ -333,10 +353,11 @@ def test_no_live_worker_is_unavailable_and_not_serving_until_one_returns(
 
     # The server starts the pool on its own loop and closes it when it stops.
     pool = WorkerPool(num_workers=1, worker_wait_s=0.5, probe_interval_s=0.2)
-    spawn = pool._spawn
+    supervisor = pool._supervisor
+    spawn = supervisor._spawn
     try:
         with serve(executor=pool) as server, GradientClient(server.target, retry=FAST_RETRY) as client:
-            monkeypatch.setattr(pool, "_spawn", lambda slot: None)  # replacements cannot start for now
+            monkeypatch.setattr(supervisor, "_spawn", lambda slot: None)  # replacements cannot start for now
             health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
 
             def status() -> int:
@@ -358,14 +379,14 @@ def test_no_live_worker_is_unavailable_and_not_serving_until_one_returns(
                     session.compute_gradients(inputs, targets)
                 assert failure.value.code == grpc.StatusCode.UNAVAILABLE
                 assert not client.server_info().workers
-                monkeypatch.setattr(pool, "_spawn", spawn)
+                monkeypatch.setattr(supervisor, "_spawn", spawn)
                 wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 90, "SERVING again")
                 result = session.compute_gradients(inputs, targets)
             expected = local_dp(model, inputs, targets, config)
             for name, grad in result.grads.items():
                 torch.testing.assert_close(grad, expected.grads[name] / 4, rtol=1e-5, atol=1e-6)
     finally:
-        monkeypatch.setattr(pool, "_spawn", spawn)
+        monkeypatch.setattr(supervisor, "_spawn", spawn)
     assert not pool.ready
     with pytest.raises(NoWorkersError, match="not running"):
         loop_thread.call(pool.run(session_spec(DPConfig()), parameters_of(build()),
@@ -377,9 +398,11 @@ def test_accounting_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> 
     from psg_core.accounting import PrivacyAccountant
 
     original = PrivacyAccountant.epsilon
+    accounting, finish_accounting = threading.Event(), threading.Event()
 
     def slow_epsilon(self: PrivacyAccountant, delta: float | None = None) -> float:
-        time.sleep(1.5)
+        accounting.set()
+        finish_accounting.wait(timeout=30)  # held until the test has had its answer
         return original(self, delta)
 
     monkeypatch.setattr(PrivacyAccountant, "epsilon", slow_epsilon)
@@ -392,10 +415,13 @@ def test_accounting_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> 
             inputs, targets = mlp_batch(4)
             step = threading.Thread(target=session.compute_gradients, args=(inputs, targets), daemon=True)
             step.start()
-            time.sleep(0.5)  # the step is in its accounting phase now
+            assert accounting.wait(timeout=30), "the step never reached its accounting"
             started = time.monotonic()
-            client.server_info()
-            answered = time.monotonic() - started
+            try:
+                client.server_info()  # blocked for 30 s if the accounting held the event loop
+            finally:
+                answered = time.monotonic() - started
+                finish_accounting.set()
             step.join(timeout=30)
             assert not step.is_alive() and session.info().steps == 1
     assert answered < 0.75, f"GetServerInfo waited {answered:.2f} s behind the accounting"
@@ -403,11 +429,10 @@ def test_accounting_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> 
 
 # ----------------------------------------------------------------- pure parts, flags
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_recut_keeps_samples_whole_and_in_order(batch_first: bool) -> None:
+def test_shards_cut_from_a_batch_send_only_their_own_bytes(batch_first: bool) -> None:
     import pickle
 
-    from psg_server.pool import _proportional_sizes, _recut
-    from psg_server.worker import TensorPayload
+    from psg_server.transport import TensorPayload
 
     K, samples = 3, 10
     batch_dim = 0 if batch_first else 1
@@ -415,28 +440,25 @@ def test_recut_keeps_samples_whole_and_in_order(batch_first: bool) -> None:
     inputs = rows.view(-1, 1, 1).expand(-1, 2, 4) if batch_first else rows.view(1, -1, 1).expand(2, -1, 4)
     # targets follow the inputs' layout: (N*K,) batch first, (1, N*K) otherwise
     targets = rows.long() if batch_first else rows.long().view(1, -1)
-    batch = Batch(inputs=(inputs.contiguous(),), targets=targets, num_samples=samples)
-    shards = split_shards(batch, augmentation_multiplicity=K, batch_first=batch_first, num_shards=3)
-    sizes = _proportional_sizes(samples, [2.0, 1.0])
-    assert sizes == [7, 3]
-    pieces = _recut(shards, sizes, K, batch_dim)
-    assert [p.targets.flatten().tolist() for p in pieces] == [list(range(21)), list(range(21, 30))]
-    for piece in pieces:
-        torch.testing.assert_close(piece.inputs[0].select(1 - batch_dim, 0)[..., 0], piece.targets.flatten().float())
-        # A piece may be a view of its shard, but what travels is only the piece's own bytes.
+    plan = plan_shards(samples, {"fast": 200.0, "slow": 100.0}, max_shard_samples=1024)
+    assert plan.sizes == (7, 3)
+    shards = cut_shards((inputs.contiguous(),), targets, plan, augmentation_multiplicity=K, batch_first=batch_first)
+    assert [s.targets.flatten().tolist() for s in shards] == [list(range(21)), list(range(21, 30))]
+    for shard in shards:
+        torch.testing.assert_close(shard.inputs[0].select(1 - batch_dim, 0)[..., 0], shard.targets.flatten().float())
+        # A shard is a view of the batch, but what travels is only the shard's own bytes.
         buffers: list[pickle.PickleBuffer] = []
-        pickle.dumps(TensorPayload(piece), protocol=5, buffer_callback=buffers.append)
+        copy = pickle.loads(pickle.dumps(TensorPayload(shard), protocol=5, buffer_callback=buffers.append),
+                            buffers=buffers)
         sent = sum(memoryview(b).nbytes for b in buffers)
-        assert sent == piece.inputs[0].numel() * 4 + piece.targets.numel() * 8
-    same = _recut(shards, [s.targets.shape[batch_dim] // K for s in shards], K, batch_dim)
-    assert all(torch.equal(a.inputs[0], b.inputs[0]) for a, b in zip(same, shards))
-    assert _proportional_sizes(5, [1.0] * 5) == [1] * 5 and _proportional_sizes(11, [1.0, 1.0]) == [6, 5]
+        assert sent == shard.inputs[0].numel() * 4 + shard.targets.numel() * 8
+        assert copy.worker == shard.worker and torch.equal(copy.inputs[0], shard.inputs[0])
 
 
 def test_tensor_payload_round_trips_tensors_in_band_and_out_of_band() -> None:
     import pickle
 
-    from psg_server.worker import TensorPayload
+    from psg_server.transport import TensorPayload
 
     rows = torch.randn(6, 5)  # (6, 5)
     tensors = {"bf16": torch.randn(3, 4).to(torch.bfloat16), "bool": torch.tensor([True, False]),

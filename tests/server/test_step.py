@@ -1,11 +1,9 @@
-"""Batch validation and shard splitting of the step pipeline (no sockets)."""
+"""Batch validation of the step pipeline (no sockets); shard planning is in test_scheduler.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from psg_core.errors import BatchLayoutError, NonFiniteInputError
 from psg_server.config import ServerConfig
@@ -13,7 +11,7 @@ from psg_server.errors import InvalidRequestError
 from psg_server.losses import get_loss, prepare_targets
 from psg_server.models import default_registry
 from psg_server.sessions import Session, open_session
-from psg_server.step import Batch, split_shards, validate_batch
+from psg_server.step import validate_batch
 from psg_server.streams import all_finite
 from psg_wire.v1 import gradient_service_pb2 as pb
 
@@ -25,28 +23,6 @@ def session(model: str = "mlp", kwargs: str = '{"in_features": 3, "num_classes":
     request = pb.CreateSessionRequest(model=model, model_kwargs_json=kwargs, loss=loss, expected_batch_size=2,
                                       dp=pb.DPSettings(max_grad_norm=1.0, augmentation_multiplicity=K))
     return open_session(request, owner="a", registry=REGISTRY, config=ServerConfig())
-
-
-@settings(max_examples=30, deadline=None)
-@given(samples=st.integers(1, 20), K=st.integers(1, 3), shards=st.integers(1, 8))
-def test_shards_are_contiguous_whole_samples_of_near_equal_size(samples: int, K: int, shards: int) -> None:
-    rows = torch.arange(samples * K)
-    batch = Batch(inputs=(rows.view(-1, 1).float(),), targets=rows, num_samples=samples)
-    parts = split_shards(batch, augmentation_multiplicity=K, batch_first=True, num_shards=shards)
-    assert len(parts) == min(shards, samples) and [p.index for p in parts] == list(range(len(parts)))
-    assert torch.equal(torch.cat([p.targets for p in parts]), rows)
-    sizes = [p.targets.numel() for p in parts]
-    assert all(size % K == 0 and size > 0 for size in sizes) and max(sizes) - min(sizes) <= K
-    assert all(torch.equal(p.inputs[0].view(-1).long(), p.targets) for p in parts)
-
-
-def test_split_along_dimension_one_when_not_batch_first() -> None:
-    inputs = torch.arange(12).view(2, 6)  # (T, rows)
-    targets = torch.arange(12).view(2, 6) + 100  # (T, rows): targets follow the inputs' layout
-    batch = Batch(inputs=(inputs,), targets=targets, num_samples=3)
-    parts = split_shards(batch, augmentation_multiplicity=2, batch_first=False, num_shards=2)
-    assert [p.inputs[0].shape for p in parts] == [torch.Size([2, 4]), torch.Size([2, 2])]
-    assert torch.equal(parts[1].targets, targets[:, 4:])
 
 
 def test_valid_batches_are_cast_for_the_model() -> None:

@@ -1,0 +1,132 @@
+"""The dispatch loop of a pool step: each shard to a live actor, lost shards retried elsewhere.
+
+A shard goes to the actor its plan pinned it to while that actor is live, otherwise to the fastest
+idle actor; each shard is put into the object store right before its first call, so the first
+actor computes while the next shard is put. A shard whose actor died (actor killed, process or
+node gone) is sent again to another live actor after the supervisor evicted the dead one, waiting
+(at most ``worker_wait_s``) for a replacement when none is live; a shard or parameter set the
+object store lost is put again. Errors raised by the computation itself (bad model arguments...)
+are not retried. Cancelling :meth:`ShardDispatcher.run` (the step's deadline) cancels the shards
+in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray import exceptions as ray_errors
+
+from psg_core.config import DPGradient
+from psg_server.errors import NoWorkersError
+from psg_server.executor import ParameterSet, SessionSpec, Shard
+from psg_server.supervisor import ActorSupervisor, SupervisedActor
+from psg_server.transport import ParameterRefs, as_future, cancel, put
+
+__all__ = ["ShardDispatcher"]
+
+logger = logging.getLogger(__name__)
+
+#: Ray errors after which the actor is gone and its shard goes to another one.
+_WORKER_LOST: tuple[type[BaseException], ...] = (ray_errors.RayActorError, ray_errors.WorkerCrashedError,
+                                                 ray_errors.NodeDiedError, ray_errors.LocalRayletDiedError)
+
+
+class ShardDispatcher:
+    """Runs a step's shards on the supervisor's live actors (see the module docstring).
+
+    Args:
+        supervisor: who is live, and who evicts the dead.
+        parameters: the object-store references of the sessions' parameter sets.
+        max_attempts: tries of one shard on lost actors before the step fails.
+        worker_wait_s: how long a step waits for an actor when none is live.
+    """
+
+    def __init__(self, supervisor: ActorSupervisor, parameters: ParameterRefs, *, max_attempts: int,
+                 worker_wait_s: float) -> None:
+        self._supervisor = supervisor
+        self._parameters = parameters
+        self._max_attempts = max_attempts
+        self._worker_wait_s = worker_wait_s
+
+    async def run(self, spec: SessionSpec, parameters: ParameterSet, shards: Sequence[Shard]) -> list[DPGradient]:
+        """One result per shard, in shard order."""
+        loop = asyncio.get_running_loop()
+        params_ref = await self._parameters.get(spec.session_id, parameters)
+        pinned = [None if shard.worker is None else self._supervisor.find(shard.worker) for shard in shards]
+        # Put lazily, right before each shard's first call: the first actor starts computing while
+        # the next shard is put.
+        shard_refs: list[ray.ObjectRef | None] = [None] * len(shards)
+        results: list[DPGradient | None] = [None] * len(shards)
+        attempts = [0] * len(shards)
+        queue = collections.deque(range(len(shards)))
+        # future -> (shard, actor, object ref, submit time)
+        running: dict[asyncio.Future[Any], tuple[int, SupervisedActor, ray.ObjectRef, float]] = {}
+        try:
+            while queue or running:
+                for index in list(queue):
+                    actor = self._assign(pinned, index, busy={a for _, a, _, _ in running.values()})
+                    if actor is None:
+                        continue
+                    queue.remove(index)
+                    shard_ref = shard_refs[index]
+                    if shard_ref is None:
+                        shard_ref = shard_refs[index] = await loop.run_in_executor(None, put, shards[index])
+                    ref = actor.handle.run_shard.remote(spec, parameters.version, (params_ref,), shard_ref,
+                                                        pack_result=True)
+                    running[as_future(ref)] = (index, actor, ref, loop.time())
+                if not running:
+                    await self._supervisor.wait_for_live(self._worker_wait_s)
+                    continue
+                done, _ = await asyncio.wait(list(running), return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    index, actor, _, submitted = running.pop(future)
+                    error = future.exception()
+                    if error is None:
+                        result: DPGradient = future.result()
+                        results[index] = result
+                        actor.observe(result.num_samples, loop.time() - submitted)
+                        continue
+                    if isinstance(error, ray_errors.RayTaskError):
+                        cause = error.cause
+                        if isinstance(cause, ray_errors.ObjectLostError):
+                            error = cause  # the actor is fine; the objects are put again below
+                        else:
+                            raise cause if isinstance(cause, Exception) else error
+                    if isinstance(error, ray_errors.ObjectLostError):
+                        self._parameters.drop(spec.session_id)
+                        params_ref = await self._parameters.get(spec.session_id, parameters)
+                        shard_refs[index] = None  # put again when it is sent again
+                    elif isinstance(error, _WORKER_LOST):
+                        self._supervisor.evict(actor, f"shard {index} failed: {type(error).__name__}")
+                    else:
+                        raise error
+                    attempts[index] += 1
+                    if attempts[index] >= self._max_attempts:
+                        raise NoWorkersError(f"ComputeGradients: shard {index} was lost {attempts[index]} "
+                                             f"times (last: {type(error).__name__}); workers keep failing")
+                    logger.warning("pool: shard %d lost (%s); retrying on another worker", index,
+                                   type(error).__name__)
+                    pinned[index] = None
+                    queue.appendleft(index)
+        finally:
+            for future, (_, _, ref, _) in running.items():
+                future.cancel()
+                cancel(ref)
+        return [r for r in results if r is not None]
+
+    def _assign(self, pinned: list[SupervisedActor | None], index: int, *,
+                busy: set[SupervisedActor]) -> SupervisedActor | None:
+        target = pinned[index]
+        if target is not None:
+            if target.live:
+                return target
+            pinned[index] = None  # its actor died: any actor will do
+        idle = [a for a in self._supervisor.live() if a not in busy]
+        if not idle:
+            return None
+        return max(idle, key=lambda a: a.rate if a.rate is not None else 0.0)
