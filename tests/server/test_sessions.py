@@ -7,13 +7,17 @@ import math
 import pytest
 import torch
 
+from psg_core.config import DPGradient
 from psg_core.errors import BudgetExhaustedError
+from psg_core.noise import add_noise
+from psg_core.privacy_step import PrivacyStep
 from psg_server.config import ServerConfig
 from psg_server.errors import (LimitExceededError, ParametersMissingError, SessionNotFoundError,
                                StaleParametersError)
 from psg_server.executor import ParameterSet
 from psg_server.models import default_registry
 from psg_server.sessions import Session, SessionStore, open_session
+from psg_server.step import StepRunner
 from psg_wire.v1 import gradient_service_pb2 as pb
 
 REGISTRY = default_registry()
@@ -129,3 +133,24 @@ def test_budget_is_checked_before_and_recorded_after_a_step() -> None:
 def test_mean_reduction_normalises_by_the_expected_batch_size() -> None:
     assert make().normaliser == 4.0
     assert make(loss_reduction="sum").normaliser == 1.0
+
+
+def test_the_session_runs_psg_core_privacy_step_with_the_l2_sensitivity() -> None:
+    dp = pb.DPSettings(max_grad_norm=1.0, clipping="per_layer", per_layer_max_grad_norms=[3.0, 4.0],
+                       noise_multiplier=1.0)
+    kwargs = '{"in_features": 2, "hidden": [], "num_classes": 2}'
+    privacy = pb.PrivacySettings(accountant="rdp", sample_rate=0.5, delta=1e-5)
+    request = pb.CreateSessionRequest(model="mlp", model_kwargs_json=kwargs, loss="cross_entropy",
+                                      expected_batch_size=4, dp=dp, privacy=privacy)
+    session = open_session(request, owner="a", registry=REGISTRY, config=ServerConfig())
+    assert session.privacy_step == PrivacyStep.for_config(session.dp_config, sample_rate=0.5, expected_batch_size=4)
+    assert session.privacy_step.sensitivity == 5.0 and session.normaliser == 4.0
+    # What a step releases: the merged clipped sum, noised once with the step's seed, normalised.
+    merged = DPGradient(grads={"0.weight": torch.ones(2, 2), "0.bias": torch.ones(2)},
+                        per_sample_norms=torch.ones(3), loss_sum=1.0, num_samples=3, num_clipped=0)
+    released = StepRunner._noise_and_normalise(session, merged, step_seed=9)
+    expected = add_noise(merged.grads, noise_multiplier=1.0, sensitivity=5.0,
+                         generator=torch.Generator().manual_seed(session.noise_seed(9)))
+    for name, grad in expected.items():
+        assert torch.equal(released[name], grad / 4.0)
+    assert torch.equal(merged.grads["0.bias"], torch.ones(2))
