@@ -7,21 +7,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
-from psg_core.api import as_inputs, batch_rows, compute_per_sample
-from psg_core.backends.base import check_rows, trainable_parameters
+from psg_core.api import compute_per_sample
+from psg_core.backends.base import trainable_parameters
 from psg_core.clipping import clip_and_sum
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import ConfigError, NonFiniteInputError
+from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn
 from psg_core.modes import Clipping, GradSampleMode
 
 __all__ = ["dp_gradient", "l2_sensitivity"]
 
 
-def _check_finite(args: tuple[Any, ...], targets: torch.Tensor) -> None:
-    leaves, _ = tree_flatten(args)
+def _check_finite(inputs: ModelInputs, targets: torch.Tensor) -> None:
+    leaves = inputs.leaves()
     for what, tensors in (("inputs", leaves), ("targets", [targets])):
         for leaf in tensors:
             if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
@@ -60,8 +60,9 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
 
     Args:
         module: the model; neither it nor its ``p.grad`` are modified.
-        inputs: a tensor or a tuple of positional arguments with ``N*K`` rows on the batch
-            dimension, sample-major (rows ``n*K .. n*K+K-1`` are the K copies of sample n).
+        inputs: a tensor, a tuple of positional arguments or a mapping of keyword arguments; the
+            batch tensors have ``N*K`` rows on the batch dimension, sample-major (rows
+            ``n*K .. n*K+K-1`` are the K copies of sample n).
         targets: ``N*K`` rows, same layout.
         loss_fn: ``loss_fn(outputs, targets)`` returning the unreduced loss (a torch loss module of
             any reduction is accepted, see :mod:`psg_core.losses`).
@@ -87,16 +88,16 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
         raise ConfigError(f"dp_gradient: config must be a DPConfig, got {type(config).__name__}")
     if not isinstance(module, nn.Module):
         raise ConfigError(f"dp_gradient: expected an nn.Module, got {type(module).__name__}")
-    args = as_inputs(inputs)
+    model_inputs = ModelInputs.parse(inputs, where="dp_gradient")
     if not isinstance(targets, torch.Tensor):
         raise ConfigError(f"dp_gradient: targets must be a tensor, got {type(targets).__name__}")
-    _check_finite(args, targets)
+    _check_finite(model_inputs, targets)
     params = trainable_parameters(module)
     if not params:
         raise ConfigError("dp_gradient: the module has no trainable parameters")
-    rows = batch_rows(args, 0 if config.batch_first else 1, where="dp_gradient")
-    num_samples = check_rows(rows, config.augmentation_multiplicity, where="dp_gradient")
-    if num_samples == 0:
+    layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=config.augmentation_multiplicity,
+                                 batch_first=config.batch_first, where="dp_gradient")
+    if layout.num_samples == 0:
         return _empty(params)
 
     if config.mode is GradSampleMode.GHOST:
@@ -107,13 +108,14 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
                 raise
             raise ConfigError("dp_gradient: mode 'ghost' is not available (psg_core.backends.ghost "
                               "is missing from this installation)") from err
-        result = ghost_dp_gradient(module, inputs, targets, loss_fn=loss_fn, config=config)
+        result = ghost_dp_gradient(module, model_inputs, targets, loss_fn=loss_fn, config=config)
         result.per_sample_norms = result.per_sample_norms.to(torch.float32)
         return result
 
-    out = compute_per_sample(module, args, targets, loss_fn=loss_fn, mode=config.mode,
+    out = compute_per_sample(module, model_inputs, targets, loss_fn=loss_fn, mode=config.mode,
                              augmentation_multiplicity=config.augmentation_multiplicity,
-                             loss_reduction=config.loss_reduction, batch_first=config.batch_first)
+                             loss_reduction=config.loss_reduction, batch_first=config.batch_first,
+                             layout=layout)
     clipped = clip_and_sum(out.grads, max_grad_norm=config.max_grad_norm, clipping=config.clipping,
                            per_layer_max_grad_norms=config.per_layer_max_grad_norms)
     return DPGradient(grads=clipped.grads, per_sample_norms=clipped.per_sample_norms,

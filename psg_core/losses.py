@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from psg_core.errors import ConfigError
+from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.modes import LossReduction
 
-__all__ = ["LossFn", "as_unreduced", "reduce_loss", "per_sample_loss"]
+__all__ = ["LossFn", "as_unreduced", "reduce_loss", "per_sample_loss", "loss_batch_dim"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -42,6 +42,14 @@ def reduce_loss(per_element: torch.Tensor, reduction: LossReduction) -> torch.Te
     return per_element.mean() if reduction is LossReduction.MEAN else per_element.sum()
 
 
+def loss_batch_dim(per_element: torch.Tensor, batch_dim: int, followed: int | None = None) -> int:
+    """The batch axis of an unreduced loss: where the forward pass put it (``followed``, from
+    :class:`psg_core.provenance.BatchTracker`), else the layout's when the loss has it, else 0."""
+    if followed is not None and followed >= 0:
+        return followed
+    return batch_dim if per_element.dim() > batch_dim else 0
+
+
 def per_sample_loss(per_element: torch.Tensor, *, num_samples: int, batch_dim: int,
                     reduction: LossReduction) -> torch.Tensor:
     """``(N,)``: each sample's loss, the reduction over its K rows (and their other elements)."""
@@ -49,6 +57,12 @@ def per_sample_loss(per_element: torch.Tensor, *, num_samples: int, batch_dim: i
         raise ConfigError("loss_fn: returned a scalar; it must return the unreduced loss "
                           "(e.g. nn.CrossEntropyLoss(reduction='none'))")
     rows_first = per_element.movedim(batch_dim, 0)  # (N*K, ...)
+    if num_samples and rows_first.shape[0] % num_samples:
+        raise BatchLayoutError(
+            f"loss_fn: the unreduced loss has shape {tuple(per_element.shape)}, whose dimension "
+            f"{batch_dim} ({rows_first.shape[0]}) does not hold the batch's {num_samples} samples; it "
+            "must keep the batch's rows (N*K) on the batch dimension, or rows of the batch flattened "
+            "with the batch outermost")
     if num_samples == 0:
         return rows_first.new_zeros(0)
     grouped = rows_first.reshape(num_samples, -1)  # (N, K * elements)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import abc
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,8 +15,34 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.modes import LossReduction, parse_enum
 
-__all__ = ["AbstractGradSampleModule", "check_rows", "earliest_edges", "on_output_grads", "get_grad_sample", "set_grad_sample",
+__all__ = ["AbstractGradSampleModule", "PerSampleOutput", "PerSampleBackend", "check_rows", "earliest_edges", "on_output_grads", "get_grad_sample", "set_grad_sample",
            "trainable_parameters"]
+
+
+@dataclass(frozen=True)
+class PerSampleOutput:
+    """Per-sample gradients of one batch and the loss they belong to."""
+
+    #: ``{name: (N, *shape)}`` for every trainable parameter, named as in named_parameters().
+    grads: dict[str, torch.Tensor]
+    #: ``(N,)`` each sample's loss (detached).
+    per_sample_losses: torch.Tensor
+    num_samples: int
+
+
+#: The protocol of a backend that materialises per-sample gradients:
+#: ``backend(module, inputs: ModelInputs, targets, loss_fn, *, layout: BatchLayout,
+#: reduction: LossReduction) -> PerSampleOutput``, the layout validated by the caller.
+PerSampleBackend = Callable[..., PerSampleOutput]
+
+
+def empty_output(params: dict[str, nn.Parameter]) -> PerSampleOutput:
+    """The result for a batch of zero samples."""
+    first = next(iter(params.values()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    return PerSampleOutput(grads={name: torch.zeros(0, *p.shape, dtype=p.dtype, device=device)
+                                  for name, p in params.items()},
+                           per_sample_losses=torch.zeros(0, device=device), num_samples=0)
 
 
 # ``p.grad_sample`` is the one attribute psg sets on user objects (the public output). torch's

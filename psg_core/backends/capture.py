@@ -23,6 +23,7 @@ from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import UnsupportedModuleError
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
+from psg_core.provenance import active_tracker
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call"]
 
@@ -71,13 +72,25 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not index:
         return None
+    tracker = active_tracker()
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if tracker is not None:
+        if not tracker.is_batched((args, kwargs)):
+            # Called without the batch (broadcast position ids, a bucket matrix): no per-row
+            # gradient here; its output stays batch-free and the tracker handles where it meets
+            # the batch.
+            return None
+        first = next((a for a in args if isinstance(a, torch.Tensor) and tracker.is_batched(a)), first)
     entry = GRAD_SAMPLERS.lookup(layer)
     if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or (entry is not None and entry.always_batch_first):
         batch_dim = 0
+    elif tracker is not None and first is not None:
+        followed = tracker.batch_dim(first)
+        if followed is not None and followed >= 0:
+            batch_dim = followed  # where the batch really is (e.g. a time-major model's last step)
     custom = entry.count_rows(layer, args, kwargs) if entry is not None else None
     rows = custom
     if rows is None:
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         rows = int(first.shape[batch_dim]) if first is not None and first.dim() > batch_dim else None
     call = LayerCall(layer=layer, args=tuple(_detached(a) for a in args),
                      kwargs={k: _detached(v) for k, v in kwargs.items()}, entry=entry,

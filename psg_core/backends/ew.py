@@ -30,13 +30,13 @@ from torch.nn.utils._expanded_weights.expanded_weights_impl import (HANDLED_FUNC
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from psg_core.api import PerSampleOutput, batch_rows, register_backend
-from psg_core.backends.base import (AbstractGradSampleModule, check_rows, get_grad_sample,
+from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, check_rows, get_grad_sample,
                                    set_grad_sample, trainable_parameters)
 from psg_core.backends.functorch import reject_batch_mixing
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
-from psg_core.losses import LossFn, per_sample_loss
+from psg_core.layout import BatchLayout, ModelInputs
+from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import GradSampleMode, LossReduction
 
 __all__ = ["ExpandedWeightsGradSampleModule", "ew_per_sample", "ew_supported_functions"]
@@ -221,32 +221,28 @@ def _fold(per_row: torch.Tensor, K: int) -> torch.Tensor:
     return per_row.reshape(per_row.shape[0] // K, K, *per_row.shape[1:]).sum(1)
 
 
-def ew_per_sample(module: nn.Module, args: tuple[Any, ...], targets: Any, loss_fn: LossFn, *,
-                  K: int, reduction: LossReduction, batch_first: bool) -> PerSampleOutput:
+def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn: LossFn, *,
+                  layout: BatchLayout, reduction: LossReduction) -> PerSampleOutput:
     """Per-sample gradients and losses of ``module`` with torch's ExpandedWeights.
 
     Same arguments and result as :func:`psg_core.backends.functorch.functorch_per_sample`; the
     model is not modified (``p.grad`` and ``p.grad_sample`` are untouched).
 
-    >>> out = ew_per_sample(nn.Linear(3, 1), (torch.randn(6, 3),), torch.randn(6, 1),
-    ...                     lambda o, t: (o - t) ** 2, K=3, reduction=LossReduction.SUM,
-    ...                     batch_first=True)
+    >>> out = ew_per_sample(nn.Linear(3, 1), ModelInputs((torch.randn(6, 3),), {}), torch.randn(6, 1),
+    ...                     lambda o, t: (o - t) ** 2, layout=BatchLayout(6, 3, 0), reduction=LossReduction.SUM)
     >>> out.grads["bias"].shape
     torch.Size([2, 1])
     """
-    batch_dim = 0 if batch_first else 1
+    batch_dim, batch_first, K = layout.batch_dim, layout.batch_dim == 0, layout.augmentation_multiplicity
+    rows, num_samples = layout.rows, layout.num_samples
     reject_batch_mixing(module, where=_WHERE)
-    rows = batch_rows(args, batch_dim, where=_WHERE)
-    num_samples = check_rows(rows, K, where=_WHERE)
     params = trainable_parameters(module)
-    if num_samples == 0:
-        grads = {name: torch.zeros(0, *p.shape, dtype=p.dtype, device=p.device) for name, p in params.items()}
-        return PerSampleOutput(grads=grads, per_sample_losses=torch.zeros(0), num_samples=0)
     aliases, expanded = _expand(params, rows, batch_first)
     with _expanded_forward(module, batch_first=batch_first, where=_WHERE) as watcher:
-        outputs = functional_call(module, _as_tensor_dict(expanded), args)
+        outputs = functional_call(module, _as_tensor_dict(expanded), inputs.args, inputs.kwargs)
     padding_rows = watcher.padding_rows(expanded)
     per_element = loss_fn(outputs, targets)
+    batch_dim = loss_batch_dim(per_element, batch_dim)
     if per_element.dim() <= batch_dim or per_element.shape[batch_dim] != rows:
         raise BatchLayoutError(f"{_WHERE}: loss_fn must return the unreduced loss with {rows} rows on "
                                f"dimension {batch_dim}, got shape {tuple(per_element.shape)}")
@@ -265,12 +261,6 @@ def ew_per_sample(module: nn.Module, args: tuple[Any, ...], targets: Any, loss_f
         grads[name] = (_fold(per_row, K) if per_row is not None
                        else torch.zeros(num_samples, *param.shape, dtype=param.dtype, device=param.device))
     return PerSampleOutput(grads=grads, per_sample_losses=losses.detach(), num_samples=num_samples)
-
-
-@register_backend(GradSampleMode.EW)
-def _ew_backend(module: nn.Module, args: tuple[Any, ...], targets: Any, loss_fn: LossFn, *,
-                K: int, reduction: LossReduction, batch_first: bool) -> PerSampleOutput:
-    return ew_per_sample(module, args, targets, loss_fn, K=K, reduction=reduction, batch_first=batch_first)
 
 
 def _first_rows(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> int | None:

@@ -10,6 +10,7 @@ knows about.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -17,11 +18,11 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from psg_core.api import PerSampleOutput, batch_rows, register_backend
-from psg_core.backends.base import check_rows, trainable_parameters
-from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
+from psg_core.backends.base import PerSampleOutput, trainable_parameters
+from psg_core.errors import BatchLayoutError, ConfigError, PsgError, UnsupportedModuleError
+from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn
-from psg_core.modes import GradSampleMode, LossReduction
+from psg_core.modes import LossReduction
 
 __all__ = ["functorch_per_sample", "check_functorch_support", "reject_batch_mixing"]
 
@@ -59,97 +60,156 @@ def check_functorch_support(module: nn.Module, *, where: str = _WHERE) -> None:
                 "it for its DP rewrite with psg_core.fix_model")
 
 
-def _is_batched(value: Any, batch_dim: int, rows: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > batch_dim and value.shape[batch_dim] == rows
-
-
-def _split_samples(values: Any, *, batch_dim: int, rows: int, num_samples: int, K: int
-                   ) -> tuple[list[Any], list[int | None], Any]:
-    """Flattens a pytree; batched tensors become ``(N, K, ...)`` with the batch moved first."""
-    flat, spec = tree_flatten(values)
-    in_dims: list[int | None] = []
+def _split(flat: list[Any], dims: dict[int, int], layout: BatchLayout) -> tuple[list[Any], list[int | None]]:
+    """Batch tensors (``id -> batch axis`` in ``dims``) become ``(N, K, ...)``, batch moved first."""
     out: list[Any] = []
+    in_dims: list[int | None] = []
     for value in flat:
-        if _is_batched(value, batch_dim, rows):
-            rows_first = value.movedim(batch_dim, 0)  # (N*K, ...)
-            out.append(rows_first.reshape(num_samples, K, *rows_first.shape[1:]))  # (N, K, ...)
-            in_dims.append(0)
-        else:
+        dim = dims.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if dim is None:
             out.append(value)
             in_dims.append(None)
-    return out, in_dims, spec
+        else:
+            out.append(layout.fold(value, dim))  # (N, K, ...)
+            in_dims.append(0)
+    return out, in_dims
 
 
-def _restore(flat: list[Any], in_dims: list[int | None], spec: Any, batch_dim: int) -> Any:
-    """Inside vmap: each batched leaf is ``(K, ...)``; put its batch axis back on ``batch_dim``."""
-    return tree_unflatten([v.movedim(0, batch_dim) if d == 0 and batch_dim else v
-                           for v, d in zip(flat, in_dims)], spec)
+def _restore(flat: list[Any], in_dims: list[int | None], axes: list[int], spec: Any) -> Any:
+    """Inside vmap: each batched leaf is ``(K, ...)``; put its batch axis back where it was."""
+    return tree_unflatten([v.movedim(0, a) if d == 0 and a else v for v, d, a in zip(flat, in_dims, axes)], spec)
 
 
-def functorch_per_sample(module: nn.Module, args: tuple[Any, ...], targets: Any, loss_fn: LossFn, *,
-                         K: int, reduction: LossReduction, batch_first: bool) -> PerSampleOutput:
+def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn: LossFn, *,
+                         layout: BatchLayout, reduction: LossReduction) -> PerSampleOutput:
     """Per-sample gradients and losses of ``module`` by whole-model ``vmap(grad(...))``.
 
     Args:
         module: the model; it is called through ``functional_call`` and not modified.
-        args: positional model arguments; tensors with ``N*K`` rows on the batch dimension are
-            split per sample, anything else (non-tensors, unbatched tensors) is passed unchanged.
-        targets: a tensor (or pytree of tensors) with ``N*K`` rows on the batch dimension.
+        inputs: positional and keyword model arguments; the batch tensors (see
+            :meth:`psg_core.layout.ModelInputs.batch_tensors`) are split per sample, anything else
+            is passed unchanged.
+        targets: a tensor (or pytree of tensors) with ``N*K`` rows on their batch dimension.
         loss_fn: returns the unreduced loss of ``(outputs, targets)``.
-        K: augmentation multiplicity.
+        layout: rows, K and batch dimension (validated by the caller).
         reduction: each sample's loss is the mean or sum of the loss elements of its K rows.
-        batch_first: batch on dimension 0 (True) or 1 of inputs, targets and the loss.
 
     Returns:
-        :class:`~psg_core.api.PerSampleOutput` with ``(N, *shape)`` gradients of every trainable
-        parameter and the ``(N,)`` per-sample losses.
+        :class:`~psg_core.backends.base.PerSampleOutput` with ``(N, *shape)`` gradients of every
+        trainable parameter and the ``(N,)`` per-sample losses.
 
-    >>> out = functorch_per_sample(nn.Linear(3, 1), (torch.randn(6, 3),), torch.randn(6, 1),
-    ...                            lambda o, t: (o - t) ** 2, K=2, reduction=LossReduction.MEAN,
-    ...                            batch_first=True)
+    A model whose forward branches on the values of its inputs (Hugging Face's attention-mask
+    utilities do) cannot run under ``vmap``; it then runs one sample at a time under ``grad``
+    (same result, N calls), and says so in the log once.
+
+    >>> out = functorch_per_sample(nn.Linear(3, 1), ModelInputs((torch.randn(6, 3),), {}), torch.randn(6, 1),
+    ...                            lambda o, t: (o - t) ** 2, layout=BatchLayout(6, 2, 0),
+    ...                            reduction=LossReduction.MEAN)
     >>> out.grads["weight"].shape
     torch.Size([3, 1, 3])
     """
-    batch_dim = 0 if batch_first else 1
     check_functorch_support(module)
-    rows = batch_rows(args, batch_dim, where=_WHERE)
-    num_samples = check_rows(rows, K, where=_WHERE)
     params = trainable_parameters(module)
-    flat_targets = tree_flatten(targets)[0]
-    if not any(_is_batched(t, batch_dim, rows) for t in flat_targets):
-        raise BatchLayoutError(f"{_WHERE}: targets must hold a tensor with {rows} rows (N*K) on the batch "
-                               f"dimension {batch_dim}, like the inputs")
-    if num_samples == 0:
-        first = next(iter(params.values()), None)
-        device = first.device if first is not None else torch.device("cpu")
-        grads = {name: torch.zeros(0, *p.shape, dtype=p.dtype, device=device) for name, p in params.items()}
-        return PerSampleOutput(grads=grads, per_sample_losses=torch.zeros(0, device=device), num_samples=0)
-
-    flat_args, arg_dims, arg_spec = _split_samples(args, batch_dim=batch_dim, rows=rows,
-                                                   num_samples=num_samples, K=K)
-    flat_tgts, tgt_dims, tgt_spec = _split_samples(targets, batch_dim=batch_dim, rows=rows,
-                                                   num_samples=num_samples, K=K)
+    batch = inputs.batch_tensors(layout)
+    if any(dim < 0 for _, dim in batch):
+        raise UnsupportedModuleError(f"{_WHERE}: a PackedSequence cannot be split per sample inside vmap; "
+                                     "use mode='hooks' or 'ghost' (or pad the sequences)")
+    flat_targets, tgt_spec = tree_flatten(targets)
+    tgt_dims = {id(t): layout.target_dim(t) for t in flat_targets
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[layout.target_dim(t)] == layout.rows}
+    if not tgt_dims:
+        raise BatchLayoutError(f"{_WHERE}: targets must hold a tensor with {layout.rows} rows (N*K) on the batch "
+                               f"dimension {layout.batch_dim}, like the inputs")
+    flat_inputs, arg_spec = tree_flatten((inputs.args, inputs.kwargs))
+    arg_axes = {id(t): dim for t, dim in batch}
+    split_args, arg_in = _split(flat_inputs, arg_axes, layout)
+    split_tgts, tgt_in = _split(flat_targets, tgt_dims, layout)
+    axes_args = [arg_axes.get(id(v), 0) for v in flat_inputs]
+    axes_tgts = [tgt_dims.get(id(v), 0) for v in flat_targets]
     detached = {name: p.detach() for name, p in params.items()}
 
     def sample_loss(sample_params: dict[str, torch.Tensor], sample_args: list[Any],
                     sample_targets: list[Any]) -> torch.Tensor:
-        call_args = _restore(sample_args, arg_dims, arg_spec, batch_dim)
-        outputs = functional_call(module, sample_params, tuple(call_args))
-        per_element = loss_fn(outputs, _restore(sample_targets, tgt_dims, tgt_spec, batch_dim))
+        call_args, call_kwargs = _restore(sample_args, arg_in, axes_args, arg_spec)
+        outputs = functional_call(module, sample_params, tuple(call_args), dict(call_kwargs))
+        per_element = loss_fn(outputs, _restore(sample_targets, tgt_in, axes_tgts, tgt_spec))
         if per_element.dim() == 0:
             raise ConfigError("loss_fn: returned a scalar; it must return the unreduced loss "
                               "(e.g. nn.CrossEntropyLoss(reduction='none'))")
         # The K rows are this vmapped item's whole batch: reducing everything = the sample's loss.
         return per_element.mean() if reduction is LossReduction.MEAN else per_element.sum()
 
-    per_sample_grads, losses = vmap(grad_and_value(sample_loss), in_dims=(None, arg_dims, tgt_dims),
-                                    randomness="different")(detached, flat_args, flat_tgts)
+    try:
+        with _ModulePath(module) as where:
+            try:
+                per_sample_grads, losses = vmap(grad_and_value(sample_loss), in_dims=(None, arg_in, tgt_in),
+                                                randomness="different")(detached, split_args, split_tgts)
+            except RuntimeError as err:
+                if "data-dependent control flow" not in str(err) and ".item()" not in str(err):
+                    raise
+                _warn_loop(module, where.failed)
+                per_sample_grads, losses = _one_at_a_time(sample_loss, detached, split_args, arg_in,
+                                                          split_tgts, tgt_in, layout.num_samples)
+    except PsgError:
+        raise
+    except RuntimeError as err:
+        raise UnsupportedModuleError(f"{_WHERE}: module {where.failed or '<root>'} failed under torch.func: "
+                                     f"{err}") from err
     return PerSampleOutput(grads=dict(per_sample_grads), per_sample_losses=losses.detach(),
-                           num_samples=num_samples)
+                           num_samples=layout.num_samples)
 
 
-@register_backend(GradSampleMode.FUNCTORCH)
-def _functorch_backend(module: nn.Module, args: tuple[Any, ...], targets: Any, loss_fn: LossFn, *,
-                       K: int, reduction: LossReduction, batch_first: bool) -> PerSampleOutput:
-    return functorch_per_sample(module, args, targets, loss_fn, K=K, reduction=reduction,
-                                batch_first=batch_first)
+_warned: set[type[nn.Module]] = set()
+
+
+def _warn_loop(module: nn.Module, where: str | None) -> None:
+    if type(module) not in _warned:
+        _warned.add(type(module))
+        logger.warning("%s: %s branches on input values (module %s), which vmap cannot batch; computing "
+                       "one sample at a time", _WHERE, type(module).__qualname__, where or "<root>")
+
+
+def _one_at_a_time(sample_loss: Any, params: dict[str, torch.Tensor], args: list[Any], arg_in: list[int | None],
+                   tgts: list[Any], tgt_in: list[int | None], num_samples: int
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``vmap``'s result computed by a loop over samples (for forwards ``vmap`` cannot batch)."""
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+    losses = []
+    step = grad_and_value(sample_loss)
+    for n in range(num_samples):
+        sample_args = [v[n] if d == 0 else v for v, d in zip(args, arg_in)]
+        sample_tgts = [v[n] if d == 0 else v for v, d in zip(tgts, tgt_in)]
+        g, loss = step(params, sample_args, sample_tgts)
+        for name in params:
+            grads[name].append(g[name])
+        losses.append(loss)
+    return {name: torch.stack(gs) for name, gs in grads.items()}, torch.stack(losses)
+
+
+class _ModulePath:
+    """Remembers the innermost module whose forward raised, to name it in errors."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._stack: list[str] = []
+        self.failed: str | None = None
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _ModulePath:
+        for path, layer in self._module.named_modules():
+            label = f"'{path or '<root>'}' ({type(layer).__qualname__})"
+            self._handles.append(layer.register_forward_pre_hook(
+                lambda _m, _a, label=label: self._stack.append(label)))
+            self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+        return self
+
+    def _pop(self, _m: nn.Module, _a: Any, _o: Any) -> None:
+        if self._stack:
+            label = self._stack.pop()
+            if self.failed is None and sys.exc_info()[0] is not None:
+                self.failed = label
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

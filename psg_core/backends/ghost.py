@@ -48,17 +48,17 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from psg_core.api import as_inputs, batch_rows
-from psg_core.backends.base import (AbstractGradSampleModule, check_rows, earliest_edges, on_output_grads,
-                                    trainable_parameters)
+from psg_core.backends.base import AbstractGradSampleModule, earliest_edges, on_output_grads, trainable_parameters
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
 from psg_core.backends.functorch import reject_batch_mixing
 from psg_core.clipping import clip_factors
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
 from psg_core.grad_sample.conv import conv_weight_factors, conv_weight_sum
-from psg_core.losses import LossFn, as_unreduced, per_sample_loss
+from psg_core.layout import BatchLayout, ModelInputs
+from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
+from psg_core.provenance import BatchTracker, MeetingPoint
 
 __all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
 
@@ -227,9 +227,12 @@ class _LayerState:
 class _GhostPasses:
     """Forward hooks on every module with trainable parameters, the backward pass and the sums."""
 
-    def __init__(self, module: nn.Module, *, K: int, rows: int, batch_first: bool) -> None:
-        self.K, self.rows, self.num_samples = K, rows, rows // K
-        self.batch_dim = 0 if batch_first else 1
+    def __init__(self, module: nn.Module, layout: BatchLayout) -> None:
+        self.K, self.rows, self.num_samples = layout.augmentation_multiplicity, layout.rows, layout.num_samples
+        self.batch_dim = layout.batch_dim
+        # Parameters reached through a batch-free tensor meeting the batch (see
+        # psg_core.provenance): materialised, and their norms taken once the pass is over.
+        self._via_meetings: set[torch.Tensor] = set()
         self.phase = _Phase.OFF
         self._suspended = False
         self._names = {id(m): f"'{p or '<root>'}' ({type(m).__qualname__})" for p, m in module.named_modules()}
@@ -297,11 +300,23 @@ class _GhostPasses:
         if self.phase is _Phase.NORMS:
             self._norm_contribution(call, list(grads))
 
+    def on_meeting(self, point: MeetingPoint, view: torch.Tensor) -> None:
+        """A batch-free tensor computed from parameters meets the batch (see BatchTracker)."""
+        self._via_meetings.update(point.params)
+
+        def on_grads(grads: Any) -> None:
+            if self.phase is _Phase.NORMS and grads[0] is not None:
+                for param, grad_sample in point.per_sample_grads(grads[0], self.num_samples, self.K).items():
+                    self._add(param, grad_sample)
+
+        self.edges.append(get_gradient_edge(view))
+        self._handles.append(on_output_grads([view], on_grads))
+
     # ---------------------------------------------------------------------------- pass 1
     def _plan_ghost(self, layer: nn.Module, state: _LayerState) -> bool:
         weight = getattr(layer, "weight", None)
         if any(c.positions is None for c in state.calls) or not isinstance(weight, nn.Parameter) \
-                or not weight.requires_grad or self._owners.get(weight, 0) != 1:
+                or not weight.requires_grad or self._owners.get(weight, 0) != 1 or weight in self._via_meetings:
             return False  # not a ghost layer, or a weight shared with another module
         positions = self.K * sum(c.positions or 0 for c in state.calls)
         # Every call has positions, which _capture sets for ghost layers only.
@@ -335,7 +350,8 @@ class _GhostPasses:
             for param, grad_sample in grad_samples.items():
                 if param.requires_grad:
                     self._add(param, grad_sample)
-        if state.arrived == len(state.calls):
+        if state.arrived == len(state.calls) and not any(p in self._via_meetings
+                                                         for p in layer.parameters(recurse=False)):
             self.finish_layer(layer)
 
     def _add(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
@@ -458,23 +474,29 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
         raise ConfigError(f"{_WHERE}: config must be a DPConfig, got {type(config).__name__}")
     _check_supported(module)
     loss_fn = as_unreduced(loss_fn)
-    K, batch_dim = config.augmentation_multiplicity, 0 if config.batch_first else 1
-    args = as_inputs(inputs)
-    rows = batch_rows(args, batch_dim, where=_WHERE)
-    num_samples = check_rows(rows, K, where=_WHERE)
+    model_inputs = ModelInputs.parse(inputs, where=_WHERE)
+    layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=config.augmentation_multiplicity,
+                                 batch_first=config.batch_first, where=_WHERE)
+    num_samples = layout.num_samples
     params = trainable_parameters(module)
     if num_samples == 0 or not params:
         with torch.no_grad():
             loss_sum = 0.0 if num_samples == 0 else float(per_sample_loss(
-                loss_fn(module(*args), targets), num_samples=num_samples, batch_dim=batch_dim,
-                reduction=config.loss_reduction).sum())
+                loss_fn(module(*model_inputs.args, **model_inputs.kwargs), targets), num_samples=num_samples,
+                batch_dim=layout.batch_dim, reduction=config.loss_reduction).sum())
         return DPGradient(grads={n: torch.zeros_like(p) for n, p in params.items()},
                           per_sample_norms=torch.zeros(num_samples), loss_sum=loss_sum,
                           num_samples=num_samples, num_clipped=0)
-    passes = _GhostPasses(module, K=K, rows=rows, batch_first=config.batch_first)
+    passes = _GhostPasses(module, layout)
     try:
-        per_element = loss_fn(module(*args), targets)
-        losses = per_sample_loss(per_element, num_samples=num_samples, batch_dim=batch_dim,
+        with BatchTracker(module, num_samples=num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
+                          on_meeting=passes.on_meeting) as tracker:
+            for tensor, dim in model_inputs.batch_tensors(layout):
+                tracker.mark(tensor, dim)
+            per_element = loss_fn(module(*model_inputs.args, **model_inputs.kwargs), targets)
+            loss_dim = loss_batch_dim(per_element, layout.batch_dim, tracker.batch_dim(per_element))
+            tracker.release()
+        losses = per_sample_loss(per_element, num_samples=num_samples, batch_dim=loss_dim,
                                  reduction=config.loss_reduction)  # (N,)
         passes.run_norm_pass(losses.sum())
         factors, norms, num_clipped = _clip_factors(passes, params, config)

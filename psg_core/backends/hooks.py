@@ -12,15 +12,18 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from psg_core.backends.base import (AbstractGradSampleModule, check_rows, get_grad_sample, on_output_grads,
-                                    set_grad_sample)
+from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, check_rows, earliest_edges,
+                                    get_grad_sample, on_output_grads, set_grad_sample, trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
 from psg_core.errors import GradAccumulationError, UnsupportedModuleError
 from psg_core.grad_sample.registry import GRAD_SAMPLERS
+from psg_core.layout import BatchLayout, ModelInputs
+from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import LossReduction
+from psg_core.provenance import BatchTracker, MeetingPoint
 
-__all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST"]
+__all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST", "hooks_per_sample"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,9 @@ class GradSampleModule(AbstractGradSampleModule):
         self._forward_id = 0
         # While recording_edges() is active: the gradient edges of every hooked output.
         self._edge_log: list[GradientEdge] | None = None
+        # The batch trackers of the running forward pass (see psg_core.provenance).
+        self._explicit_tracker: BatchTracker | None = None
+        self._implicit_tracker: BatchTracker | None = None
         # id(parameter) -> forward passes whose contributions p.grad_sample currently holds.
         self._sources: dict[int, set[int]] = {}
         # id(parameter) -> the grad_sample tensor this wrapper summed itself (safe to add into).
@@ -86,7 +92,8 @@ class GradSampleModule(AbstractGradSampleModule):
             return
         # Each call of the wrapped model is a new forward pass, whether it goes through this
         # wrapper or straight to the model (accumulation is told apart by pass).
-        self._handles.append(self._module.register_forward_pre_hook(self._new_pass))
+        self._handles.append(self._module.register_forward_pre_hook(self._new_pass, with_kwargs=True))
+        self._handles.append(self._module.register_forward_hook(self._end_pass, always_call=True))
         for _, layer in self._module.named_modules():
             if _own_trainable(layer) or (self.force_functorch and any(True for _ in layer.parameters(recurse=False))):
                 self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
@@ -136,8 +143,69 @@ class GradSampleModule(AbstractGradSampleModule):
         finally:
             self._edge_log = previous
 
-    def _new_pass(self, module: nn.Module, args: Any) -> None:
+    @contextlib.contextmanager
+    def tracking(self, inputs: ModelInputs, layout: BatchLayout) -> Iterator[BatchTracker]:
+        """Follows the batch from ``inputs`` through the forward passes (and the loss) run in the
+        block; without it each forward pass of the wrapped model tracks itself, its rows counted
+        on its first batch tensor."""
+        tracker = self._new_tracker(layout, self._forward_id + 1)  # the next pass is the block's
+        with tracker:
+            for tensor, dim in inputs.batch_tensors(layout):
+                tracker.mark(tensor, dim)
+            previous, self._explicit_tracker = self._explicit_tracker, tracker
+            try:
+                yield tracker
+            finally:
+                self._explicit_tracker = previous
+                tracker.release()
+
+    def _new_tracker(self, layout: BatchLayout, forward_id: int, *, implicit: bool = False) -> BatchTracker:
+        return BatchTracker(self._module, num_samples=layout.num_samples,
+                            augmentation_multiplicity=layout.augmentation_multiplicity,
+                            on_meeting=lambda point, view: self._on_meeting(point, view, layout, forward_id),
+                            root_by_caller=implicit)
+
+    def _new_pass(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self._forward_id += 1
+        if (self._explicit_tracker is not None or not self._hooks_enabled or self._capture_suspended
+                or not torch.is_grad_enabled() or self._implicit_tracker is not None):
+            return
+        inputs = ModelInputs(tuple(args), dict(kwargs))
+        rows = inputs.first_rows(self.batch_dim)
+        if rows is None:
+            return
+        # Not validated here: each hooked layer checks its own rows against K (an EmbeddingBag
+        # with offsets counts bags, not the tokens of its first input).
+        layout = BatchLayout(rows=rows, augmentation_multiplicity=self.augmentation_multiplicity,
+                             batch_dim=self.batch_dim)
+        tracker = self._new_tracker(layout, self._forward_id, implicit=True)
+        tracker.__enter__()
+        self._implicit_tracker = tracker
+        for tensor, dim in inputs.batch_tensors(layout):
+            tracker.mark(tensor, dim)
+        tracker.push_frame(module, "'<root>' (" + type(module).__qualname__ + ")", args, kwargs)
+
+    def _end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
+        tracker, self._implicit_tracker = self._implicit_tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            tracker.release()
+
+    def _on_meeting(self, point: MeetingPoint, view: torch.Tensor, layout: BatchLayout, forward_id: int) -> None:
+        """A batch-free tensor computed from parameters meets the batch: its per-sample
+        gradients come from the gradient arriving at the expanded view (see psg_core.provenance)."""
+        scale = float(layout.num_samples) if self.loss_reduction is LossReduction.MEAN else 1.0
+
+        def on_grads(grads: Any) -> None:
+            if grads[0] is None or not self._hooks_enabled:
+                return
+            for param, grad_sample in point.per_sample_grads(grads[0], layout.num_samples,
+                                                             layout.augmentation_multiplicity).items():
+                self._store(param, grad_sample * scale if scale != 1.0 else grad_sample, forward_id)
+
+        on_output_grads([view], on_grads)
+        if self._edge_log is not None:
+            self._edge_log.append(get_gradient_edge(view))
 
     # ----------------------------------------------------------------------------- validation
     @classmethod
@@ -274,3 +342,44 @@ class GradSampleModule(AbstractGradSampleModule):
         set_grad_sample(param, total)
         self._owned[key] = weakref.ref(total)
         sources.add(forward_id)
+
+
+def hooks_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn: LossFn, *,
+                     layout: BatchLayout, reduction: LossReduction) -> PerSampleOutput:
+    """Per-sample gradients and losses of ``module`` by the hooks backend (the layout validated).
+
+    ``sum_n loss_n`` (each sample's loss already reduced over its K rows as asked) is
+    backpropagated to the hooked layer outputs only, so every layer gets output gradients in
+    per-sample scale and no ``p.grad`` is computed (nor touched).
+
+    >>> out = hooks_per_sample(nn.Linear(3, 1), ModelInputs((torch.randn(6, 3),), {}), torch.randn(6, 1),
+    ...                        lambda o, t: (o - t) ** 2, layout=BatchLayout(6, 2, 0),
+    ...                        reduction=LossReduction.MEAN)
+    >>> out.grads["weight"].shape
+    torch.Size([3, 1, 3])
+    """
+    params = trainable_parameters(module)
+    n_samples = layout.num_samples
+    saved = {name: get_grad_sample(p) for name, p in params.items()}
+    for p in params.values():
+        set_grad_sample(p, None)
+    wrapped = GradSampleModule(module, batch_first=layout.batch_dim == 0, loss_reduction=LossReduction.SUM,
+                               strict=False, augmentation_multiplicity=layout.augmentation_multiplicity)
+    try:
+        with wrapped.recording_edges() as edges, wrapped.tracking(inputs, layout) as tracker:
+            per_element = loss_fn(wrapped(*inputs.args, **inputs.kwargs), targets)
+            loss_dim = loss_batch_dim(per_element, layout.batch_dim, tracker.batch_dim(per_element))
+        losses = per_sample_loss(per_element, num_samples=n_samples, batch_dim=loss_dim, reduction=reduction)
+        if edges and n_samples:
+            # Gradients of the hooked layer outputs only: the hooks fill p.grad_sample.
+            torch.autograd.grad(losses.sum(), earliest_edges(edges), allow_unused=True)
+        grads = {}
+        for name, p in params.items():
+            gs = get_grad_sample(p)
+            grads[name] = gs if gs is not None else torch.zeros(n_samples, *p.shape, dtype=p.dtype,
+                                                                 device=p.device)
+    finally:
+        wrapped.remove_hooks()
+        for name, p in params.items():
+            set_grad_sample(p, saved[name])
+    return PerSampleOutput(grads=grads, per_sample_losses=losses.detach(), num_samples=n_samples)

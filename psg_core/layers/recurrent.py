@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from psg_core._layout import ALWAYS_BATCH_FIRST
+from psg_core._layout import ALWAYS_BATCH_FIRST, STATE_BATCH_AXIS
 from psg_core.errors import ConfigError, UnsupportedModuleError
 
 __all__ = ["RNNLinear", "DPRNNCell", "DPGRUCell", "DPLSTMCell", "DPRNN", "DPGRU", "DPLSTM"]
@@ -397,6 +397,10 @@ class _DPRNNBase(nn.Module):
             lengths = lengths.index_select(0, like.sorted_indices.to(lengths.device))
         data = pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=True).data
         return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+
+
+# hx is (num_layers * D, B, H): its batch is on axis 1 (psg_core.provenance reads this).
+setattr(_DPRNNBase, STATE_BATCH_AXIS, 1)
 
 
 class DPRNN(_DPRNNBase):

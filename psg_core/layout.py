@@ -1,0 +1,198 @@
+"""The batch layout of one call: validated once at the public entry points, then passed down.
+
+A batch has ``N*K`` rows, sample-major (rows ``n*K .. n*K+K-1`` are the K augmented copies of
+sample n), on the batch dimension of its batch tensors (0, or 1 when ``batch_first=False``).
+:class:`BatchLayout` holds those numbers; :class:`ModelInputs` holds the model's arguments (a
+tensor, a sequence of positional tensors or a mapping of named ones) and says which of them carry
+the batch, from what the caller passed: the rows are counted on the targets (on their own shape)
+or, without targets, on the first batch tensor; a ``PackedSequence`` counts its sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten
+
+from psg_core.errors import BatchLayoutError, ConfigError
+
+__all__ = ["BatchLayout", "ModelInputs", "fold_rows", "check_multiplicity"]
+
+
+def check_multiplicity(augmentation_multiplicity: Any, *, where: str) -> int:
+    """``augmentation_multiplicity`` as an int >= 1, or :class:`ConfigError` naming ``where``."""
+    K = augmentation_multiplicity
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+        raise ConfigError(f"{where}: augmentation_multiplicity must be an int >= 1, got {K!r}")
+    return K
+
+
+def fold_rows(tensor: torch.Tensor, augmentation_multiplicity: int) -> torch.Tensor:
+    """Views ``(N*K, ...)`` as ``(N, K, ...)`` (rows are sample-major). No copy.
+
+    >>> fold_rows(torch.zeros(6, 5), 3).shape
+    torch.Size([2, 3, 5])
+    """
+    rows = tensor.shape[0]
+    return tensor.reshape(rows // augmentation_multiplicity, augmentation_multiplicity, *tensor.shape[1:])
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Rows, K and batch dimension of one batch.
+
+    >>> layout = BatchLayout.of(rows=6, augmentation_multiplicity=2, batch_first=True, where="demo")
+    >>> layout.num_samples, layout.batch_dim
+    (3, 0)
+    """
+
+    rows: int
+    augmentation_multiplicity: int
+    batch_dim: int
+
+    @property
+    def num_samples(self) -> int:
+        """N: rows / K."""
+        return self.rows // self.augmentation_multiplicity
+
+    @property
+    def K(self) -> int:  # noqa: N802  (the paper's name)
+        return self.augmentation_multiplicity
+
+    @classmethod
+    def of(cls, *, rows: int, augmentation_multiplicity: int, batch_first: bool, where: str) -> BatchLayout:
+        """Checks that K divides the rows (:class:`BatchLayoutError` naming both numbers)."""
+        K = check_multiplicity(augmentation_multiplicity, where=where)
+        if rows % K:
+            raise BatchLayoutError(
+                f"{where}: the batch has {rows} rows, which is not divisible by "
+                f"augmentation_multiplicity K={K}; each sample must arrive as exactly K consecutive rows")
+        return cls(rows=rows, augmentation_multiplicity=K, batch_dim=0 if batch_first else 1)
+
+    @classmethod
+    def of_call(cls, inputs: ModelInputs, targets: Any, *, augmentation_multiplicity: int,
+                batch_first: bool, where: str) -> BatchLayout:
+        """The layout of a functional call: rows counted on the targets (their own shape), else on
+        the first batch tensor of the inputs; at least one input must carry them."""
+        K = check_multiplicity(augmentation_multiplicity, where=where)
+        batch_dim = 0 if batch_first else 1
+        if isinstance(targets, torch.Tensor) and targets.dim() > 0:
+            rows = int(targets.shape[batch_dim if targets.dim() > batch_dim else 0])
+        else:
+            first = inputs.first_rows(batch_dim)
+            if first is None:
+                raise ConfigError(f"{where}: inputs must hold a tensor with a batch dimension {batch_dim}")
+            rows = first
+        layout = cls.of(rows=rows, augmentation_multiplicity=K, batch_first=batch_first, where=where)
+        if rows and not inputs.batch_tensors(layout):
+            shapes = [tuple(t.shape) for t in inputs.leaves() if isinstance(t, torch.Tensor)]
+            raise BatchLayoutError(
+                f"{where}: the targets have {rows} rows (N*K) but no input tensor has {rows} rows on the "
+                f"batch dimension {batch_dim} (input shapes {shapes}); inputs and targets must hold the "
+                "same rows")
+        return layout
+
+    def target_dim(self, targets: torch.Tensor) -> int:
+        """The batch dimension of ``targets``, from their own shape: the layout's when they have
+        it, else 0 (e.g. ``(N*K,)`` class labels of a time-major model's last step)."""
+        return self.batch_dim if targets.dim() > self.batch_dim else 0
+
+    def fold(self, tensor: torch.Tensor, batch_dim: int | None = None) -> torch.Tensor:
+        """``(N, K, ...)`` view of a batched tensor, its batch axis moved first."""
+        dim = self.batch_dim if batch_dim is None else batch_dim
+        return fold_rows(tensor.movedim(dim, 0), self.augmentation_multiplicity)
+
+
+def _rows_of(value: Any, batch_dim: int) -> int | None:
+    if isinstance(value, PackedSequence):
+        return int(value.batch_sizes[0]) if value.batch_sizes.numel() else 0
+    if isinstance(value, torch.Tensor) and value.dim() > batch_dim:
+        return int(value.shape[batch_dim])
+    return None
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The model's arguments: ``module(*args, **kwargs)``.
+
+    >>> ModelInputs.parse({"input_ids": torch.zeros(2, 3)}, where="demo").kwargs.keys()
+    dict_keys(['input_ids'])
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @classmethod
+    def parse(cls, inputs: Any, *, where: str) -> ModelInputs:
+        """A tensor is one positional argument; a tuple or list are positional arguments; a
+        mapping (str keys) holds keyword arguments (``input_ids``, ``attention_mask``, ...)."""
+        if isinstance(inputs, ModelInputs):
+            return inputs
+        if isinstance(inputs, Mapping):
+            if not all(isinstance(k, str) for k in inputs):
+                raise ConfigError(f"{where}: a mapping of inputs must have str keys (argument names)")
+            return cls((), dict(inputs))
+        if isinstance(inputs, (tuple, list)) and not isinstance(inputs, PackedSequence):
+            return cls(tuple(inputs), {})
+        return cls((inputs,), {})
+
+    def leaves(self) -> list[Any]:
+        return tree_flatten((self.args, self.kwargs))[0]
+
+    def first_rows(self, batch_dim: int) -> int | None:
+        """Rows of the first batch tensor (a PackedSequence counts its sequences)."""
+        for value in list(self.args) + list(self.kwargs.values()):
+            if isinstance(value, PackedSequence):
+                return _rows_of(value, batch_dim)
+            for leaf in tree_flatten(value)[0]:
+                rows = _rows_of(leaf, batch_dim)
+                if rows is not None:
+                    return rows
+        return None
+
+    def batch_tensors(self, layout: BatchLayout) -> list[tuple[torch.Tensor, int]]:
+        """The tensors that carry the batch and their batch axis: those with the batch's rows on
+        the batch dimension (1-D ones on dimension 0), and every tensor of a PackedSequence
+        whose sequences are the batch (its axis is then not a plain dimension: -1)."""
+        found: list[tuple[torch.Tensor, int]] = []
+
+        def visit(value: Any) -> None:
+            if isinstance(value, PackedSequence):
+                if _rows_of(value, 0) == layout.rows:
+                    found.append((value.data, -1))
+                return
+            if isinstance(value, (tuple, list)):
+                for item in value:
+                    visit(item)
+                return
+            if isinstance(value, Mapping):
+                for item in value.values():
+                    visit(item)
+                return
+            if isinstance(value, torch.Tensor):
+                dim = layout.batch_dim if value.dim() > layout.batch_dim else 0
+                if value.dim() > dim and value.shape[dim] == layout.rows:
+                    found.append((value, dim))
+
+        visit(list(self.args))
+        visit(self.kwargs)
+        return found
+
+    def split(self, layout: BatchLayout) -> list[ModelInputs]:
+        """Per-sample microbatches of K rows each (for tests and oracles)."""
+        marked = {id(t): d for t, d in self.batch_tensors(layout)}
+        out = []
+        K = layout.augmentation_multiplicity
+        for n in range(layout.num_samples):
+            def take(value: Any) -> Any:
+                d = marked.get(id(value))
+                if isinstance(value, torch.Tensor) and d is not None and d >= 0:
+                    return value.narrow(d, n * K, K)
+                return value
+            out.append(ModelInputs(tuple(take(a) for a in self.args),
+                                   {k: take(v) for k, v in self.kwargs.items()}))
+        return out
