@@ -226,23 +226,42 @@ def plot(result: DemoResult, path: Path, *, title: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="psg-demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="use a running server (host:port) instead of starting one")
-    parser.add_argument("--workers", type=int, default=2, help="Ray workers of the started server")
-    parser.add_argument("--backend", default="hooks", choices=["hooks", "functorch", "ew", "ghost"])
-    parser.add_argument("--augmentations", "-K", type=int, default=2, help="K augmented copies per sample")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--noise", type=float, default=1.1, help="noise multiplier sigma")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--batch-size", type=int, default=128, help="expected (Poisson) batch size")
-    parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=Path("psg-demo.png"))
-    parser.add_argument("--min-accuracy", type=float, default=0.5,
-                        help="exit non-zero when the final test accuracy is below this")
-    parser.add_argument("--server-timeout", type=float, default=120.0)
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    # Every help ends with its default; argparse fills in %(default)s.
+    # Raw description: argparse's wrapping would break "psg-server" at its hyphen.
+    parser = argparse.ArgumentParser(
+        prog="psg-demo", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="DP-SGD training through the psg gradient service, end to end.\n\n"
+                    "Starts psg-server with an embedded Ray pool (or uses --target), trains a small\n"
+                    "CNN on scikit-learn's digits with Poisson sampling, K augmented copies per\n"
+                    "sample, per-sample clipping and Gaussian noise, then prints the test accuracy\n"
+                    "and epsilon and writes a plot.",
+        epilog="example: psg-demo --epochs 10 --augmentations 2 --noise 1.1 --backend hooks")
+    add = parser.add_argument
+    add("--target", metavar="HOST:PORT",
+        help="use a running server instead of starting one (default: start one)")
+    add("--workers", type=int, default=2, metavar="N",
+        help="Ray workers of the started server (default: %(default)s)")
+    add("--backend", default="hooks", choices=["hooks", "functorch", "ew", "ghost"],
+        help="per-sample gradient backend (default: %(default)s)")
+    add("--augmentations", "-K", type=int, default=2, metavar="K",
+        help="augmented copies per sample (default: %(default)s)")
+    add("--epochs", type=int, default=10, metavar="N", help="training epochs (default: %(default)s)")
+    add("--noise", type=float, default=1.1, metavar="SIGMA",
+        help="noise multiplier sigma (default: %(default)s)")
+    add("--max-grad-norm", type=float, default=1.0, metavar="C",
+        help="per-sample clipping bound C (default: %(default)s)")
+    add("--batch-size", type=int, default=128, metavar="N",
+        help="expected (Poisson) batch size (default: %(default)s)")
+    add("--lr", type=float, default=0.5, help="SGD learning rate, momentum 0.9 (default: %(default)s)")
+    add("--delta", type=float, default=1e-5, help="delta of the reported epsilon (default: %(default)s)")
+    add("--seed", type=int, default=0, help="seed of the data split, sampling and noise (default: %(default)s)")
+    add("--plot", type=Path, default=Path("psg-demo.png"), metavar="PATH",
+        help="where the PNG plot goes (default: %(default)s)")
+    add("--min-accuracy", type=float, default=0.5, metavar="FRACTION",
+        help="exit non-zero when the final test accuracy is below this (default: %(default)s)")
+    add("--server-timeout", type=float, default=120.0, metavar="SECONDS",
+        help="how long the started server may take to report SERVING (default: %(default)s)")
+    add("--quiet", action="store_true", help="no progress bar (default: show it)")
     return parser
 
 

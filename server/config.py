@@ -175,7 +175,7 @@ class ServerConfig:
         sets (the ``psg-server`` command passes ``{"executor": "ray"}``).
         """
         environ = os.environ if environ is None else environ
-        parser = build_parser()
+        parser = build_parser(defaults)
         args = parser.parse_args(argv)
         values: dict[str, object] = {}
         for item in fields(cls):
@@ -233,43 +233,90 @@ def _tokens(path: str | None, inline: str | None) -> dict[str, str]:
     return tokens
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``psg-server`` argument parser (every default lives in :class:`ServerConfig`)."""
+def build_parser(defaults: Mapping[str, object] | None = None) -> argparse.ArgumentParser:
+    """The ``psg-server`` argument parser.
+
+    Every default lives in :class:`ServerConfig`; the parser's own defaults stay ``None`` so that
+    ``from_args`` can tell a flag that was given from one that was not (and fall back to the
+    environment). The help text shows each flag's effective default, read from the dataclass with
+    ``defaults`` (the command's overrides, as in :meth:`ServerConfig.from_args`) on top.
+
+    >>> "(default: 65536)" in " ".join(build_parser().format_help().split())
+    True
+    """
     parser = argparse.ArgumentParser(
-        prog="psg-server", description="psg gradient service (gRPC). Every flag also reads PSG_<FLAG>.")
-    add = parser.add_argument
-    add("--host", help="address to bind (default 127.0.0.1)")
-    add("--port", type=int, help="port to bind; 0 = ephemeral (default 50051)")
-    add("--max-message-bytes", type=int)
-    add("--chunk-bytes", type=int)
-    add("--max-tensor-bytes", type=int)
-    add("--max-request-bytes", type=int)
-    add("--max-batch-rows", type=int)
-    add("--max-model-bytes", type=int)
-    add("--max-sessions", type=int)
-    add("--session-idle-seconds", type=float)
-    add("--parameter-memory-bytes", type=int)
-    add("--max-shard-samples", type=int)
+        prog="psg-server",
+        description="psg gradient service (gRPC). Every flag also reads the environment variable "
+                    "PSG_<FLAG> (--max-batch-rows = PSG_MAX_BATCH_ROWS); a flag given here wins.")
+    field_defaults = _field_defaults(defaults)
+
+    def add(*flags: str, help: str, shown: str | None = None, **kwargs: object) -> None:
+        """Adds a flag whose help ends with its default: ``shown``, else the field's default."""
+        dest = str(kwargs.get("dest") or flags[0].removeprefix("--").replace("-", "_"))
+        default = shown if shown is not None else _show_default(dest, field_defaults[dest])
+        # argparse %-formats help strings.
+        parser.add_argument(*flags, help=f"{help} (default: {default})".replace("%", "%%"),
+                            **kwargs)  # type: ignore[arg-type]
+
+    add("--host", metavar="HOST",
+        help="address to bind; a non-loopback address needs tokens or TLS, or --insecure")
+    add("--port", type=int, metavar="PORT", help="port to bind; 0 = an ephemeral port")
+    add("--max-message-bytes", type=int, metavar="BYTES", help="gRPC max message size, both directions")
+    add("--chunk-bytes", type=int, metavar="BYTES", help="chunk size of the tensors the server sends")
+    add("--max-tensor-bytes", type=int, metavar="BYTES", help="largest single tensor accepted")
+    add("--max-request-bytes", type=int, metavar="BYTES",
+        help="largest sum of tensor bytes in one request, a parameter set or a batch")
+    add("--max-batch-rows", type=int, metavar="ROWS", help="most rows (N*K) in one batch")
+    add("--max-model-bytes", type=int, metavar="BYTES",
+        help="largest parameter set of a model the server builds")
+    add("--max-sessions", type=int, metavar="N", help="open sessions across all tokens")
+    add("--session-idle-seconds", type=float, metavar="SECONDS", help="sessions idle this long are closed")
+    add("--parameter-memory-bytes", type=int, metavar="BYTES",
+        help="parameter sets kept in memory across sessions; beyond it the least recently used are "
+             "dropped and their clients push them again")
+    add("--max-shard-samples", type=int, metavar="N",
+        help="largest shard in samples; a batch is split into at least one shard per worker")
     add("--executor", choices=("ray", "inprocess"),
-        help="where shards run: the Ray worker pool (psg-server's default) or threads of this process")
-    add("--workers", "--num-workers", dest="num_workers", type=int,
-        help="workers (Ray actors or threads); default: one per GPU, or per --cpus-per-worker CPUs "
-             "(Ray), 1 (in-process)")
-    add("--cpus-per-worker", type=int, help="CPU cores (and torch threads) of each Ray worker (default 1)")
-    add("--ray-address", help="Ray cluster to join, host:port (or RAY_ADDRESS); default: start an "
-                              "embedded local Ray")
-    add("--step-timeout-seconds", type=float)
-    add("--default-accountant", choices=("rdp", "pld"))
-    add("--tokens-file", help="bearer tokens, one per line ('token' or 'label token'); "
-                              "or PSG_TOKENS=tok1,tok2")
-    add("--tls-cert", type=Path, help="PEM certificate chain")
-    add("--tls-key", type=Path, help="PEM private key")
-    add("--tls-client-ca", type=Path, help="PEM CA bundle; requires client certificates (mutual TLS)")
+        help="where shards run: the Ray worker pool, or threads of this process")
+    add("--workers", "--num-workers", dest="num_workers", type=int, metavar="N",
+        help="workers: Ray actors or in-process threads",
+        shown="one per GPU, else one per --cpus-per-worker CPUs with Ray; 1 in-process")
+    add("--cpus-per-worker", type=int, metavar="N", help="CPU cores (and torch threads) of each Ray worker")
+    add("--ray-address", metavar="HOST:PORT", help="Ray cluster to join",
+        shown="RAY_ADDRESS, else start an embedded local Ray")
+    add("--step-timeout-seconds", type=float, metavar="SECONDS",
+        help="server-side cap on one step; a client deadline can only shorten it")
+    add("--default-accountant", choices=("rdp", "pld"),
+        help="privacy accountant of sessions that do not name one")
+    add("--tokens-file", metavar="PATH", help="bearer tokens, one per line: 'token' or 'label token'",
+        shown="PSG_TOKENS=tok1,tok2, else no authentication")
+    add("--tls-cert", type=Path, metavar="PATH", help="PEM certificate chain; with --tls-key turns on TLS",
+        shown="none, plaintext")
+    add("--tls-key", type=Path, metavar="PATH", help="PEM private key of --tls-cert", shown="none")
+    add("--tls-client-ca", type=Path, metavar="PATH",
+        help="PEM CA bundle; requires client certificates signed by it (mutual TLS)", shown="none")
+    # None, not store_true's False, keeps "not given" apart so PSG_INSECURE can apply.
     add("--insecure", action="store_true", default=None,
-        help="allow a non-loopback address without tokens or TLS")
-    add("--metrics-port", type=int, help="Prometheus HTTP port (0 = ephemeral; default: off)")
-    add("--metrics-host")
-    add("--model-plugin", dest="model_plugins", action="append",
-        help="module whose register_models(registry) adds architectures (repeatable)")
-    add("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+        help="allow a non-loopback address without tokens or TLS", shown="off")
+    add("--metrics-port", type=int, metavar="PORT", help="Prometheus HTTP port; 0 = an ephemeral port",
+        shown="off, no metrics endpoint")
+    add("--metrics-host", metavar="HOST", help="address of the Prometheus endpoint")
+    add("--model-plugin", dest="model_plugins", action="append", metavar="MODULE",
+        help="module whose register_models(registry) adds architectures; repeatable", shown="none")
+    add("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
     return parser
+
+
+def _field_defaults(overrides: Mapping[str, object] | None) -> dict[str, object]:
+    values = {item.name: item.default for item in fields(ServerConfig)}
+    values.update(overrides or {})
+    return values
+
+
+def _show_default(name: str, value: object) -> str:
+    """``4194304`` -> ``"4194304 = 4 MiB"`` for byte sizes; ``str(value)`` otherwise."""
+    if name.endswith("_bytes") and isinstance(value, int):
+        for unit, size in (("GiB", _GIB), ("MiB", _MIB)):
+            if value >= size and value % size == 0:
+                return f"{value} = {value // size} {unit}"
+    return str(value)
