@@ -109,6 +109,11 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT, Reason.INVALID_CONFIG),
 )
 
+#: Statuses by which the service fails a request it should have served: logged at ERROR, as are
+#: unexpected errors. Every other status refuses what the caller got wrong or a limit it hit: logged
+#: at WARNING, so the operator sees those too but never mistakes them for the server's own faults.
+_SERVER_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
 # Messages of known errors are written for the caller; protobuf's own are not, so they get this.
 _PUBLIC_MESSAGES: dict[type[BaseException], str] = {
     DecodeError: "the request is not a valid psg.v1 protobuf message",
@@ -125,7 +130,7 @@ class Status:
 
 
 def translate(error: BaseException, *, method: str = "") -> Status:
-    """Maps ``error`` to its :class:`Status` through :data:`STATUS_TABLE`, logging unexpected ones.
+    """Maps ``error`` to its :class:`Status` through :data:`STATUS_TABLE` and logs it.
 
     Args:
         error: what the servicer raised.
@@ -134,7 +139,8 @@ def translate(error: BaseException, *, method: str = "") -> Status:
     for error_type, code, reason in STATUS_TABLE:
         if isinstance(error, error_type):
             message = _PUBLIC_MESSAGES.get(error_type) or str(error) or error_type.__name__
-            logger.info("%s: %s (%s): %s", method or "rpc", code.name, reason, error)
+            level = logging.ERROR if code in _SERVER_FAILURES else logging.WARNING
+            logger.log(level, "%s: %s (%s): %s", method or "rpc", code.name, reason, error)
             return Status(code=code, message=message, reason=reason)
     reference = secrets.token_hex(6)
     logger.error("%s: unexpected error, reference %s", method or "rpc", reference, exc_info=error)

@@ -96,8 +96,11 @@ class GradientServicer:
         session = open_session(request, owner=owner, registry=self._registry, config=self._config)
         self._store.add(session)
         self._metrics.sessions.set(len(self._store))
-        logger.info("session %s opened by %s: model %s, %s", session.id, owner, request.model,
-                    session.dp_config)
+        dp = session.dp_config  # enums by value: their reprs would read <Clipping.FLAT: 'flat'>
+        logger.info("session %s opened by %s: model %s, loss %s (%s), backend %s, K=%d, %s clipping at "
+                    "C=%g, noise multiplier %g", session.id, owner, request.model, session.loss.name,
+                    dp.loss_reduction.value, dp.mode.value, dp.augmentation_multiplicity, dp.clipping.value,
+                    dp.max_grad_norm, dp.noise_multiplier)
         return pb.CreateSessionResponse(session_id=session.id,
                                         parameters=parameter_specs(session.parameter_info))
 
