@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -42,8 +43,8 @@ logger = logging.getLogger("psg_demo")
 _IMAGE = 8
 _CLASSES = 10
 _MODEL = "cnn_groupnorm"
-_MODEL_KWARGS = {"in_channels": 1, "image_size": _IMAGE, "channels": (16, 32), "groups": 4,
-                 "num_classes": _CLASSES}
+_MODEL_KWARGS: dict[str, Any] = {"in_channels": 1, "image_size": _IMAGE, "channels": (16, 32), "groups": 4,
+                                 "num_classes": _CLASSES}
 
 
 @dataclass
