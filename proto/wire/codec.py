@@ -124,7 +124,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)  # (numel,)
     if flat.numel() == 0:
         return memoryview(b"")
-    data = memoryview(flat.view(torch.uint8).numpy())  # (numel * itemsize,)
+    data = flat.view(torch.uint8).numpy().data  # (numel * itemsize,), a view of the same bytes
     if not _LITTLE_ENDIAN:
         data = memoryview(_swap_bytes(bytearray(data), tensor.element_size()))
     return data
@@ -365,7 +365,7 @@ class TensorDecoder:
         self._name, self._dtype, self._shape = name, dtype, shape
         # Uninitialised (no zero-filling pass): the chunks must write every byte before finish().
         self._buffer = torch.empty(expected, dtype=torch.uint8)  # (num_bytes,)
-        self._view = memoryview(self._buffer.numpy()) if expected else memoryview(bytearray())
+        self._view = self._buffer.numpy().data if expected else memoryview(bytearray())
         self._filled = 0
         self._open = True
 
