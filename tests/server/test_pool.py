@@ -199,6 +199,20 @@ def test_fewer_samples_than_workers(pool: Any, reference: InProcessExecutor, loo
     loop_thread.call(pool.release(spec.session_id))
 
 
+def test_an_empty_batch_is_one_empty_shard(pool: Any, reference: InProcessExecutor,
+                                           loop_thread: LoopThread) -> None:
+    # Poisson sampling draws empty batches: the step still runs (and gets its noise on the frontend).
+    config = DPConfig(max_grad_norm=0.5)
+    spec = session_spec(config, session_id="empty")
+    parameters = parameters_of(build(seed=8))
+    shards = shards_for(config, 0, pool=pool)
+    assert [(s.worker, s.targets.shape[0]) for s in shards] == [(None, 0)]
+    results = loop_thread.call(pool.run(spec, parameters, shards))
+    assert [r.num_samples for r in results] == [0]
+    assert_same(results, DPGradient.merge(loop_thread.call(reference.run(spec, parameters, shards))))
+    loop_thread.call(pool.release(spec.session_id))
+
+
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=lambda n: f"{n}workers")  # balancing needs >= 2
 def test_uneven_workers_get_shares_proportional_to_throughput(pool: Any, reference: InProcessExecutor,
                                                               loop_thread: LoopThread) -> None:
