@@ -17,6 +17,10 @@ from psg_core import DPConfig, GradSampleModule, dp_gradient, per_sample_gradien
 from psg_core.backends.ghost import _GhostPasses
 from psg_core.layers import DPLSTM, DPMultiheadAttention
 
+# Each test walks the whole heap (gc.get_objects) after its steps: seconds apiece once the test
+# process holds thousands of objects, a third of the unit tests' time. `make test` runs them.
+pytestmark = pytest.mark.slow
+
 _MARK = 13  # a feature size no other tensor in the process has
 
 
