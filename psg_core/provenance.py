@@ -159,6 +159,12 @@ def _batch_axis_after_view(shape_in: Sequence[int], bd: int, shape_out: Sequence
     return UNKNOWN
 
 
+def _only_mask(args: tuple[Any, ...], kwargs: dict[str, Any], sources: dict[int, Any]) -> bool:
+    """Whether the only batch-free operands of an attention call are its mask."""
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    return isinstance(mask, torch.Tensor) and set(sources) == {id(mask)}
+
+
 def _dims_arg(args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> tuple[int, ...] | None:
     dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], (bool, torch.Tensor)) else None)
     if dim is None:
@@ -337,6 +343,13 @@ class BatchTracker(TorchFunctionMode):
             out_bd = self._broadcast_axis(batched, len(shape))
             if out_bd is None:
                 raise self._cannot(name, where, "the batch axis of its batched operand is unknown")
+        elif name == "scaled_dot_product_attention" and _only_mask(args, kwargs, sources):
+            # An additive float mask (T5's position bias) is broadcast onto the (..., Tq, Tk) scores.
+            query, key = args[0], kwargs.get("key", args[1] if len(args) > 1 else None)
+            shape = (*query.shape[:-1], key.shape[-2])
+            out_bd = self._broadcast_axis([query], len(shape))
+            if out_bd is None:
+                raise self._cannot(name, where, "the batch axis of its query is unknown")
         elif name in _CAT:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             ref = batched[0]
@@ -384,7 +397,8 @@ class BatchTracker(TorchFunctionMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not outs:
             return
-        first = batched[0]
+        # Follow an operand whose axis is known (another may be a batch-wide scalar like mask.all()).
+        first = next((t for t in batched if self._batched[t] != UNKNOWN), batched[0])
         bd = self._batched[first]
         for t in outs:
             if t in self._batched and t is first:
@@ -461,8 +475,10 @@ class BatchTracker(TorchFunctionMode):
     @staticmethod
     def _index_axis(x: torch.Tensor, bd: int, index: Any) -> int:
         items = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(i, torch.Tensor) or isinstance(i, list) for i in items):
+        if any(isinstance(i, list) for i in items):
             return UNKNOWN
+        if any(isinstance(i, torch.Tensor) for i in items):
+            return BatchTracker._gather_axis(x, bd, items)
         if any(i is Ellipsis for i in items):
             pos = items.index(Ellipsis)
             consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
@@ -478,6 +494,31 @@ class BatchTracker(TorchFunctionMode):
                 out_axis += 1
             src += 1
         return out_axis + (bd - src)
+
+    @staticmethod
+    def _gather_axis(x: torch.Tensor, bd: int, items: tuple[Any, ...]) -> int:
+        """Advanced indexing ``x[..., rows_index, ...]`` keeps the batch only where the index on the
+        batch axis is ``arange(rows)`` along one axis (how mask utilities pick each row): its
+        values are checked, not its size."""
+        if len(items) > x.dim() or any(i is None or i is Ellipsis for i in items):
+            return UNKNOWN
+        tensor_pos = [p for p, i in enumerate(items) if isinstance(i, torch.Tensor)]
+        if bd not in tensor_pos or tensor_pos != list(range(tensor_pos[0], tensor_pos[-1] + 1)):
+            return UNKNOWN
+        if not all(isinstance(items[p], slice) and items[p] == slice(None) for p in range(len(items))
+                   if p not in tensor_pos):
+            return UNKNOWN
+        index = items[bd]
+        if index.dtype in (torch.bool, torch.uint8) or index.is_floating_point():
+            return UNKNOWN
+        shape = torch.broadcast_shapes(*(items[p].shape for p in tensor_pos))
+        rows = x.shape[bd]
+        axes = [a for a, size in enumerate(index.shape) if size != 1]
+        if len(axes) != 1 or index.shape[axes[0]] != rows:
+            return UNKNOWN
+        if not torch.equal(index.reshape(-1), torch.arange(rows, device=index.device, dtype=index.dtype)):
+            return UNKNOWN
+        return tensor_pos[0] + axes[0] + len(shape) - index.dim()
 
     def _matmul_axis(self, args: tuple[Any, ...], x: torch.Tensor, bd: int, out: torch.Tensor) -> int:
         a, b = (args[0], args[1]) if len(args) >= 2 else (None, None)
