@@ -345,7 +345,7 @@ class BatchTracker(TorchFunctionMode):
                 raise self._cannot(name, where, "the batch axis of its batched operand is unknown")
         elif name == "scaled_dot_product_attention" and _only_mask(args, kwargs, sources):
             # An additive float mask (T5's position bias) is broadcast onto the (..., Tq, Tk) scores.
-            query, key = args[0], kwargs.get("key", args[1] if len(args) > 1 else None)
+            query, key = args[0], kwargs["key"] if "key" in kwargs else args[1]
             shape = (*query.shape[:-1], key.shape[-2])
             out_bd = self._broadcast_axis([query], len(shape))
             if out_bd is None:
