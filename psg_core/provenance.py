@@ -110,12 +110,15 @@ class MeetingPoint:
     #: the trainable parameters ``source`` depends on.
     params: list[torch.Tensor]
     where: str
+    #: entries of the view's batch axis per batch row (see :meth:`BatchTracker.merged`).
+    merged: int = 1
 
     def per_sample_cotangent(self, grad: torch.Tensor, num_samples: int, K: int) -> torch.Tensor:
         """``(N, *source.shape)``: the gradient of each sample's loss w.r.t. ``source`` through
         this op, from ``grad`` (the gradient of the summed loss w.r.t. the expanded view)."""
-        g = grad.movedim(self.batch_dim, 0)  # (N*K, ...)
+        g = grad.movedim(self.batch_dim, 0)  # (N*K*merged, ...)
         rest = g.shape[1:]
+        K = K * self.merged  # entries of the batch axis per sample
         padded = (1,) * (len(self.shape) - self.source.dim()) + tuple(self.source.shape)
         if self.broadcast:
             per_sample = g.reshape(num_samples, K, *rest).sum(1).unsqueeze(1 + self.batch_dim)
@@ -146,17 +149,27 @@ class MeetingPoint:
         return {p: g for p, g in zip(self.params, grads) if g is not None}
 
 
-def _batch_axis_after_view(shape_in: Sequence[int], bd: int, shape_out: Sequence[int]) -> int:
-    """Where the batch axis lands after a reshape, or UNKNOWN when the view merges or splits it."""
+def _batch_axis_after_view(shape_in: Sequence[int], bd: int, merged: int, shape_out: Sequence[int]
+                           ) -> tuple[int, int]:
+    """Where the batch axis lands after a reshape, and how many entries of that axis each batch row
+    then spans (a view that merges the batch with the following axes, e.g. ``(N, T, d) ->
+    (N*T, d)``, keeps it outermost); ``(UNKNOWN, 1)`` when the view splits it."""
+    rows = shape_in[bd] // merged if merged else 0
+    if rows == 0:
+        return UNKNOWN, 1
     before = math.prod(shape_in[:bd])
     acc = 1
     for j, size in enumerate(shape_out):
-        if acc == before and size == shape_in[bd]:
-            return j
+        if acc == before:
+            if size == 1 and rows > 1:
+                continue
+            if size >= rows and size % rows == 0:
+                return j, size // rows
+            return UNKNOWN, 1
         if acc > before:
             break
         acc *= size
-    return UNKNOWN
+    return UNKNOWN, 1
 
 
 def _only_mask(args: tuple[Any, ...], kwargs: dict[str, Any], sources: dict[int, Any]) -> bool:
@@ -210,6 +223,9 @@ class BatchTracker(TorchFunctionMode):
         self._on_meeting = on_meeting
         self._batched = WeakIdKeyDictionary()  # tensor -> batch axis (UNKNOWN when lost)
         self._origin = WeakIdKeyDictionary()  # batch-free tensor -> frozenset of param ids
+        # batched tensor -> entries of its batch axis per batch row, when a view merged the batch
+        # with the axes after it ((N, T, d) -> (N*T, d)); absent means 1.
+        self._merged = WeakIdKeyDictionary()
         self._params: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if p.requires_grad}
         self._frames: list[_Frame] = []
         self._handles: list[Any] = []
@@ -255,6 +271,11 @@ class BatchTracker(TorchFunctionMode):
         """The batch axis of a batched tensor (UNKNOWN when it could not be followed), None when
         the tensor is batch-free."""
         return self._batched.get(tensor)
+
+    def merged(self, tensor: torch.Tensor) -> int:
+        """How many entries of its batch axis each batch row spans (1 unless a view merged the batch
+        with the following axes, as ``hidden.reshape(-1, d)`` does)."""
+        return int(self._merged.get(tensor, 1))
 
     def current_module(self) -> str:
         """The innermost running module, for messages."""
@@ -340,14 +361,14 @@ class BatchTracker(TorchFunctionMode):
         where = frame.path if frame is not None else "<root>"
         if name in _POINTWISE:
             shape = torch.broadcast_shapes(*(t.shape for t in batched + [s for s, _ in sources.values()]))
-            out_bd = self._broadcast_axis(batched, len(shape))
+            out_bd, merged = self._broadcast_axis(batched, len(shape))
             if out_bd is None:
                 raise self._cannot(name, where, "the batch axis of its batched operand is unknown")
         elif name == "scaled_dot_product_attention" and _only_mask(args, kwargs, sources):
             # An additive float mask (T5's position bias) is broadcast onto the (..., Tq, Tk) scores.
             query, key = args[0], kwargs["key"] if "key" in kwargs else args[1]
             shape = (*query.shape[:-1], key.shape[-2])
-            out_bd = self._broadcast_axis([query], len(shape))
+            out_bd, merged = self._broadcast_axis([query], len(shape))
             if out_bd is None:
                 raise self._cannot(name, where, "the batch axis of its query is unknown")
         elif name in _CAT:
@@ -356,7 +377,7 @@ class BatchTracker(TorchFunctionMode):
             bd = self._batched[ref]
             if bd == UNKNOWN or dim % ref.dim() == bd:
                 raise self._cannot(name, where, "it concatenates along the batch axis (or an unknown one)")
-            shape, out_bd = None, bd
+            shape, out_bd, merged = None, bd, self.merged(ref)
         else:
             raise self._cannot(name, where, "only broadcasting pointwise ops and concatenation are supported "
                                             "there")
@@ -370,20 +391,23 @@ class BatchTracker(TorchFunctionMode):
             expanded = source.expand(*target)
             point = MeetingPoint(source=source, shape=tuple(expanded.shape), batch_dim=out_bd,
                                  broadcast=padded[out_bd] == 1 and target[out_bd] != 1,
-                                 params=[self._params[i] for i in sorted(origin)], where=where)
+                                 params=[self._params[i] for i in sorted(origin)], where=where,
+                                 merged=merged)
             self._batched[expanded] = out_bd
+            if merged != 1:
+                self._merged[expanded] = merged
             self.meetings.append(point)
             self._on_meeting(point, expanded)
             return expanded
 
         return tree_map(expand, args), tree_map(expand, kwargs)
 
-    def _broadcast_axis(self, batched: list[torch.Tensor], ndim: int) -> int | None:
+    def _broadcast_axis(self, batched: list[torch.Tensor], ndim: int) -> tuple[int | None, int]:
         for t in batched:
             bd = self._batched[t]
             if bd != UNKNOWN:
-                return int(bd) + ndim - t.dim()
-        return None
+                return int(bd) + ndim - t.dim(), self.merged(t)
+        return None, 1
 
     def _cannot(self, name: str, where: str, why: str) -> UnsupportedModuleError:
         return UnsupportedModuleError(
@@ -399,11 +423,20 @@ class BatchTracker(TorchFunctionMode):
             return
         # Follow an operand whose axis is known (another may be a batch-wide scalar like mask.all()).
         first = next((t for t in batched if self._batched[t] != UNKNOWN), batched[0])
-        bd = self._batched[first]
+        bd = int(self._batched[first])
+        merged = self.merged(first)
         for t in outs:
             if t in self._batched and t is first:
                 continue  # in place: keeps its axis
-            self._batched[t] = self._axis(name, args, kwargs, first, int(bd), t, batched)
+            if name in _VIEW and bd != UNKNOWN:
+                axis, t_merged = _batch_axis_after_view(first.shape, bd, merged, t.shape)
+            else:
+                axis, t_merged = self._axis(name, args, kwargs, first, bd, t, batched), merged
+            self._batched[t] = axis
+            if t_merged != 1 and axis != UNKNOWN:
+                self._merged[t] = t_merged
+            elif t in self._merged:
+                del self._merged[t]
 
     def _axis(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor, bd: int,
               out: torch.Tensor, batched: list[torch.Tensor]) -> int:
@@ -413,8 +446,6 @@ class BatchTracker(TorchFunctionMode):
         self_arg = args[0] if args else None
         if name in _POINTWISE and name not in _MATMUL:
             return bd + nd_out - nd_in
-        if name in _VIEW:
-            return _batch_axis_after_view(x.shape, bd, out.shape)
         if name in ("transpose", "swapaxes", "swapdims") and self_arg is x and len(args) >= 3:
             d0, d1 = args[1] % nd_in, args[2] % nd_in
             return d1 if bd == d0 else d0 if bd == d1 else bd
@@ -489,7 +520,8 @@ class BatchTracker(TorchFunctionMode):
                 out_axis += 1
                 continue
             if src == bd:
-                return UNKNOWN if isinstance(item, int) else out_axis
+                # An int picks one row; a slice other than ``:`` keeps only some rows.
+                return out_axis if item == slice(None) else UNKNOWN
             if not isinstance(item, int):
                 out_axis += 1
             src += 1

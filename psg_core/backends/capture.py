@@ -50,6 +50,19 @@ class LayerCall:
     custom_rows: bool
     #: how many outputs require grad (the gradients the backend will get).
     num_outputs: int
+    #: entries of the batch axis per row in the layer's own tensors (a view merged the batch with
+    #: the axes after it); the record's args are split back to rows, and so must the gradients be.
+    merged: int = 1
+
+    def unmerge(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """An output gradient in the record's layout (the batch split from the axes it was merged with)."""
+        if grad is None or self.merged == 1:
+            return grad
+        return _unmerge(grad, self.batch_dim, self.merged)
+
+
+def _unmerge(tensor: torch.Tensor, dim: int, merged: int) -> torch.Tensor:
+    return tensor.unflatten(dim, (tensor.shape[dim] // merged, merged))
 
 
 def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
@@ -88,6 +101,13 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         followed = tracker.batch_dim(first)
         if followed is not None and followed >= 0:
             batch_dim = followed  # where the batch really is (e.g. a time-major model's last step)
+    merged = tracker.merged(first) if tracker is not None and first is not None else 1
+    if merged > 1 and tracker is not None:
+        # A view merged the batch with the axes after it ((N*T, d) from (N, T, d)): split them
+        # again, so the sampler sees the batch's rows.
+        args = tuple(_unmerge(a, batch_dim, merged) if isinstance(a, torch.Tensor) and tracker.is_batched(a)
+                     and tracker.batch_dim(a) == batch_dim and tracker.merged(a) == merged else a for a in args)
+        first = args[0] if isinstance(args[0], torch.Tensor) else first
     custom = entry.count_rows(layer, args, kwargs) if entry is not None else None
     rows = custom
     if rows is None:
@@ -95,7 +115,7 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     call = LayerCall(layer=layer, args=tuple(_detached(a) for a in args),
                      kwargs={k: _detached(v) for k, v in kwargs.items()}, entry=entry,
                      batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
-                     num_outputs=len(index))
+                     num_outputs=len(index), merged=merged)
     return call, [flat[i] for i in index]
 
 
@@ -110,6 +130,7 @@ def call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int,
     per-layer ``torch.func`` fallback (run inside ``suspend``, which should stop the backend from
     capturing the layer's re-run forward).
     """
+    grads = [call.unmerge(g) for g in grads]
     entry = None if force_functorch else call.entry
     if entry is None or len(grads) != 1 or grads[0] is None:
         if call.custom_rows:

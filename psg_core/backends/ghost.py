@@ -291,7 +291,7 @@ class _GhostPasses:
                 f"dimension {captured.batch_dim}, but the batch has {self.rows} (N*K); the ghost backend needs "
                 "every layer with trainable parameters to see the batch's rows")
         ghost_ok = _is_ghost_layer(layer) and not captured.custom_rows and captured.num_outputs == 1
-        call = _Call(captured, _row_positions(layer, args, output, captured.batch_dim) if ghost_ok else None)
+        call = _Call(captured, _row_positions(layer, captured.args, output, captured.batch_dim) if ghost_ok else None)
         self._layers[layer].calls.append(call)
         self.edges.extend(get_gradient_edge(t) for t in outputs)
         self._handles.append(on_output_grads(outputs, functools.partial(self._on_grads, call)))
@@ -334,7 +334,7 @@ class _GhostPasses:
             ghost_layer = cast(_GhostLayer, layer)  # _capture sets positions for ghost layers only
             bd = call.captured.batch_dim
             a = call.captured.args[0].movedim(bd, 0)  # (N*K, ...)
-            g = grads[0].movedim(bd, 0)  # (N*K, ...)
+            g = cast(torch.Tensor, call.captured.unmerge(grads[0])).movedim(bd, 0)  # (N*K, ...)
             factors, bias_grad = _weight_factors(ghost_layer, a, g, self.K)
             if bias_grad is not None:  # a Linear or convolution with a bias (Embedding has none)
                 self._add(getattr(ghost_layer, "bias"), bias_grad)

@@ -16,7 +16,7 @@ from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, c
                                     get_grad_sample, on_output_grads, set_grad_sample, trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
-from psg_core.errors import GradAccumulationError, UnsupportedModuleError
+from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
 from psg_core.grad_sample.registry import GRAD_SAMPLERS
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
@@ -273,6 +273,14 @@ class GradSampleModule(AbstractGradSampleModule):
                 "tensor as its first argument, so its rows cannot be attributed to samples")
         check_rows(call.rows, self.augmentation_multiplicity,
                    where=f"GradSampleModule ({type(layer).__qualname__})")
+        explicit = self._explicit_tracker
+        if explicit is not None and call.rows != explicit.num_samples * explicit.K:
+            # The batch's rows are known (counted on the targets): a layer that sees another
+            # number on its batch axis would get per-row gradients that are not per-sample.
+            raise BatchLayoutError(
+                f"per_sample_gradients: module {explicit.current_module()} was called with {call.rows} rows "
+                f"on its batch dimension {call.batch_dim}, but the batch has {explicit.num_samples * explicit.K} "
+                "(N*K); psg cannot attribute that layer's rows to samples")
         # Held only until this call's backward has used it, then released.
         held = [call]
         forward_id = self._forward_id
