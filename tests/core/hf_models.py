@@ -1,0 +1,122 @@
+"""Tiny random-initialised Hugging Face models for the batch-provenance tests (no hub download).
+
+Each family is built from a small config with random weights; the batches are right-padded with
+an attention mask, so the position schemes (learned tables on broadcast ids, relative buckets,
+rotary, ALiBi, positions from the mask's cumulative sum) all meet the batch in their own way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+transformers = __import__("pytest").importorskip("transformers")
+
+VOCAB, PAD, EOS = 40, 0, 1
+NUM_LABELS = 2
+
+_COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, num_labels=NUM_LABELS)
+
+
+def _gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=EOS,
+                                  eos_token_id=EOS, **_COMMON)
+    return transformers.GPT2ForSequenceClassification(cfg)
+
+
+def _bert() -> nn.Module:
+    cfg = transformers.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                                  max_position_embeddings=16, **_COMMON)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def _llama() -> nn.Module:
+    cfg = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                   intermediate_size=32, max_position_embeddings=16, bos_token_id=EOS,
+                                   eos_token_id=EOS, **_COMMON)
+    return transformers.LlamaForSequenceClassification(cfg)
+
+
+def _t5() -> nn.Module:
+    cfg = transformers.T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, relative_attention_num_buckets=8,
+                                dropout_rate=0.0, decoder_start_token_id=PAD, eos_token_id=EOS, **_COMMON)
+    return transformers.T5ForSequenceClassification(cfg)
+
+
+def _opt() -> nn.Module:
+    cfg = transformers.OPTConfig(hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
+                                 max_position_embeddings=16, word_embed_proj_dim=16, bos_token_id=EOS,
+                                 eos_token_id=EOS, **_COMMON)
+    return transformers.OPTForSequenceClassification(cfg)
+
+
+def _bloom() -> nn.Module:
+    cfg = transformers.BloomConfig(hidden_size=16, n_layer=2, n_head=2, bos_token_id=EOS, eos_token_id=EOS, **_COMMON)
+    return transformers.BloomForSequenceClassification(cfg)
+
+
+#: family -> (builder, LoRA target modules)
+FAMILIES: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
+    "gpt2": (_gpt2, ["c_attn"]),
+    "bert": (_bert, ["query", "value"]),
+    "llama": (_llama, ["q_proj", "v_proj"]),
+    "t5": (_t5, ["q", "v"]),
+    "opt": (_opt, ["q_proj", "v_proj"]),
+    "bloom": (_bloom, ["query_key_value"]),
+}
+
+
+def build(family: str, *, lora: bool, seed: int = 0) -> nn.Module:
+    """The family's tiny classifier in eval mode (no dropout), optionally with a LoRA adapter."""
+    torch.manual_seed(seed)
+    builder, targets = FAMILIES[family]
+    model = builder().eval()
+    if lora:
+        peft = __import__("pytest").importorskip("peft")
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, lora_dropout=0.0,
+                                 fan_in_fan_out=family == "gpt2")  # GPT-2's Conv1D stores W as (in, out)
+        model = peft.get_peft_model(model, config).eval()
+        # peft leaves the lora_B matrices at zero: randomise them so every gradient is non-trivial.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    return model
+
+
+def batch(family: str, rows: int, steps: int = 6, *, seed: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Right-padded token ids with an attention mask (row 0 ends with two pads) and labels."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (rows, steps), generator=generator)
+    mask = torch.ones(rows, steps, dtype=torch.long)
+    mask[0, -2:] = 0
+    ids[:, -1] = EOS  # T5's classifier reads the last <eos>
+    ids[0, -3] = EOS
+    ids[0, -2:] = PAD
+    labels = torch.randint(0, NUM_LABELS, (rows,), generator=generator)
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def loss_fn(outputs: object, labels: torch.Tensor) -> torch.Tensor:
+    """Unreduced cross-entropy of the classifier's logits."""
+    return F.cross_entropy(outputs.logits, labels, reduction="none")  # type: ignore[attr-defined]
+
+
+def oracle(model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, K: int, *,
+           reduction: str = "mean") -> dict[str, torch.Tensor]:
+    """``{name: (N, *shape)}`` in float64: each sample's gradient from its K rows alone."""
+    import copy
+
+    ref = copy.deepcopy(model).to(torch.float64)
+    params = {name: p for name, p in ref.named_parameters() if p.requires_grad}
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+    for n in range(labels.shape[0] // K):
+        rows = slice(n * K, (n + 1) * K)
+        per_row = loss_fn(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows])
+        loss = per_row.mean() if reduction == "mean" else per_row.sum()
+        for (name, p), g in zip(params.items(), torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
+            grads[name].append(torch.zeros_like(p) if g is None else g)
+    return {name: torch.stack(gs) for name, gs in grads.items()}

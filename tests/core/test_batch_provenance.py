@@ -1,0 +1,305 @@
+"""Where the batch is: the functional entry points follow it from what the caller passed.
+
+Layers whose inputs do not carry the batch (a position table on broadcast ids, a ``(T, T)``
+matrix), even when one of their sizes equals N*K; an EmbeddingBag's bags given by offsets; a
+PackedSequence's sequences; a time-major network whose head reads the last step; a view that
+merges the batch with the sequence axis. Each mode gives the oracle's per-sample gradients or a
+PsgError naming the layer, never a silent sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import psg_core
+from psg_core import (BatchLayoutError, DPConfig, PsgError, UnsupportedModuleError, dp_gradient,
+                      per_sample_gradients)
+from psg_core.layers import DPGRU, DPLSTM
+from tests.oracle import assert_close_scaled, microbatch_oracle
+
+MODES = ["hooks", "functorch", "ew"]
+REDUCTIONS = ["mean", "sum"]
+
+
+def _oracle(model: nn.Module, samples: list[tuple[tuple[Any, ...], torch.Tensor]], loss: Any,
+            reduction: str) -> dict[str, torch.Tensor]:
+    return microbatch_oracle(model, samples, lambda out, y: _reduce(loss(out, y), reduction))
+
+
+def _reduce(per_element: torch.Tensor, reduction: str) -> torch.Tensor:
+    return per_element.mean() if reduction == "mean" else per_element.sum()
+
+
+def _assert_grads(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(actual) == set(expected)
+    for name, ref in expected.items():
+        assert_close_scaled(actual[name], ref, name=name)
+
+
+def _assert_ghost(model: nn.Module, inputs: Any, targets: torch.Tensor, loss: Any, expected: dict[str, torch.Tensor],
+                  *, K: int, reduction: str, batch_first: bool = True) -> None:
+    bound = 0.05
+    reference = psg_core.clip_and_sum({n: g.to(torch.float32) for n, g in expected.items()}, max_grad_norm=bound)
+    result = dp_gradient(model, inputs, targets, loss_fn=loss,
+                         config=DPConfig(mode="ghost", augmentation_multiplicity=K, loss_reduction=reduction,
+                                         batch_first=batch_first, max_grad_norm=bound))
+    assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms")
+    _assert_grads(result.grads, reference.grads)
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y, reduction="none")
+
+
+# ----------------------------------------------------------------------------- batch-free layers
+class PositionTable(nn.Module):
+    """Token embedding plus a learned position table looked up with broadcast ``(1, T)`` ids."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(11, 4)
+        self.positions = nn.Embedding(steps, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1])[None]  # (1, T): no batch
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(positions)))  # (N*K, T, 2)
+
+
+class PairBias(nn.Module):
+    """A bias over (T, T) pairs from a bucket matrix, added to batched scores (T5-like)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.bias = nn.Embedding(2 * steps, 1)
+        self.proj = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*K, T, 3)
+        steps = x.shape[1]
+        buckets = torch.arange(steps)[:, None] - torch.arange(steps)[None, :] + steps  # (T, T)
+        h = self.proj(x)
+        scores = h @ h.transpose(1, 2) + self.bias(buckets).squeeze(-1)  # (N*K, T, T)
+        return scores.softmax(-1) @ x  # (N*K, T, 3)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_position_table_with_sequence_length_equal_to_rows(mode: str, K: int, reduction: str) -> None:
+    """T == N*K: the table's (1, T) lookup has T on no batch axis, whatever the sizes say."""
+    torch.manual_seed(0)
+    N = 3
+    steps = N * K
+    model = PositionTable(steps)
+    ids, y = torch.randint(0, 11, (N * K, steps)), torch.randn(N * K, steps, 2)
+    samples = [((ids[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = _oracle(model, samples, _mse, reduction)
+    grads = per_sample_gradients(model, ids, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K,
+                                 loss_reduction=reduction)
+    _assert_grads(grads, expected)
+    _assert_ghost(model, ids, y, _mse, expected, K=K, reduction=reduction)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_pair_bias_from_a_square_bucket_matrix(K: int) -> None:
+    """A (T, T) bucket matrix with T == N*K is not a batch of T rows."""
+    torch.manual_seed(1)
+    N = 2
+    model = PairBias(N * K)
+    x, y = torch.randn(N * K, N * K, 3), torch.randn(N * K, N * K, 3)
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = _oracle(model, samples, _mse, "mean")
+    for mode in ("hooks", "functorch"):
+        _assert_grads(per_sample_gradients(model, x, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K), expected)
+    _assert_ghost(model, x, y, _mse, expected, K=K, reduction="mean")
+    wrapped = psg_core.GradSampleModule(model, augmentation_multiplicity=K)
+    try:
+        _reduce(_mse(wrapped(x), y), "mean").backward()
+        _assert_grads({n: p.grad_sample for n, p in model.named_parameters()}, expected)
+    finally:
+        wrapped.remove_hooks()
+
+
+def test_unsupported_meeting_names_the_module() -> None:
+    """A batch-free tensor from parameters that meets the batch in an op psg cannot split."""
+
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Embedding(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.table(torch.arange(4))  # (N, 4) @ (4, 4): a weight made of a lookup
+
+    with pytest.raises(UnsupportedModuleError, match=r"'<root>'.*matmul"):
+        per_sample_gradients(Mixer(), torch.randn(4, 4), torch.randn(4, 4), loss_fn=_mse)
+
+
+# ----------------------------------------------------------------------------- EmbeddingBag offsets
+class BagHead(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 4, mode=mode)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(tokens, offsets))
+
+
+def _bags(K: int, N: int = 3, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [int(v) for v in torch.randint(1, 5, (N * K,), generator=generator)]
+    tokens = torch.randint(0, 20, (sum(lengths),), generator=generator)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    return tokens, offsets, lengths, torch.randn(N * K, 2, generator=generator)
+
+
+@pytest.mark.parametrize("bag_mode", ["sum", "mean"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("K", [1, 2])
+def test_embedding_bag_offsets_through_the_functional_api(bag_mode: str, reduction: str, K: int) -> None:
+    """Rows are bags (the targets' rows), not tokens; the token count need not divide anything."""
+    torch.manual_seed(3)
+    N = 3
+    model = BagHead(bag_mode)
+    tokens, offsets, lengths, y = _bags(K, N)
+    samples = []
+    starts = offsets.tolist() + [tokens.shape[0]]
+    for n in range(N):
+        first, last = starts[n * K], starts[(n + 1) * K]
+        sample_offsets = offsets[n * K:(n + 1) * K] - first
+        samples.append(((tokens[first:last], sample_offsets), y[n * K:(n + 1) * K]))
+    expected = _oracle(model, samples, _mse, reduction)
+    grads = per_sample_gradients(model, (tokens, offsets), y, loss_fn=_mse, augmentation_multiplicity=K,
+                                 loss_reduction=reduction)
+    _assert_grads(grads, expected)
+    _assert_ghost(model, (tokens, offsets), y, _mse, expected, K=K, reduction=reduction)
+    for mode in ("functorch", "ew"):  # they cannot split offsets per sample: refused, naming the layer
+        with pytest.raises(UnsupportedModuleError, match=r"'bag' \(EmbeddingBag\)"):
+            per_sample_gradients(model, (tokens, offsets), y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K)
+
+
+# ----------------------------------------------------------------------------- packed sequences
+class PackedClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = DPLSTM(3, 4, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, packed: Any) -> torch.Tensor:
+        _, (h, _) = self.rnn(packed)  # h: (2, B, 4)
+        return self.head(torch.cat([h[0], h[1]], dim=1))  # (B, 2)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("K", [1, 3])
+def test_packed_sequence_through_the_functional_api(K: int, reduction: str) -> None:
+    torch.manual_seed(4)
+    N = 2
+    model = PackedClassifier()
+    padded = torch.randn(N * K, 5, 3)
+    lengths = torch.tensor([5, 2, 4, 3, 1, 5][:N * K])
+    packed = pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=False)
+    y = torch.randn(N * K, 2)
+    samples = [((pack_padded_sequence(padded[n * K:(n + 1) * K].double(), lengths[n * K:(n + 1) * K],
+                                      batch_first=True, enforce_sorted=False),), y[n * K:(n + 1) * K])
+               for n in range(N)]
+    expected = _oracle(model, samples, _mse, reduction)
+    grads = per_sample_gradients(model, packed, y, loss_fn=_mse, augmentation_multiplicity=K, loss_reduction=reduction)
+    _assert_grads(grads, expected)
+    _assert_ghost(model, packed, y, _mse, expected, K=K, reduction=reduction)
+    with pytest.raises(UnsupportedModuleError, match="PackedSequence"):
+        per_sample_gradients(model, packed, y, loss_fn=_mse, mode="functorch", augmentation_multiplicity=K)
+
+
+# ----------------------------------------------------------------------------- time-major networks
+class TimeMajorGRU(nn.Module):
+    """A 2-layer bidirectional GRU run time-major whose head reads the last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = DPGRU(3, 4, num_layers=2, bidirectional=True)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, N*K, 3)
+        out, _ = self.rnn(x)  # (T, N*K, 8)
+        return self.head(out[-1])  # (N*K, 5)
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_time_major_head_on_the_last_step(K: int) -> None:
+    torch.manual_seed(5)
+    N, steps = 2, 4
+    model = TimeMajorGRU()
+    x = torch.randn(steps, N * K, 3)
+    y = torch.randint(0, 5, (N * K,))  # (N*K,): their batch dimension is their own first one
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, target, reduction="none")
+
+    samples = [((x[:, n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = _oracle(model, samples, loss, "mean")
+    for mode in ("hooks", "functorch"):
+        grads = per_sample_gradients(model, x, y, loss_fn=loss, mode=mode, augmentation_multiplicity=K, batch_first=False)
+        _assert_grads(grads, expected)
+    _assert_ghost(model, x, y, loss, expected, K=K, reduction="mean", batch_first=False)
+
+
+# ----------------------------------------------------------------------------- merged batch axes
+class FlatMLP(nn.Module):
+    """Runs its MLP on ``(N*T, d)`` rows, as OPT's decoder does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, T, 4)
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N*K*T, 4)
+        return (x.reshape(-1, shape[-1]) + self.fc(self.norm(flat))).view(shape)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_views_that_merge_the_batch_with_the_sequence(mode: str, K: int) -> None:
+    torch.manual_seed(6)
+    N, steps = 3, 5
+    model = FlatMLP()
+    x, y = torch.randn(N * K, steps, 4), torch.randn(N * K, steps, 4)
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = _oracle(model, samples, _mse, "mean")
+    _assert_grads(per_sample_gradients(model, x, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K), expected)
+    _assert_ghost(model, x, y, _mse, expected, K=K, reduction="mean")
+
+
+# ----------------------------------------------------------------------------- keyword inputs, errors
+def test_keyword_inputs_and_layout_errors() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+        def forward(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+            return self.a(left) * self.b(right)
+
+    torch.manual_seed(7)
+    model = Pair()
+    left, right, y = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 2)
+    positional = per_sample_gradients(model, (left, right), y, loss_fn=_mse, augmentation_multiplicity=2)
+    for mode in MODES:
+        named = per_sample_gradients(model, {"right": right, "left": left}, y, loss_fn=_mse, mode=mode,
+                                     augmentation_multiplicity=2)
+        _assert_grads(named, positional)
+    with pytest.raises(BatchLayoutError, match="no input tensor has 6 rows"):
+        per_sample_gradients(model, (left, right), torch.randn(6, 2), loss_fn=_mse)
+    with pytest.raises(BatchLayoutError, match="not divisible"):
+        per_sample_gradients(model, (left, right), y, loss_fn=_mse, augmentation_multiplicity=3)
+    with pytest.raises(PsgError):
+        per_sample_gradients(model, {1: left}, y, loss_fn=_mse)
