@@ -24,7 +24,8 @@ from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError
                              GradAccumulationError, NonFiniteInputError, PsgError,
                              UnsupportedModuleError)
 from psg_core.fix_model import fix_model
-from psg_core.grad_sample import GRAD_SAMPLERS, GradSamplerRegistry, register_grad_sampler
+from psg_core.grad_sample import (GHOST_NORMS, GRAD_SAMPLERS, GhostFactors, GradSamplerRegistry,
+                                  register_ghost_norm, register_grad_sampler)
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.noise import add_noise, secure_generator
@@ -55,7 +56,9 @@ __all__ = [
     "ConfigError",
     "DPConfig",
     "DPGradient",
+    "GHOST_NORMS",
     "GRAD_SAMPLERS",
+    "GhostFactors",
     "GradAccumulationError",
     "GradSampleMode",
     "GradSampleModule",
@@ -66,5 +69,6 @@ __all__ = [
     "UnsupportedModuleError",
     "fix_model",
     "per_sample_gradients",
+    "register_ghost_norm",
     "register_grad_sampler",
 ]

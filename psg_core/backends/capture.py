@@ -95,7 +95,7 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             return None
         first = next((a for a in args if isinstance(a, torch.Tensor) and tracker.is_batched(a)), first)
     entry = GRAD_SAMPLERS.lookup(layer)
-    if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or (entry is not None and entry.always_batch_first):
+    if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or (entry is not None and entry.batch_first_only):
         batch_dim = 0
     elif tracker is not None and first is not None:
         followed = tracker.batch_dim(first)

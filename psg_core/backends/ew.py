@@ -32,12 +32,12 @@ from torch.utils._pytree import tree_flatten
 
 from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, check_rows, get_grad_sample,
                                    set_grad_sample, trainable_parameters)
-from psg_core.backends.functorch import reject_batch_mixing
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
-from psg_core.layout import BatchLayout, ModelInputs
+from psg_core.layout import BatchLayout, ModelInputs, fold_rows
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import GradSampleMode, LossReduction
+from psg_core.support import reject_batch_mixing
 
 __all__ = ["ExpandedWeightsGradSampleModule", "ew_per_sample", "ew_supported_functions"]
 
@@ -216,11 +216,6 @@ def _take_per_row(alias: torch.Tensor, padding_row: int | None) -> torch.Tensor 
     return per_row
 
 
-def _fold(per_row: torch.Tensor, K: int) -> torch.Tensor:
-    """``(N*K, ...)`` per-row gradients -> ``(N, ...)`` per-sample sums over the K copies."""
-    return per_row.reshape(per_row.shape[0] // K, K, *per_row.shape[1:]).sum(1)
-
-
 def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn: LossFn, *,
                   layout: BatchLayout, reduction: LossReduction) -> PerSampleOutput:
     """Per-sample gradients and losses of ``module`` with torch's ExpandedWeights.
@@ -258,7 +253,7 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
     for name, alias in aliases.items():
         per_row = _take_per_row(alias, padding_rows.get(name))
         param = params[name]
-        grads[name] = (_fold(per_row, K) if per_row is not None
+        grads[name] = (fold_rows(per_row, K).sum(1) if per_row is not None
                        else torch.zeros(num_samples, *param.shape, dtype=param.dtype, device=param.device))
     return PerSampleOutput(grads=grads, per_sample_losses=losses.detach(), num_samples=num_samples)
 
@@ -354,7 +349,7 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
                 # Per-row gradients are exact (reduction "sum"), so their sum is the batch gradient.
                 batch_grad = per_row.sum(0).to(param.dtype)
                 param.grad = batch_grad if param.grad is None else param.grad + batch_grad
-                sample = _fold(per_row, K) * scale  # (N, *shape)
+                sample = fold_rows(per_row, K).sum(1) * scale  # (N, *shape)
                 if name in folded:
                     if folded[name].shape != sample.shape:
                         raise GradAccumulationError(

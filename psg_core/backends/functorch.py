@@ -23,6 +23,7 @@ from psg_core.errors import BatchLayoutError, ConfigError, PsgError, Unsupported
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn
 from psg_core.modes import LossReduction
+from psg_core.support import NOT_VMAPPABLE, reject_batch_mixing, reject_fused
 
 __all__ = ["functorch_per_sample", "check_functorch_support", "reject_batch_mixing"]
 
@@ -31,33 +32,15 @@ logger = logging.getLogger(__name__)
 _WHERE = "per_sample_gradients(mode='functorch')"
 
 
-def reject_batch_mixing(module: nn.Module, *, where: str) -> None:
-    """Raises :class:`UnsupportedModuleError` naming the first BatchNorm in training mode.
-
-    It normalises with statistics of the whole batch, so a sample's gradient depends on the other
-    samples and per-sample gradients are undefined (even when its own affine parameters are frozen).
-    """
-    for path, layer in module.named_modules():
-        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.training:
-            raise UnsupportedModuleError(
-                f"{where}: module '{path or '<root>'}' ({type(layer).__qualname__}) is a BatchNorm in "
-                "training mode, which mixes the samples of a batch, so per-sample gradients are "
-                "undefined; call .eval() on it or replace it with GroupNorm (psg_core.fix_model does)")
-
-
 def check_functorch_support(module: nn.Module, *, where: str = _WHERE) -> None:
     """Raises :class:`UnsupportedModuleError` for layers ``vmap`` cannot treat per sample.
 
-    BatchNorm in training mode mixes samples (see :func:`reject_batch_mixing`); fused recurrent
-    layers have no batching rule in ``torch.func``. Both name the offending module and the fix.
+    BatchNorm in training mode mixes samples; fused recurrent layers have no batching rule in
+    ``torch.func`` (see :mod:`psg_core.support`). Both name the offending module and the fix.
     """
     reject_batch_mixing(module, where=where)
-    for path, layer in module.named_modules():
-        name = f"'{path or '<root>'}' ({type(layer).__qualname__})"
-        if isinstance(layer, nn.RNNBase) and any(p.requires_grad for p in layer.parameters()):
-            raise UnsupportedModuleError(
-                f"{where}: module {name} is a fused recurrent layer, which torch.func cannot vmap; swap "
-                "it for its DP rewrite with psg_core.fix_model")
+    reject_fused(module, where=where, layer_types=NOT_VMAPPABLE,
+                 why="a fused recurrent layer, which torch.func cannot vmap")
 
 
 def _split(flat: list[Any], dims: dict[int, int], layout: BatchLayout) -> tuple[list[Any], list[int | None]]:

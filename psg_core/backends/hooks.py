@@ -22,15 +22,11 @@ from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import LossReduction
 from psg_core.provenance import BatchTracker, MeetingPoint
+from psg_core.support import FUSED, SAMPLE_MIXING
 
 __all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST", "hooks_per_sample"]
 
 logger = logging.getLogger(__name__)
-
-
-# Layers that mix samples within a batch, or fused layers whose kernels hooks cannot see into.
-_MIXING = (nn.modules.batchnorm._BatchNorm,)
-_FUSED = (nn.RNNBase, nn.MultiheadAttention)
 
 
 def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -211,7 +207,7 @@ class GradSampleModule(AbstractGradSampleModule):
     @classmethod
     def is_supported(cls, module: nn.Module) -> bool:
         """Whether this single module (not its children) can get per-sample gradients by hooks."""
-        if isinstance(module, _MIXING):
+        if isinstance(module, SAMPLE_MIXING):
             return False
         return not _own_trainable(module) or GRAD_SAMPLERS.lookup(module) is not None
 
@@ -227,11 +223,11 @@ class GradSampleModule(AbstractGradSampleModule):
         errors: list[UnsupportedModuleError] = []
         for path, layer in module.named_modules():
             where = f"'{path or '<root>'}' ({type(layer).__qualname__})"
-            if isinstance(layer, _MIXING) and (layer.training or _own_trainable(layer)):
+            if isinstance(layer, SAMPLE_MIXING) and (layer.training or _own_trainable(layer)):
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} mixes samples of a batch, so per-sample "
                     "gradients are undefined; replace it with GroupNorm (psg_core.fix_model does)"))
-            elif isinstance(layer, _FUSED) and _own_trainable(layer):
+            elif isinstance(layer, FUSED) and _own_trainable(layer):
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} is a fused layer; swap it for its DP "
                     "rewrite with psg_core.fix_model"))

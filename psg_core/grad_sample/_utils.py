@@ -9,14 +9,7 @@ import torch
 if TYPE_CHECKING:  # typing.TypeIs is Python 3.13+; torch depends on typing_extensions anyway
     from typing_extensions import TypeIs
 
-__all__ = ["split_k", "wants_grad"]
-
-
-def split_k(tensor: torch.Tensor, augmentation_multiplicity: int) -> torch.Tensor:
-    """Views ``(N*K, ...)`` as ``(N, K, ...)`` (rows are sample-major). No copy."""
-    rows = tensor.shape[0]
-    return tensor.reshape(rows // augmentation_multiplicity, augmentation_multiplicity,
-                          *tensor.shape[1:])
+__all__ = ["wants_grad"]
 
 
 def wants_grad(param: torch.Tensor | None) -> TypeIs[torch.Tensor]:

@@ -15,8 +15,8 @@ Both cases are expressed as a pair of factors (see :func:`conv_weight_factors`):
 
 and the per-sample gradient of a transposed convolution is one contraction over the K copies and
 the L positions (the copies are folded next to the positions while the patches are copied out, so
-the contraction is a single batched matmul). The ghost clipping backend reuses the same factors to
-get per-sample norms from Gram matrices over L.
+the contraction is a single batched matmul). The ghost norm of the family (registered below)
+reuses the same factors to get per-sample norms from Gram matrices over L, one pair per group.
 
 An ``nn.ConvNd`` weight needs no unfolded patches: stacking the samples along channels turns the
 per-sample gradients into the weight gradient of one grouped convolution (``groups = N * G``)
@@ -27,7 +27,7 @@ over copies built in and without im2col's ``prod(kernel_size)``-fold copy of the
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +35,13 @@ from opt_einsum import contract
 from torch import nn
 
 from psg_core.errors import BatchLayoutError, ConfigError
-from psg_core.grad_sample._utils import split_k, wants_grad
+from psg_core.grad_sample._utils import wants_grad
+from psg_core.grad_sample.ghost_norm import GhostFactors, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
+from psg_core.layout import fold_rows
 
 __all__ = ["ConvFactors", "conv_unfold", "conv_weight_factors", "conv_weight_per_sample", "conv_weight_sum",
-           "conv_grad_sample", "conv_transpose_grad_sample"]
+           "conv_grad_sample", "conv_transpose_grad_sample", "conv_ghost_factors"]
 
 _ConvLayer = nn.Conv1d | nn.Conv2d | nn.Conv3d
 _ConvTransposeLayer = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
@@ -363,12 +365,13 @@ def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.
     if wants_grad(layer.weight):
         out[layer.weight] = conv_weight_per_sample(layer, activation, backprops, K)  # (N, *weight)
     if wants_grad(layer.bias):
-        g = split_k(backprops.flatten(2), K)  # (N, K, C_out, L_out)
+        g = fold_rows(backprops.flatten(2), K)  # (N, K, C_out, L_out)
         out[layer.bias] = contract("nkol->no", g)  # (N, C_out)
     return out
 
 
-@register_grad_sampler(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# torch fixes a convolution's batch at dim 0 whatever the model's layout.
+@register_grad_sampler(nn.Conv1d, nn.Conv2d, nn.Conv3d, k_aware=True, batch_first_only=True)
 def conv_grad_sample(layer: _ConvLayer, activations: list[torch.Tensor], backprops: torch.Tensor,
                      K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``nn.Conv1d/2d/3d``, summed over each sample's K rows.
@@ -386,7 +389,8 @@ def conv_grad_sample(layer: _ConvLayer, activations: list[torch.Tensor], backpro
     return _weight_and_bias(layer, activations[0], backprops, K)
 
 
-@register_grad_sampler(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+@register_grad_sampler(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, k_aware=True,
+                       batch_first_only=True)
 def conv_transpose_grad_sample(layer: _ConvTransposeLayer, activations: list[torch.Tensor],
                                backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``nn.ConvTranspose1d/2d/3d``, summed over each sample's K rows.
@@ -403,6 +407,40 @@ def conv_transpose_grad_sample(layer: _ConvTransposeLayer, activations: list[tor
     """
     return _weight_and_bias(layer, activations[0], backprops, K)
 
-# torch fixes a convolution's batch at dim 0 whatever the model's layout (see hooks.py).
-setattr(conv_grad_sample, "always_batch_first", True)
-setattr(conv_transpose_grad_sample, "always_batch_first", True)
+
+# ------------------------------------------------------------------------------------ ghost norm
+def _conv_positions(layer: _ConvLayer | _ConvTransposeLayer, x: torch.Tensor, output: Any,
+                    batch_dim: int) -> int | None:
+    """The factor rows of one input row: output positions of a convolution, input positions of a
+    transposed one (its patches are unfolded from the output gradient)."""
+    if isinstance(layer, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        return math.prod(x.shape[2:])
+    return math.prod(output.shape[2:]) if isinstance(output, torch.Tensor) else None
+
+
+def _conv_weight_sum(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                     backprop: torch.Tensor) -> torch.Tensor:
+    return conv_weight_sum(layer, activation.to(backprop.dtype), backprop).to(layer.weight.dtype)
+
+
+def _conv_gram_is_cheaper(layer: _ConvLayer | _ConvTransposeLayer, positions: int) -> bool:
+    """Two ``(T, T)`` Grams per group against one materialised weight."""
+    return 2 * layer.groups * positions * positions <= layer.weight.numel()
+
+
+@register_ghost_norm(nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                     nn.ConvTranspose3d, weight_sum=_conv_weight_sum, positions=_conv_positions,
+                     is_cheaper=_conv_gram_is_cheaper)
+def conv_ghost_factors(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                       backprop: torch.Tensor, K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
+    """The unfolded factors of :func:`conv_weight_factors`, one Gram pair per group.
+
+    >>> conv = nn.Conv2d(4, 6, 3, groups=2)
+    >>> factors, others = conv_ghost_factors(conv, torch.randn(4, 4, 5, 5), torch.randn(4, 6, 3, 3), 2)
+    >>> factors.left.shape, factors.right.shape, others[conv.bias].shape
+    (torch.Size([2, 2, 18, 18]), torch.Size([2, 2, 18, 3]), torch.Size([2, 6]))
+    """
+    patches, other = conv_weight_factors(layer, activation, backprop, K)  # (N, G, I, K*L), (N, G, O, K*L)
+    factors = GhostFactors.dot(patches.transpose(-1, -2), other.transpose(-1, -2))  # (N, G, K*L, .)
+    bias = {layer.bias: fold_rows(backprop.flatten(2), K).sum((1, 3))} if wants_grad(layer.bias) else {}  # (N, C_out)
+    return factors, bias

@@ -1,4 +1,4 @@
-"""Per-sample gradients of ``nn.Embedding`` and ``nn.EmbeddingBag``.
+"""Per-sample gradients of ``nn.Embedding`` and ``nn.EmbeddingBag``, and the ghost norm of ``nn.Embedding``.
 
 A lookup table's gradient is a scatter of output gradients into the rows that were looked up.
 Per sample, every looked-up token of row ``r = n*K + k`` adds into sample n's own
@@ -10,6 +10,9 @@ without an ``(N*K, num_embeddings, dim)`` intermediate.
 with a 1-D input and ``offsets``, its rows are its bags (``len(offsets)``, minus one with
 ``include_last_offset``), sample-major like every other layer's rows; ``offsets`` and
 ``per_sample_weights`` may be passed positionally or by keyword.
+
+The ghost norm of ``nn.Embedding``: sample n's gradient scatters its output gradients ``g_t`` into
+the rows of its tokens, so its squared norm is ``sum_{s,t} [token_s == token_t] (g_s . g_t)``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from torch import nn
 
 from psg_core.errors import UnsupportedModuleError
 from psg_core.grad_sample._utils import wants_grad
+from psg_core.grad_sample.ghost_norm import GhostFactors, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 
-__all__ = ["embedding_grad_sample", "embedding_bag_grad_sample"]
+__all__ = ["embedding_grad_sample", "embedding_ghost_factors", "embedding_bag_grad_sample"]
 
 
 def _per_sample_scatter(tokens: torch.Tensor, sample_of_token: torch.Tensor, values: torch.Tensor,
@@ -44,7 +48,7 @@ def _reject_batch_mixing(layer: nn.Embedding | nn.EmbeddingBag, where: str) -> N
             "batch, which mixes samples; per-sample gradients are undefined for it")
 
 
-@register_grad_sampler(nn.Embedding)
+@register_grad_sampler(nn.Embedding, k_aware=True)
 def embedding_grad_sample(layer: nn.Embedding, activations: list[torch.Tensor],
                           backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradient of ``nn.Embedding.weight``: ``(N, num_embeddings, embedding_dim)``.
@@ -73,6 +77,40 @@ def embedding_grad_sample(layer: nn.Embedding, activations: list[torch.Tensor],
     if layer.padding_idx is not None:
         grad[:, layer.padding_idx] = 0
     return {layer.weight: grad}
+
+
+def _embedding_positions(layer: nn.Embedding, tokens: torch.Tensor, output: Any, batch_dim: int) -> int | None:
+    """Every token of an input row is a position: ``(rows, *T)`` gives ``prod(T)``."""
+    return tokens.numel() // max(1, tokens.shape[batch_dim])
+
+
+def _embedding_weight_sum(layer: nn.Embedding, tokens: torch.Tensor, backprop: torch.Tensor) -> torch.Tensor:
+    """``(V, d)``: the table's gradient summed over every row of the call."""
+    flat = tokens.reshape(-1)  # (rows*T,)
+    out = backprop.new_zeros(layer.weight.shape)  # (V, d)
+    out.index_add_(0, flat, backprop.reshape(flat.shape[0], -1))
+    if layer.padding_idx is not None:
+        out[layer.padding_idx] = 0
+    return out.to(layer.weight.dtype)
+
+
+@register_ghost_norm(nn.Embedding, weight_sum=_embedding_weight_sum, positions=_embedding_positions)
+def embedding_ghost_factors(layer: nn.Embedding, tokens: torch.Tensor, backprop: torch.Tensor,
+                            K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
+    """Sample n's token ids and output gradients over its ``K*T`` rows (padding rows zeroed).
+
+    >>> factors, _ = embedding_ghost_factors(nn.Embedding(10, 3), torch.tensor([[1, 1], [2, 1]]),
+    ...                                      torch.ones(2, 2, 3), 2)
+    >>> factors.left.tolist(), float(factors.sq_norms(torch.float32)[0])  # row 1 gets 3 * (1, 1, 1)
+    ([[1, 1, 2, 1]], 30.0)
+    """
+    _reject_batch_mixing(layer, "embedding_ghost_factors")
+    n_samples = tokens.shape[0] // K
+    per_sample = tokens.reshape(n_samples, -1)  # (N, K*T)
+    right = backprop.reshape(n_samples, per_sample.shape[1], -1)  # (N, K*T, d)
+    if layer.padding_idx is not None:
+        right = right * (per_sample != layer.padding_idx).unsqueeze(-1).to(right.dtype)
+    return GhostFactors.index(per_sample, right), {}
 
 
 def _bag_call(activations: list[Any], kwargs: dict[str, Any]
@@ -132,7 +170,9 @@ def _max_grad_sample(layer: nn.EmbeddingBag, tokens: torch.Tensor, bag: torch.Te
     return out.view(n_samples, layer.num_embeddings, dim)  # (N, V, d)
 
 
-@register_grad_sampler(nn.EmbeddingBag)
+# torch fixes the bags at dim 0 whatever the model's layout, and a 1-D input's rows are its bags.
+@register_grad_sampler(nn.EmbeddingBag, k_aware=True, batch_first_only=True, count_rows=_bag_rows,
+                       with_kwargs=True)
 def embedding_bag_grad_sample(layer: nn.EmbeddingBag, activations: list[Any],
                               backprops: torch.Tensor, K: int, *,
                               kwargs: dict[str, Any]) -> dict[torch.Tensor, torch.Tensor]:
@@ -176,9 +216,3 @@ def embedding_bag_grad_sample(layer: nn.EmbeddingBag, activations: list[Any],
     grad = _per_sample_scatter(tokens[keep], bag[keep] // K, values, bags // K,
                                layer.num_embeddings)  # (N, V, d)
     return {layer.weight: grad}
-
-
-# How the hooks backend reads EmbeddingBag calls (psg_core/backends/hooks.py): bags are always
-# dim 0, and a 1-D input's row count is its number of bags.
-setattr(embedding_bag_grad_sample, "always_batch_first", True)
-setattr(embedding_bag_grad_sample, "batch_rows", _bag_rows)

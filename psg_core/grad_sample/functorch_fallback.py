@@ -13,6 +13,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from psg_core.layout import fold_rows
+
 __all__ = ["functorch_layer_grad_sample"]
 
 
@@ -38,14 +40,12 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
         ``{parameter: (N, *parameter.shape)}``, gradients of each sample's summed row losses.
     """
     K = augmentation_multiplicity
-    n_samples = rows // K
     params = {name: p.detach() for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
     if not params:
         return {}
 
     def to_samples(t: torch.Tensor) -> torch.Tensor:
-        t = t.movedim(batch_dim, 0)  # (N*K, ...)
-        return t.reshape(n_samples, K, *t.shape[1:])  # (N, K, ...)
+        return fold_rows(t.movedim(batch_dim, 0), K)  # (N, K, ...)
 
     flat_inputs, input_spec = tree_flatten((args, kwargs))
     in_dims = [0 if _is_batched(v, batch_dim, rows) else None for v in flat_inputs]

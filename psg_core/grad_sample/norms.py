@@ -63,7 +63,7 @@ def _channel_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | None
     return out
 
 
-@register_grad_sampler(nn.LayerNorm)
+@register_grad_sampler(nn.LayerNorm, k_aware=True)
 def layer_norm_grad_sample(layer: nn.LayerNorm, activations: list[torch.Tensor],
                            backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``nn.LayerNorm`` (weight and, unless ``bias=False``, bias).
@@ -80,7 +80,7 @@ def layer_norm_grad_sample(layer: nn.LayerNorm, activations: list[torch.Tensor],
     return _trailing_affine_grads(layer.weight, layer.bias, x_hat, backprops, shape, K)
 
 
-@register_grad_sampler(nn.RMSNorm)
+@register_grad_sampler(nn.RMSNorm, k_aware=True)
 def rms_norm_grad_sample(layer: nn.RMSNorm, activations: list[torch.Tensor],
                          backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradient of ``nn.RMSNorm.weight``: ``(N, *normalized_shape)``.
@@ -98,7 +98,7 @@ def rms_norm_grad_sample(layer: nn.RMSNorm, activations: list[torch.Tensor],
     return _trailing_affine_grads(layer.weight, None, x_hat, backprops, shape, K)
 
 
-@register_grad_sampler(nn.GroupNorm)
+@register_grad_sampler(nn.GroupNorm, k_aware=True, batch_first_only=True)
 def group_norm_grad_sample(layer: nn.GroupNorm, activations: list[torch.Tensor],
                            backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``nn.GroupNorm``: weight and bias ``(N, C)``.
@@ -119,7 +119,8 @@ _INSTANCE_NORM_DIMS: dict[type[nn.Module], int] = {nn.InstanceNorm1d: 3, nn.Inst
                                                    nn.InstanceNorm3d: 5}
 
 
-@register_grad_sampler(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+@register_grad_sampler(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, k_aware=True,
+                       batch_first_only=True)
 def instance_norm_grad_sample(layer: nn.InstanceNorm1d | nn.InstanceNorm2d | nn.InstanceNorm3d,
                               activations: list[torch.Tensor], backprops: torch.Tensor,
                               K: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -146,8 +147,3 @@ def instance_norm_grad_sample(layer: nn.InstanceNorm1d | nn.InstanceNorm2d | nn.
         x_hat = F.instance_norm(x, layer.running_mean, layer.running_var, use_input_stats=False,
                                 eps=layer.eps)  # (N*K, C, *)
     return _channel_affine_grads(layer.weight, layer.bias, x_hat, backprops, K)
-
-
-# Torch fixes the batch of these layers at dim 0 (psg_core/backends/hooks.py reads this).
-setattr(group_norm_grad_sample, "always_batch_first", True)
-setattr(instance_norm_grad_sample, "always_batch_first", True)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from psg_core import DPConfig, GradSampleModule, dp_gradient, per_sample_gradients
-from psg_core.backends.ghost import _GhostPasses
+from psg_core.backends.ghost import _GhostBookkeeping
 from psg_core.layers import DPLSTM, DPMultiheadAttention
 
 # Each test walks the whole heap (gc.get_objects) after its steps: seconds apiece once the test
@@ -47,7 +47,7 @@ def _alive() -> tuple[int, int, int]:
     # type(), not isinstance(): isinstance reads __class__, which some module proxies warn about.
     types = [(type(o), o) for o in gc.get_objects()]
     marked = sum(1 for t, o in types if t is torch.Tensor and o.dim() and o.shape[-1] == _MARK)
-    passes = sum(1 for t, _ in types if t is _GhostPasses)
+    passes = sum(1 for t, _ in types if t is _GhostBookkeeping)
     wrappers = sum(1 for t, _ in types if t is GradSampleModule)
     return marked, passes, wrappers
 

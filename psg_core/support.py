@@ -1,0 +1,62 @@
+"""Layers that no backend takes as they are: the one list every backend checks against.
+
+* **Sample-mixing layers**: a BatchNorm in training mode normalises with statistics of the whole
+  batch, so one sample's gradient depends on the other samples and per-sample gradients are
+  undefined (even when its own affine parameters are frozen). ``.eval()`` or GroupNorm fixes it.
+* **Fused layers** (``nn.RNN``/``nn.GRU``/``nn.LSTM``, ``nn.MultiheadAttention``): one kernel
+  whose inside per-layer hooks cannot see; :func:`psg_core.fix_model` swaps them for psg's DP
+  rewrites. ``torch.func`` runs attention per sample, but has no batching rule for the fused
+  recurrent kernels.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from psg_core.errors import UnsupportedModuleError
+
+__all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused"]
+
+#: Layers that mix the samples of a batch (in training mode).
+SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
+#: Fused layers whose kernels per-layer hooks cannot see into.
+FUSED: tuple[type[nn.Module], ...] = (nn.RNNBase, nn.MultiheadAttention)
+#: Fused layers that ``torch.func.vmap`` cannot run per sample.
+NOT_VMAPPABLE: tuple[type[nn.Module], ...] = (nn.RNNBase,)
+
+
+def _label(path: str, layer: nn.Module) -> str:
+    return f"'{path or '<root>'}' ({type(layer).__qualname__})"
+
+
+def reject_batch_mixing(module: nn.Module, *, where: str) -> None:
+    """Raises :class:`UnsupportedModuleError` naming the first BatchNorm in training mode.
+
+    >>> reject_batch_mixing(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), where="demo")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    psg_core.errors.UnsupportedModuleError: demo: module '1' (BatchNorm1d) is a BatchNorm in training mode, ...
+    """
+    for path, layer in module.named_modules():
+        if isinstance(layer, SAMPLE_MIXING) and layer.training:
+            raise UnsupportedModuleError(
+                f"{where}: module {_label(path, layer)} is a BatchNorm in "
+                "training mode, which mixes the samples of a batch, so per-sample gradients are "
+                "undefined; call .eval() on it or replace it with GroupNorm (psg_core.fix_model does)")
+
+
+def reject_fused(module: nn.Module, *, where: str, layer_types: tuple[type[nn.Module], ...] = FUSED,
+                 why: str = "a fused layer whose kernel hooks cannot see into") -> None:
+    """Raises :class:`UnsupportedModuleError` naming the first layer of ``layer_types`` with
+    trainable parameters of its own (``why`` says what is wrong with it).
+
+    >>> reject_fused(nn.Sequential(nn.LSTM(2, 2)), where="demo")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    psg_core.errors.UnsupportedModuleError: demo: module '0' (LSTM) is a fused layer whose kernel hooks cannot see into; ...
+    """
+    for path, layer in module.named_modules():
+        if isinstance(layer, layer_types) and any(p.requires_grad for p in layer.parameters(recurse=False)):
+            raise UnsupportedModuleError(
+                f"{where}: module {_label(path, layer)} is {why}; swap it for its DP rewrite with "
+                "psg_core.fix_model")
