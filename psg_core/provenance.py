@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -37,7 +38,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 from psg_core._layout import STATE_BATCH_AXIS
 from psg_core.errors import UnsupportedModuleError
@@ -83,6 +83,56 @@ _VIEW = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "co
 _REDUCE = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "prod", "std", "var",
            "nansum", "nanmean", "argmax", "argmin", "all", "any", "count_nonzero"}
 
+
+
+class _TensorMap:
+    """``tensor -> value`` by identity, holding no tensor alive; cheaper than torch's
+    WeakIdKeyDictionary on the per-op path (one dict lookup and one weakref call).
+
+    An entry whose tensor died may be found again under a recycled ``id``: the weak reference is
+    compared on every lookup, so it never answers for another tensor.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+
+    def get(self, tensor: torch.Tensor, default: Any = None) -> Any:
+        entry = self._entries.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return default
+        return entry[1]
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        entry = self._entries.get(id(tensor))
+        return entry is not None and entry[0]() is tensor
+
+    def __getitem__(self, tensor: torch.Tensor) -> Any:
+        return self._entries[id(tensor)][1]
+
+    def __setitem__(self, tensor: torch.Tensor, value: Any) -> None:
+        self._entries[id(tensor)] = (weakref.ref(tensor), value)
+
+    def discard(self, tensor: torch.Tensor) -> None:
+        if tensor in self:
+            del self._entries[id(tensor)]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in a torch function's arguments (tensors, and lists/tuples/dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors(item, out)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, out)
+    return out
 
 
 @dataclass
@@ -221,11 +271,11 @@ class BatchTracker(TorchFunctionMode):
         self.num_samples = num_samples
         self.K = augmentation_multiplicity
         self._on_meeting = on_meeting
-        self._batched = WeakIdKeyDictionary()  # tensor -> batch axis (UNKNOWN when lost)
-        self._origin = WeakIdKeyDictionary()  # batch-free tensor -> frozenset of param ids
+        self._batched = _TensorMap()  # tensor -> batch axis (UNKNOWN when lost)
+        self._origin = _TensorMap()  # batch-free tensor -> frozenset of param ids
         # batched tensor -> entries of its batch axis per batch row, when a view merged the batch
         # with the axes after it ((N, T, d) -> (N*T, d)); absent means 1.
-        self._merged = WeakIdKeyDictionary()
+        self._merged = _TensorMap()
         self._params: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if p.requires_grad}
         self._frames: list[_Frame] = []
         self._handles: list[Any] = []
@@ -257,6 +307,9 @@ class BatchTracker(TorchFunctionMode):
     def release(self) -> None:
         """Drops every tensor the tracker refers to (meeting points hold autograd graphs)."""
         self.meetings.clear()
+        self._batched.clear()
+        self._origin.clear()
+        self._merged.clear()
 
     # ------------------------------------------------------------------------------ queries
     def mark(self, tensor: torch.Tensor, batch_dim: int) -> None:
@@ -265,7 +318,7 @@ class BatchTracker(TorchFunctionMode):
 
     def is_batched(self, value: Any) -> bool:
         """Whether ``value`` is a tensor that carries the batch (or a structure holding one)."""
-        return any(isinstance(t, torch.Tensor) and t in self._batched for t in tree_flatten(value)[0])
+        return any(t in self._batched for t in _tensors(value, []))
 
     def batch_dim(self, tensor: torch.Tensor) -> int | None:
         """The batch axis of a batched tensor (UNKNOWN when it could not be followed), None when
@@ -321,14 +374,14 @@ class BatchTracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _METADATA:
             return func(*args, **kwargs)
-        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        leaves = _tensors(kwargs, _tensors(args, []))
         batched = [t for t in leaves if t in self._batched]
         if not batched:
             out = func(*args, **kwargs)
             origin = frozenset().union(*(self._origin_of(t) for t in leaves)) if leaves else frozenset()
             if origin:
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                for t in _tensors(out, []):
+                    if t.requires_grad:
                         self._origin[t] = origin
             return out
         name = getattr(func, "__name__", "")
@@ -418,7 +471,7 @@ class BatchTracker(TorchFunctionMode):
     # ------------------------------------------------------------------------------ batch axes
     def _follow(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                 batched: list[torch.Tensor], out: Any) -> None:
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = _tensors(out, [])
         if not outs:
             return
         # Follow an operand whose axis is known (another may be a batch-wide scalar like mask.all()).
@@ -435,8 +488,8 @@ class BatchTracker(TorchFunctionMode):
             self._batched[t] = axis
             if t_merged != 1 and axis != UNKNOWN:
                 self._merged[t] = t_merged
-            elif t in self._merged:
-                del self._merged[t]
+            else:
+                self._merged.discard(t)
 
     def _axis(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor, bd: int,
               out: torch.Tensor, batched: list[torch.Tensor]) -> int:
