@@ -12,10 +12,12 @@ torch.Size([5, 1, 3])
 from __future__ import annotations
 
 from psg_core.accounting import AccountingMethod, PrivacyAccountant
+from psg_core.accumulate import GradientAccumulator, split_batch
 from psg_core.api import per_sample_gradients
 from psg_core.backends.base import AbstractGradSampleModule
 from psg_core.backends.hooks import GradSampleModule
 from psg_core.backends.wrap import wrap_model
+from psg_core.calibration import calibrate_noise_multiplier, steps_for_epochs
 from psg_core.clipping import ClipResult, clip_and_sum
 from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import dp_gradient, l2_sensitivity
@@ -38,13 +40,17 @@ __all__ = [
     "AccountingMethod",
     "ClipResult",
     "DPStep",
+    "GradientAccumulator",
     "PoissonBatchSampler",
     "PrivacyAccountant",
     "add_noise",
+    "calibrate_noise_multiplier",
     "clip_and_sum",
     "dp_gradient",
     "l2_sensitivity",
     "secure_generator",
+    "split_batch",
+    "steps_for_epochs",
     "wrap_model",
     "BatchLayoutError",
     "DPGRU",

@@ -16,6 +16,10 @@ only the last steps before the budget runs out pay for the (slower) PLD.
 
 The ledger is a multiset, so epsilon is computed from scratch on demand (composition is
 commutative); a step with ``noise_multiplier = 0`` is not private and makes epsilon infinite.
+
+:meth:`PrivacyAccountant.state_dict` is the ledger and the settings as plain JSON values, versioned
+(:data:`STATE_VERSION`), so a training checkpoint (``torch.save``, a JSON file, a database row)
+carries it and :meth:`~PrivacyAccountant.load_state_dict` resumes exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import functools
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 from dp_accounting import dp_event as dpe
@@ -35,7 +40,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from psg_core.errors import BudgetExhaustedError, ConfigError
 from psg_core.modes import parse_enum
 
-__all__ = ["AccountingMethod", "PrivacyAccountant", "MAX_STEPS_SEARCHED", "PLD_EPSILON_CUTOFF"]
+__all__ = ["AccountingMethod", "PrivacyAccountant", "MAX_STEPS_SEARCHED", "PLD_EPSILON_CUTOFF", "STATE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,10 @@ MAX_STEPS_SEARCHED = 10**6
 #: run has no meaningful privacy anyway. The RDP value is still a valid upper bound.
 PLD_EPSILON_CUTOFF = 50.0
 _DEFAULT_DISCRETISATION = 1e-4
+#: Version of :meth:`PrivacyAccountant.state_dict`'s layout; :meth:`~PrivacyAccountant.load_state_dict`
+#: reads this version and refuses others.
+STATE_VERSION = 1
+_STATE_FORMAT = "psg_core.PrivacyAccountant"
 
 #: ``((noise_multiplier, sample_rate), count)`` pairs, sorted: the canonical form of a ledger.
 _Ledger = tuple[tuple[tuple[float, float], int], ...]
@@ -259,6 +268,11 @@ class PrivacyAccountant:
         return self._target_delta
 
     @property
+    def value_discretization_interval(self) -> float:
+        """The PLD grid (unused by the RDP method)."""
+        return self._discretisation
+
+    @property
     def steps(self) -> int:
         """Number of steps recorded."""
         with self._lock:
@@ -421,6 +435,77 @@ class PrivacyAccountant:
             mechanism = (float(noise_multiplier), float(sample_rate))
             self._counts[mechanism] = self._counts.get(mechanism, 0) + num_steps
             self._last = mechanism
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The settings and the ledger as JSON-serialisable values (``json.dumps`` takes it as it
+        is; so does ``torch.save`` / ``torch.load(weights_only=True)``).
+
+        >>> accountant = PrivacyAccountant("rdp")
+        >>> accountant.step(1.1, 0.01, num_steps=3)
+        >>> state = accountant.state_dict()
+        >>> state["ledger"], state["version"]
+        ([[1.1, 0.01, 3]], 1)
+        >>> resumed = PrivacyAccountant()
+        >>> resumed.load_state_dict(state)
+        >>> resumed.method.value, resumed.steps, resumed.epsilon(1e-5) == accountant.epsilon(1e-5)
+        ('rdp', 3, True)
+        """
+        with self._lock:
+            return {"format": _STATE_FORMAT, "version": STATE_VERSION, "method": self._method.value,
+                    "target_epsilon": self._target_epsilon, "target_delta": self._target_delta,
+                    "value_discretization_interval": self._discretisation,
+                    "ledger": [[sigma, q, count] for (sigma, q), count in self._counts.items()],
+                    "last": None if self._last is None else list(self._last)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replaces the settings (method, budget, PLD grid) and the ledger with ``state``'s, from
+        :meth:`state_dict` of this version; validates everything before changing anything.
+
+        Raises:
+            ConfigError: ``state`` is not an accountant's state of a version this code reads, or
+                holds invalid values.
+        """
+        where = "PrivacyAccountant.load_state_dict"
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            raise ConfigError(f"{where}: not a PrivacyAccountant state (format "
+                              f"{state.get('format') if isinstance(state, Mapping) else type(state).__name__!r})")
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(f"{where}: state version {state.get('version')!r} is not supported (this code "
+                              f"reads version {STATE_VERSION})")
+        try:
+            fresh = PrivacyAccountant(state["method"], target_epsilon=state["target_epsilon"],
+                                      target_delta=state["target_delta"],
+                                      value_discretization_interval=state["value_discretization_interval"])
+            counts: dict[tuple[float, float], int] = {}
+            for sigma, q, count in state["ledger"]:
+                mechanism = _check_mechanism(sigma, q, where=where)
+                counts[mechanism] = counts.get(mechanism, 0) + _check_count(count, where=where)
+            last = state["last"]
+            last = None if last is None else _check_mechanism(*last, where=where)
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(f"{where}: malformed state ({type(err).__name__}: {err})") from None
+        if last is not None and last not in counts:
+            raise ConfigError(f"{where}: the last step's mechanism {last} is not in the ledger")
+        with self._lock:
+            self._method = fresh._method
+            self._target_epsilon, self._target_delta = fresh._target_epsilon, fresh._target_delta
+            self._discretisation = fresh._discretisation
+            self._counts = counts
+            self._last = last
+            self._caps.clear()
+            self._epsilons.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The lock cannot be pickled; the state dict is everything else worth keeping.
+        return self.state_dict()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        PrivacyAccountant.__init__(self)
+        self.load_state_dict(state)
 
     def __repr__(self) -> str:
         budget = "" if self._target_epsilon is None else \

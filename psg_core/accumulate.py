@@ -1,0 +1,181 @@
+"""Gradient accumulation: one logical batch (the Poisson sample DP-SGD accounts) computed as several
+physical batches (what fits in memory).
+
+The clipped sums of the physical batches add up (:meth:`~psg_core.config.DPGradient.merge`), and
+the privacy step runs once on the total: one budget check before the first physical batch, noise
+once, one normalisation, one accounted step. Per-sample gradients exist for one physical batch at a
+time, so memory is bounded by the physical batch (plus one gradient-sized running sum and one norm
+per sample). The released gradient is that of the whole logical batch in one call, up to floating
+point summation order (and exactly the same noise for the same generator state).
+
+>>> import torch
+>>> from torch import nn
+>>> from psg_core.config import DPConfig
+>>> from psg_core.dp_step import DPStep
+>>> model = nn.Linear(3, 1)
+>>> step = DPStep(model, loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0), sample_rate=0.01,
+...               expected_batch_size=8.0)
+>>> inputs, targets = torch.randn(8, 3), torch.randn(8, 1)
+>>> stats = step.accumulate(split_batch(inputs, targets, max_samples=3))   # 3 + 3 + 2 samples
+>>> stats.num_samples, step.accountant.steps
+(8, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.utils.rnn import PackedSequence
+
+from psg_core.backends.base import trainable_parameters
+from psg_core.config import DPGradient
+from psg_core.dp import dp_gradient
+from psg_core.errors import ConfigError
+from psg_core.layout import BatchLayout, ModelInputs
+from psg_core.privacy_step import PrivacyStep
+
+if TYPE_CHECKING:
+    from psg_core.dp_step import DPStep
+
+__all__ = ["GradientAccumulator", "split_batch"]
+
+
+def split_batch(inputs: Any, targets: torch.Tensor, *, max_samples: int, augmentation_multiplicity: int = 1,
+                batch_first: bool = True) -> Iterator[tuple[Any, torch.Tensor]]:
+    """Physical batches of at most ``max_samples`` samples (K rows each, never split) of one batch.
+
+    Inputs keep their form (a tensor, a tuple or list, a mapping of keyword arguments); the tensors
+    that carry the batch (the batch's N*K rows on the batch dimension, as
+    :class:`~psg_core.layout.ModelInputs` finds them) are cut into views, every other value goes whole
+    to each physical batch. An empty batch gives one empty physical batch, so that it still makes
+    one (noised, accounted) step.
+
+    Args:
+        inputs, targets: the logical batch, as for :func:`psg_core.dp_gradient`.
+        max_samples: most samples (not rows) per physical batch, >= 1.
+        augmentation_multiplicity: K, rows per sample.
+        batch_first: the batch dimension is 0 (True) or 1 (False).
+
+    >>> [x.shape[0] for x, _ in split_batch(torch.zeros(10, 2), torch.zeros(10), max_samples=2,
+    ...                                     augmentation_multiplicity=2)]
+    [4, 4, 2]
+    """
+    where = "split_batch"
+    if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
+        raise ConfigError(f"{where}: max_samples must be an int >= 1, got {max_samples!r}")
+    if not isinstance(targets, torch.Tensor):
+        raise ConfigError(f"{where}: targets must be a tensor, got {type(targets).__name__}")
+    model_inputs = ModelInputs.parse(inputs, where=where)
+    if _holds_packed((model_inputs.args, model_inputs.kwargs)):
+        raise ConfigError(f"{where}: a PackedSequence cannot be split into physical batches; pack each "
+                          "physical batch on its own and pass them to DPStep.accumulate")
+    layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=augmentation_multiplicity,
+                                 batch_first=batch_first, where=where)
+    if layout.num_samples <= max_samples:
+        yield inputs, targets
+        return
+    axes = {id(tensor): dim for tensor, dim in model_inputs.batch_tensors(layout)}
+    target_dim = layout.target_dim(targets)
+    K = layout.augmentation_multiplicity
+    for start in range(0, layout.num_samples, max_samples):
+        count = min(max_samples, layout.num_samples - start)
+
+        def take(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                dim = axes.get(id(value))
+                return value if dim is None else value.narrow(dim, start * K, count * K)  # (count*K, ...)
+            if isinstance(value, Mapping):
+                return {key: take(item) for key, item in value.items()}
+            if isinstance(value, (tuple, list)):
+                return type(value)(take(item) for item in value)
+            return value
+
+        yield take(inputs), targets.narrow(target_dim, start * K, count * K)
+
+
+def _holds_packed(value: Any) -> bool:
+    if isinstance(value, PackedSequence):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_packed(item) for item in value.values())
+    return isinstance(value, (tuple, list)) and any(_holds_packed(item) for item in value)
+
+
+class GradientAccumulator:
+    """One logical batch of a :class:`~psg_core.dp_step.DPStep`, fed physical batch by physical batch.
+
+    :meth:`add` computes a physical batch's clipped sum (:func:`psg_core.dp_gradient`) and adds it to
+    the running total; :meth:`release` adds noise once, normalises, fills ``p.grad`` and accounts one
+    step, as :class:`~psg_core.dp_step.DPStep` does for a batch given whole. The privacy settings
+    (sigma, sample rate, normaliser) are those of the step when the first physical batch arrives,
+    and the budget is checked then, before anything is computed.
+
+    Args:
+        step: the DPStep whose model, loss, configuration, accountant and generator are used.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from psg_core.config import DPConfig
+    >>> from psg_core.dp_step import DPStep
+    >>> step = DPStep(nn.Linear(3, 1), loss_fn=nn.MSELoss(), config=DPConfig(), sample_rate=0.5,
+    ...               expected_batch_size=4.0)
+    >>> accumulator = GradientAccumulator(step)
+    >>> for _ in range(3):
+    ...     _ = accumulator.add(torch.randn(2, 3), torch.randn(2, 1))
+    >>> accumulator.num_samples, accumulator.release().num_samples, step.accountant.steps
+    (6, 6, 1)
+    """
+
+    def __init__(self, step: DPStep) -> None:
+        self._step = step
+        self._privacy: PrivacyStep | None = None
+        self._total: DPGradient | None = None
+        self._batches = 0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples added since the last release."""
+        return 0 if self._total is None else self._total.num_samples
+
+    @property
+    def num_batches(self) -> int:
+        """Physical batches added since the last release."""
+        return self._batches
+
+    def add(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
+        """Adds one physical batch's clipped sum; returns that batch's own statistics.
+
+        Raises:
+            BudgetExhaustedError: on the first physical batch, when one more step would exceed the
+                accountant's budget (nothing computed, nothing recorded).
+        """
+        step = self._step
+        if self._privacy is None:
+            privacy = step.privacy_step()
+            privacy.check_budget(step.accountant)
+            self._privacy = privacy
+        part = dp_gradient(step.model, inputs, targets, loss_fn=step.loss_fn, config=step.config)
+        self._total = part if self._total is None else DPGradient.merge([self._total, part])
+        self._batches += 1
+        return part
+
+    def release(self) -> DPGradient:
+        """Noise once, normalise, fill ``p.grad`` of every trainable parameter and account one step;
+        the accumulator is then empty for the next logical batch.
+
+        Returns:
+            the statistics of the whole logical batch (clipped sum before noise, every sample's norm,
+            loss sum, counts).
+        """
+        if self._total is None or self._privacy is None:
+            raise ConfigError("GradientAccumulator.release: no physical batch was added (an empty Poisson "
+                              "batch is one add() of zero rows)")
+        step, privacy, total = self._step, self._privacy, self._total
+        released = privacy.noise_and_normalise(total.grads, generator=step.generator, secure_rng=step.secure_rng)
+        for name, param in trainable_parameters(step.model).items():
+            param.grad = released[name].to(param.dtype)  # (*param.shape)
+        privacy.account(step.accountant)
+        self._privacy, self._total, self._batches = None, None, 0
+        return total

@@ -1,0 +1,156 @@
+"""Gradient accumulation in process: physical batches of a logical batch release the gradient of the
+logical batch in one call (noise off, or the same seeded noise), with one accounted step and no
+more per-sample gradients at once than a physical batch holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_sequence
+
+import psg_core.accumulate as accumulate_module
+from psg_core.accounting import PrivacyAccountant
+from psg_core.accumulate import GradientAccumulator, split_batch
+from psg_core.config import DPConfig, DPGradient
+from psg_core.dp_step import DPStep
+from psg_core.errors import BatchLayoutError, BudgetExhaustedError, ConfigError
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def batch(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 4, generator=generator), torch.randn(rows, 3, generator=generator)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def run(config: DPConfig, inputs: torch.Tensor, targets: torch.Tensor, *, physical: int | None,
+        seed: int = 5) -> tuple[dict[str, torch.Tensor], DPGradient, DPStep]:
+    model = mlp()
+    step = DPStep(model, loss_fn=nn.MSELoss(), config=config, sample_rate=0.1, expected_batch_size=16.0,
+                  accountant=PrivacyAccountant("rdp"), generator=torch.Generator().manual_seed(seed))
+    stats = step(inputs, targets, max_physical_batch_size=physical)
+    return grads(model), stats, step
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("noise_multiplier", [0.0, 1.3])
+@pytest.mark.parametrize("K", [1, 2])
+def test_physical_batches_release_the_logical_batch_s_gradient(mode: str, noise_multiplier: float, K: int) -> None:
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.3, noise_multiplier=noise_multiplier)
+    inputs, targets = batch(17 * K)
+    whole, whole_stats, whole_step = run(config, inputs, targets, physical=None)
+    parts, parts_stats, parts_step = run(config, inputs, targets, physical=5)  # 5 + 5 + 5 + 2 samples
+    for name in whole:
+        torch.testing.assert_close(parts[name], whole[name], rtol=1e-5, atol=1e-6)
+    assert parts_stats.num_samples == whole_stats.num_samples == 17
+    assert parts_stats.num_clipped == whole_stats.num_clipped
+    torch.testing.assert_close(parts_stats.per_sample_norms, whole_stats.per_sample_norms)
+    assert parts_stats.loss_sum == pytest.approx(whole_stats.loss_sum, rel=1e-5)
+    assert parts_step.accountant.history == whole_step.accountant.history == [(noise_multiplier, 0.1, 1)]
+
+
+def test_per_sample_gradients_exist_for_one_physical_batch_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    original = accumulate_module.dp_gradient
+
+    def recording(module: nn.Module, inputs: Any, targets: torch.Tensor, **kwargs: Any) -> DPGradient:
+        seen.append(targets.shape[0])
+        return original(module, inputs, targets, **kwargs)
+
+    monkeypatch.setattr(accumulate_module, "dp_gradient", recording)
+    inputs, targets = batch(22)
+    run(DPConfig(augmentation_multiplicity=2, noise_multiplier=1.0), inputs, targets, physical=4)
+    assert seen == [8, 8, 6]  # rows: 4 + 4 + 3 samples of K = 2
+
+
+def test_accumulate_takes_any_iterable_of_physical_batches() -> None:
+    inputs, targets = batch(12)
+    config = DPConfig(noise_multiplier=0.9)
+    whole, _, _ = run(config, inputs, targets, physical=None)
+    model = mlp()
+    step = DPStep(model, loss_fn=nn.MSELoss(), config=config, sample_rate=0.1, expected_batch_size=16.0,
+                  generator=torch.Generator().manual_seed(5))
+    stats = step.accumulate((inputs[i:i + 3], targets[i:i + 3]) for i in range(0, 12, 3))
+    assert stats.num_samples == 12 and step.accountant.steps == 1
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(grad, whole[name], rtol=1e-5, atol=1e-6)
+
+
+def test_the_budget_is_checked_before_the_first_physical_batch() -> None:
+    accountant = PrivacyAccountant("rdp", target_epsilon=1.0, target_delta=1e-5)
+    step = DPStep(mlp(), loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=0.5), sample_rate=1.0,
+                  expected_batch_size=4.0, accountant=accountant)
+    accumulator = GradientAccumulator(step)
+    with pytest.raises(BudgetExhaustedError):
+        accumulator.add(*batch(4))
+    assert accumulator.num_batches == 0 and accountant.steps == 0
+
+
+def test_the_accumulator_releases_once_per_logical_batch() -> None:
+    step = DPStep(mlp(), loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0), sample_rate=0.1,
+                  expected_batch_size=4.0)
+    accumulator = GradientAccumulator(step)
+    with pytest.raises(ConfigError, match="no physical batch"):
+        accumulator.release()
+    accumulator.add(*batch(3))
+    accumulator.add(*batch(0))  # an empty physical batch adds nothing
+    assert (accumulator.num_batches, accumulator.num_samples) == (2, 3)
+    assert accumulator.release().num_samples == 3
+    assert (accumulator.num_batches, accumulator.num_samples, step.accountant.steps) == (0, 0, 1)
+    accumulator.add(*batch(2))
+    accumulator.release()
+    assert step.accountant.steps == 2
+
+
+def test_an_empty_logical_batch_is_one_noised_step() -> None:
+    grads_, stats, step = run(DPConfig(noise_multiplier=1.0), *batch(0), physical=4)
+    assert stats.num_samples == 0 and step.accountant.steps == 1
+    assert all(g.abs().sum() > 0 for g in grads_.values())
+
+
+# ------------------------------------------------------------------------------------ split_batch
+def test_split_keeps_samples_whole_and_inputs_in_their_form() -> None:
+    inputs, targets = batch(10)
+    extra = torch.ones(4)  # no batch axis: goes whole to every part
+    parts = list(split_batch((inputs, extra), targets, max_samples=2, augmentation_multiplicity=2))
+    assert [p[0][0].shape[0] for p in parts] == [4, 4, 2] and all(p[0][1] is extra for p in parts)
+    assert all(isinstance(p[0], tuple) for p in parts)
+    torch.testing.assert_close(torch.cat([p[0][0] for p in parts]), inputs)
+    torch.testing.assert_close(torch.cat([p[1] for p in parts]), targets)
+    named = list(split_batch({"x": inputs, "mask": inputs > 0}, targets, max_samples=4))
+    assert [sorted(p[0]) for p in named] == [["mask", "x"]] * 3 and named[2][0]["mask"].shape[0] == 2
+
+
+def test_split_follows_the_batch_dimension() -> None:
+    inputs = torch.randn(7, 6, 4)  # (T, N, features): time-major
+    targets = torch.randn(7, 6, 3)
+    parts = list(split_batch(inputs, targets, max_samples=4, batch_first=False))
+    assert [tuple(p[0].shape) for p in parts] == [(7, 4, 4), (7, 2, 4)]
+    assert [tuple(p[1].shape) for p in parts] == [(7, 4, 3), (7, 2, 3)]
+
+
+def test_split_of_a_small_or_empty_batch_is_the_batch() -> None:
+    inputs, targets = batch(3)
+    [(same_inputs, same_targets)] = split_batch(inputs, targets, max_samples=3)
+    assert same_inputs is inputs and same_targets is targets
+    assert len(list(split_batch(*batch(0), max_samples=3))) == 1
+
+
+def test_split_refuses_what_it_cannot_cut() -> None:
+    with pytest.raises(ConfigError, match="max_samples"):
+        list(split_batch(*batch(4), max_samples=0))
+    with pytest.raises(BatchLayoutError, match="not divisible"):
+        list(split_batch(*batch(5), max_samples=2, augmentation_multiplicity=2))
+    packed = pack_sequence([torch.randn(3, 4), torch.randn(2, 4)])
+    with pytest.raises(ConfigError, match="PackedSequence"):
+        list(split_batch(packed, torch.randn(2, 3), max_samples=1))
