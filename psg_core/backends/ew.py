@@ -116,6 +116,9 @@ class _ExpandedWeightsMode(TorchFunctionMode):
         self._where = where
         #: id(ExpandedWeight) -> the padding_idx of every op that used it (None for other ops).
         self.uses: dict[int, list[int | None]] = {}
+        #: the modules whose ops received ExpandedWeights, in call order (to name them when the
+        #: backward pass fails).
+        self.modules: dict[str, None] = {}
 
     def _refuse(self, func: Any, why: str) -> UnsupportedModuleError:
         return UnsupportedModuleError(
@@ -137,6 +140,7 @@ class _ExpandedWeightsMode(TorchFunctionMode):
                 padding_idx += expanded[0].shape[0]
         for ew in expanded:
             self.uses.setdefault(id(ew), []).append(padding_idx)
+        self.modules.setdefault(self._tracker.current or "<root>", None)
         if self._batch_first:
             return func(*args, **kwargs)
         if func is F.linear and getattr(type(self._tracker.current_module), ALWAYS_BATCH_FIRST, False):
@@ -248,7 +252,13 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
         # needs, so folding over K gives d loss_n / d theta for both reductions. The subclass'
         # __torch_function__ would refuse autograd.grad itself, hence the guard.
         with torch._C.DisableTorchFunctionSubclass():
-            torch.autograd.grad(losses.sum(), list(expanded.values()), allow_unused=True)
+            try:
+                torch.autograd.grad(losses.sum(), list(expanded.values()), allow_unused=True)
+            except RuntimeError as err:
+                raise UnsupportedModuleError(
+                    f"{_WHERE}: torch's ExpandedWeights failed in the backward pass ({err}); the modules "
+                    f"that ran its per-sample ops: {', '.join(watcher.modules) or '<none>'}. Use mode='hooks' "
+                    "or 'functorch'") from err
     grads = {}
     for name, alias in aliases.items():
         per_row = _take_per_row(alias, padding_rows.get(name))

@@ -135,7 +135,7 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
                                                           split_tgts, tgt_in, layout.num_samples)
     except PsgError:
         raise
-    except RuntimeError as err:
+    except Exception as err:  # noqa: BLE001  (whatever torch.func raises, named by module)
         raise UnsupportedModuleError(f"{_WHERE}: module {where.failed or '<root>'} failed under torch.func: "
                                      f"{err}") from err
     return PerSampleOutput(grads=dict(per_sample_grads), per_sample_losses=losses.detach(),
