@@ -7,6 +7,7 @@ zero, an absent optional) is read and written here and nowhere else:
 * :class:`PrivacyRequest` <-> ``PrivacySettings``
 * :class:`StepReport` <-> ``StepStats``
 * a parameter's ``(name, dtype, shape, requires_grad)`` <-> ``ParameterSpec``
+* :class:`~psg_wire.adapters.LoraAdapter` <-> ``LoraSettings``
 
 >>> from psg_core.config import DPConfig
 >>> config = DPConfig(mode="ghost", augmentation_multiplicity=4, noise_multiplier=1.1)
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from psg_core.config import DPConfig
+from psg_wire.adapters import LoraAdapter
 from psg_wire.codec import DTYPES, CodecError, dtype_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 
@@ -32,6 +34,8 @@ __all__ = [
     "StepReport",
     "dp_config_from_proto",
     "dp_config_to_proto",
+    "lora_from_proto",
+    "lora_to_proto",
     "parameter_spec_from_proto",
     "parameter_spec_to_proto",
     "privacy_from_proto",
@@ -152,3 +156,21 @@ def parameter_spec_from_proto(spec: pb.ParameterSpec) -> tuple[torch.dtype, tupl
         raise CodecError(f"parameter_spec_from_proto: parameter {spec.name!r} has unknown dtype "
                          f"{spec.dtype[:40]!r}; supported: {', '.join(DTYPES)}")
     return dtype, tuple(spec.shape)
+
+
+# ---------------------------------------------------------------------------------- LoraSettings
+def lora_to_proto(adapter: LoraAdapter) -> pb.LoraSettings:
+    """``LoraSettings`` of ``adapter`` (alpha None travels as 0).
+
+    >>> lora_from_proto(lora_to_proto(LoraAdapter(rank=2, target_modules=("c_attn",))))
+    LoraAdapter(rank=2, target_modules=('c_attn',), alpha=None)
+    """
+    return pb.LoraSettings(rank=adapter.rank, alpha=adapter.alpha or 0.0,
+                           target_modules=list(adapter.target_modules))
+
+
+def lora_from_proto(settings: pb.LoraSettings) -> LoraAdapter:
+    """The :class:`LoraAdapter` of ``settings``; :class:`~psg_core.errors.ConfigError` when a value
+    is out of range (a zero alpha reads as not given)."""
+    return LoraAdapter(rank=settings.rank, target_modules=tuple(settings.target_modules),
+                       alpha=settings.alpha or None)

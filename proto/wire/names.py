@@ -7,6 +7,8 @@ and the targets as ``targets`` (``proto/README.md``).
 
 >>> input_name(0), input_name("attention_mask"), TARGETS
 ('inputs/0', 'inputs/attention_mask', 'targets')
+>>> parse_input_name("inputs/attention_mask"), parse_input_name("targets")
+('attention_mask', None)
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from psg_wire.v1 import gradient_service_pb2 as _pb
 
 __all__ = [
     "INPUT_PREFIX",
+    "MAX_INPUT_NAME",
     "REASON_METADATA_KEY",
     "SERVICE_NAME",
     "TARGETS",
     "Reason",
     "input_name",
+    "parse_input_name",
 ]
 
 #: Full name of the gRPC service (``psg.v1.GradientService``), as health checks and reflection
@@ -35,6 +39,9 @@ INPUT_PREFIX = "inputs/"
 #: Name of a batch's target tensor.
 TARGETS = "targets"
 
+#: Longest keyword of a named input (``inputs/<name>``).
+MAX_INPUT_NAME = 64
+
 
 def input_name(key: int | str) -> str:
     """Wire name of a model input: ``inputs/<i>`` for positional argument ``i``, ``inputs/<name>``
@@ -44,6 +51,29 @@ def input_name(key: int | str) -> str:
     'inputs/2'
     """
     return f"{INPUT_PREFIX}{key}"
+
+
+def parse_input_name(name: str) -> int | str | None:
+    """What a batch tensor's name says about the model argument it is: the position ``i`` of
+    ``inputs/<i>``, the keyword of ``inputs/<name>``, or None when ``name`` is neither (``targets``,
+    or a malformed name).
+
+    A position is written in decimal without leading zeros; a keyword is an ASCII Python
+    identifier (as keyword arguments are) of at most :data:`MAX_INPUT_NAME` characters.
+
+    >>> parse_input_name("inputs/1"), parse_input_name("inputs/input_ids")
+    (1, 'input_ids')
+    >>> parse_input_name("inputs/01"), parse_input_name("inputs/not-a-name"), parse_input_name("inputs/")
+    (None, None, None)
+    """
+    if not name.startswith(INPUT_PREFIX):
+        return None
+    key = name[len(INPUT_PREFIX):]
+    if not key.isascii():
+        return None
+    if key.isdigit():
+        return int(key) if key == str(int(key)) else None
+    return key if key.isidentifier() and len(key) <= MAX_INPUT_NAME else None
 
 
 class Reason:

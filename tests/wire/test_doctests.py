@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["psg_wire", "psg_wire.codec", "psg_wire.convert", "psg_wire.names"]
+MODULES = ["psg_wire", "psg_wire.adapters", "psg_wire.codec", "psg_wire.convert", "psg_wire.names"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -68,16 +68,18 @@ class ModelArgument(_message.Message):
     def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., default_json: _Optional[str] = ..., required: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "description", "arguments", "origin")
+    __slots__ = ("name", "description", "arguments", "origin", "parameters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     arguments: _containers.RepeatedCompositeFieldContainer[ModelArgument]
     origin: str
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., arguments: _Optional[_Iterable[_Union[ModelArgument, _Mapping]]] = ..., origin: _Optional[str] = ...) -> None: ...
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., arguments: _Optional[_Iterable[_Union[ModelArgument, _Mapping]]] = ..., origin: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -117,8 +119,18 @@ class PrivacySettings(_message.Message):
     target_epsilon: float
     def __init__(self, accountant: _Optional[str] = ..., sample_rate: _Optional[float] = ..., delta: _Optional[float] = ..., target_epsilon: _Optional[float] = ...) -> None: ...
 
+class LoraSettings(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("model", "model_kwargs_json", "loss", "dp", "expected_batch_size", "privacy", "seed", "secure_rng")
+    __slots__ = ("model", "model_kwargs_json", "loss", "dp", "expected_batch_size", "privacy", "seed", "secure_rng", "lora")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +139,7 @@ class CreateSessionRequest(_message.Message):
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SECURE_RNG_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_kwargs_json: str
     loss: str
@@ -135,7 +148,8 @@ class CreateSessionRequest(_message.Message):
     privacy: PrivacySettings
     seed: int
     secure_rng: bool
-    def __init__(self, model: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., expected_batch_size: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ..., seed: _Optional[int] = ..., secure_rng: _Optional[bool] = ...) -> None: ...
+    lora: LoraSettings
+    def __init__(self, model: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., expected_batch_size: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ..., seed: _Optional[int] = ..., secure_rng: _Optional[bool] = ..., lora: _Optional[_Union[LoraSettings, _Mapping]] = ...) -> None: ...
 
 class ParameterSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "requires_grad")
@@ -164,7 +178,7 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters")
+    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters", "frozen_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +187,7 @@ class SessionInfo(_message.Message):
     BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     steps: int
@@ -181,7 +196,8 @@ class SessionInfo(_message.Message):
     budget_left: float
     delta: float
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ...) -> None: ...
+    frozen_version: int
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., frozen_version: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -212,12 +228,14 @@ class PushParametersRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushParametersHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class PushParametersResponse(_message.Message):
-    __slots__ = ("version", "num_bytes")
+    __slots__ = ("version", "num_bytes", "frozen_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     num_bytes: int
-    def __init__(self, version: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    frozen_version: int
+    def __init__(self, version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., frozen_version: _Optional[int] = ...) -> None: ...
 
 class ComputeGradientsHeader(_message.Message):
     __slots__ = ("session_id", "param_version", "step_seed")

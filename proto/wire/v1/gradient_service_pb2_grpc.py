@@ -82,21 +82,24 @@ class GradientServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """Architectures the server can build (built-ins and operator plugins), with their arguments.
+        """Architectures the server can build (built-ins, the Hugging Face family, operator plugins),
+        with their arguments.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CreateSession(self, request, context):
-        """Builds a model from the registry and opens a session owned by the caller's token.
+        """Builds a model from the registry (plus an optional LoRA adapter) and opens a session owned by
+        the caller's token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PushParameters(self, request_iterator, context):
-        """Uploads a full parameter set under a new version: a header, then every tensor (header + chunks).
+        """Uploads a parameter set under a new version: a header, then the tensors (header + chunks):
+        every trainable parameter, and the frozen ones on the session's first push (or when changed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
