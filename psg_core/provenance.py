@@ -48,6 +48,7 @@ __all__ = ["BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN"]
 UNKNOWN = -1
 
 _TLS = threading.local()
+_NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 
 
 def active_tracker() -> BatchTracker | None:
@@ -343,7 +344,8 @@ class BatchTracker(TorchFunctionMode):
     def push_frame(self, layer: nn.Module, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Enters ``layer``'s forward (done by hooks; by hand for a call already under way when
         the tracker started)."""
-        own_params = frozenset(id(p) for p in layer.parameters(recurse=False) if p.requires_grad)
+        with _NO_SUBCLASS():
+            own_params = frozenset(id(p) for p in layer.parameters(recurse=False) if p.requires_grad)
         state_axis = getattr(type(layer), STATE_BATCH_AXIS, None)
         if state_axis is not None and args and self.is_batched(args[0]):
             state = args[1] if len(args) > 1 else kwargs.get("hx")
@@ -374,22 +376,27 @@ class BatchTracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _METADATA:
             return func(*args, **kwargs)
-        leaves = _tensors(kwargs, _tensors(args, []))
-        batched = [t for t in leaves if t in self._batched]
-        if not batched:
-            out = func(*args, **kwargs)
-            origin = frozenset().union(*(self._origin_of(t) for t in leaves)) if leaves else frozenset()
-            if origin:
-                for t in _tensors(out, []):
-                    if t.requires_grad:
-                        self._origin[t] = origin
-            return out
-        name = getattr(func, "__name__", "")
-        free = [t for t in leaves if t not in self._batched and t.requires_grad]
-        if free and torch.is_grad_enabled():
-            args, kwargs = self._meet(func, name, args, kwargs, free, batched)
+        # The book-keeping reads tensor attributes; tensor subclasses (ExpandedWeights) must not
+        # see those reads, only the op itself.
+        with _NO_SUBCLASS():
+            leaves = _tensors(kwargs, _tensors(args, []))
+            batched = [t for t in leaves if t in self._batched]
+            if not batched:
+                origin = frozenset().union(*(self._origin_of(t) for t in leaves)) if leaves else frozenset()
+            else:
+                name = getattr(func, "__name__", "")
+                free = [t for t in leaves if t not in self._batched and t.requires_grad]
+                if free and torch.is_grad_enabled():
+                    args, kwargs = self._meet(func, name, args, kwargs, free, batched)
         out = func(*args, **kwargs)
-        self._follow(name, args, kwargs, batched, out)
+        with _NO_SUBCLASS():
+            if not batched:
+                if origin:
+                    for t in _tensors(out, []):
+                        if t.requires_grad:
+                            self._origin[t] = origin
+            else:
+                self._follow(name, args, kwargs, batched, out)
         return out
 
     # ------------------------------------------------------------------------------ meetings

@@ -33,10 +33,11 @@ from torch.utils._pytree import tree_flatten
 from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, check_rows, get_grad_sample,
                                    set_grad_sample, trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
-from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
+from psg_core.errors import BatchLayoutError, GradAccumulationError, PsgError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, ModelInputs, fold_rows
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import GradSampleMode, LossReduction
+from psg_core.provenance import BatchTracker, active_tracker
 from psg_core.support import reject_batch_mixing
 
 __all__ = ["ExpandedWeightsGradSampleModule", "ew_per_sample", "ew_supported_functions"]
@@ -138,6 +139,14 @@ class _ExpandedWeightsMode(TorchFunctionMode):
                                    "counts over the whole batch (samples mix)")
             if padding_idx is not None and padding_idx < 0:
                 padding_idx += expanded[0].shape[0]
+        batch = active_tracker()
+        if batch is not None:
+            operands = [t for t in tree_flatten((args, kwargs))[0]
+                        if isinstance(t, torch.Tensor) and not isinstance(t, ExpandedWeight)]
+            if operands and not any(batch.is_batched(t) for t in operands):
+                raise self._refuse(func, "on an input that does not carry the batch (e.g. broadcast position "
+                                   "ids or a (T, T) bucket matrix); ExpandedWeights would read its first axis "
+                                   "as the batch")
         for ew in expanded:
             self.uses.setdefault(id(ew), []).append(padding_idx)
         self.modules.setdefault(self._tracker.current or "<root>", None)
@@ -174,15 +183,27 @@ class _ExpandedWeightsMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _expanded_forward(module: nn.Module, *, batch_first: bool, where: str) -> Iterator[_ExpandedWeightsMode]:
-    """Runs a forward with ExpandedWeights: torch's errors become psg errors naming the layer."""
+def _expanded_forward(module: nn.Module, *, batch_first: bool, where: str, inputs: ModelInputs,
+                      layout: BatchLayout) -> Iterator[_ExpandedWeightsMode]:
+    """Runs a forward with ExpandedWeights: torch's errors become psg errors naming the layer.
+
+    The batch is followed through the forward (:class:`~psg_core.provenance.BatchTracker`), so an
+    op that would read the first axis of an input without the batch as the batch (a position
+    table on ``(1, T)`` ids, a bias on a ``(T, T)`` bucket matrix with T = N*K) is refused.
+    """
     tracker = _ModuleTracker(module)
     mode = _ExpandedWeightsMode(tracker, batch_first=batch_first, where=where)
+    batch = BatchTracker(module, num_samples=layout.num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
+                         on_meeting=lambda point, view: None)
     try:
-        with mode:
-            yield mode
+        with batch:
+            for tensor, dim in inputs.batch_tensors(layout):
+                batch.mark(tensor, dim)
+            with mode:
+                yield mode
+            batch.release()
     except RuntimeError as err:
-        if not _EW_ERROR.search(str(err)):
+        if isinstance(err, PsgError) or not _EW_ERROR.search(str(err)):
             raise
         layer = tracker.current or "<unknown>"
         raise UnsupportedModuleError(
@@ -237,7 +258,7 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
     reject_batch_mixing(module, where=_WHERE)
     params = trainable_parameters(module)
     aliases, expanded = _expand(params, rows, batch_first)
-    with _expanded_forward(module, batch_first=batch_first, where=_WHERE) as watcher:
+    with _expanded_forward(module, batch_first=batch_first, where=_WHERE, inputs=inputs, layout=layout) as watcher:
         outputs = functional_call(module, _as_tensor_dict(expanded), inputs.args, inputs.kwargs)
     padding_rows = watcher.padding_rows(expanded)
     per_element = loss_fn(outputs, targets)
@@ -327,7 +348,9 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
         if num_samples == 0:
             return self._module(*args, **kwargs)
         aliases, expanded = _expand(params, rows, self.batch_first)
-        with _expanded_forward(self._module, batch_first=self.batch_first, where=where) as watcher:
+        layout = BatchLayout(rows=rows, augmentation_multiplicity=self.augmentation_multiplicity, batch_dim=self.batch_dim)
+        with _expanded_forward(self._module, batch_first=self.batch_first, where=where,
+                               inputs=ModelInputs(tuple(args), dict(kwargs)), layout=layout) as watcher:
             output = functional_call(self._module, _as_tensor_dict(expanded), args, kwargs)
         entry = (num_samples, aliases, watcher.padding_rows(expanded))
 

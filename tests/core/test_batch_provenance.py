@@ -104,6 +104,8 @@ def test_position_table_with_sequence_length_equal_to_rows(mode: str, K: int, re
                                  loss_reduction=reduction)
     _assert_grads(grads, expected)
     _assert_ghost(model, ids, y, _mse, expected, K=K, reduction=reduction)
+    with pytest.raises(UnsupportedModuleError, match=r"'positions' \(Embedding\)"):
+        per_sample_gradients(model, ids, y, loss_fn=_mse, mode="ew", augmentation_multiplicity=K)
 
 
 @pytest.mark.parametrize("K", [1, 2])
@@ -118,6 +120,9 @@ def test_pair_bias_from_a_square_bucket_matrix(K: int) -> None:
     for mode in ("hooks", "functorch"):
         _assert_grads(per_sample_gradients(model, x, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K), expected)
     _assert_ghost(model, x, y, _mse, expected, K=K, reduction="mean")
+    # ExpandedWeights would read the bucket matrix's first axis as the batch: refused, not summed.
+    with pytest.raises(UnsupportedModuleError, match=r"'bias' \(Embedding\).*does not carry the batch"):
+        per_sample_gradients(model, x, y, loss_fn=_mse, mode="ew", augmentation_multiplicity=K)
     wrapped = psg_core.GradSampleModule(model, augmentation_multiplicity=K)
     try:
         _reduce(_mse(wrapped(x), y), "mean").backward()
