@@ -29,12 +29,14 @@ import grpc
 import torch
 from torch import nn
 
+from psg_client.batches import split_named_batch
 from psg_client.torch import apply_gradients, check_parameters, parameter_tensors
 from psg_core.config import DPConfig
 from psg_core.errors import PsgError
 from psg_wire.codec import DEFAULT_CHUNK_BYTES, CodecLimits, FrameWire, TensorDecoder
 from psg_wire.convert import (PrivacyRequest, dp_config_to_proto, parameter_spec_from_proto, privacy_to_proto,
                               step_stats_from_proto)
+from psg_wire.convert import dp_config_from_proto
 from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME, TARGETS, Reason, input_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
@@ -202,7 +204,8 @@ class GradientClient:
                        config: DPConfig = DPConfig(), model_kwargs: Mapping[str, Any] | None = None,
                        sample_rate: float | None = None, delta: float | None = None,
                        target_epsilon: float | None = None, accountant: str | None = None,
-                       seed: int | None = None, secure_rng: bool = False) -> Session:
+                       seed: int | None = None, secure_rng: bool = False, steps: int | None = None,
+                       epochs: float | None = None) -> Session:
         """Opens a session; see ``CreateSessionRequest`` in ``gradient_service.proto``.
 
         Args:
@@ -217,9 +220,13 @@ class GradientClient:
             accountant: "rdp" or "pld" (default: the server's).
             seed: seeds the per-step noise (default: a secret random seed chosen by the server).
             secure_rng: draw noise from a cryptographically secure source instead.
+            steps, epochs: the planned run (one of the two), to have the server choose sigma in
+                place of ``config.noise_multiplier`` (left at 0): the smallest that keeps epsilon at
+                ``delta`` within ``target_epsilon`` after the plan. :attr:`Session.noise_multiplier`
+                tells which.
         """
         privacy = PrivacyRequest(accountant=accountant, sample_rate=sample_rate, delta=delta,
-                                 target_epsilon=target_epsilon)
+                                 target_epsilon=target_epsilon, steps=steps, epochs=epochs)
         request = pb.CreateSessionRequest(model=model, model_kwargs_json=json.dumps(dict(model_kwargs or {})),
                                           loss=loss, dp=dp_config_to_proto(config),
                                           expected_batch_size=expected_batch_size,
@@ -227,30 +234,44 @@ class GradientClient:
         if seed is not None:
             request.seed = seed
         reply = self.call(lambda stub, kw: stub.CreateSession(request, **kw))
-        return Session(self, reply.session_id, reply.parameters)
+        return Session(self, reply.session_id, reply.parameters,
+                       config=dataclasses.replace(config, noise_multiplier=reply.noise_multiplier))
 
     def session(self, session_id: str) -> Session:
-        """Attaches to an existing session of this token (e.g. after a client restart)."""
+        """Attaches to an existing session of this token (after a client or a server restart); push
+        the parameters before the next step."""
         info = self.call(lambda stub, kw: stub.GetSession(pb.GetSessionRequest(session_id=session_id), **kw))
-        return Session(self, session_id, info.parameters, param_version=info.param_version)
+        config = dp_config_from_proto(info.dp) if info.HasField("dp") else None
+        return Session(self, session_id, info.parameters, config=config,
+                       param_version=max(info.param_version, info.latest_param_version))
 
 
 class Session:
     """A session on the server; not thread-safe (one trainer loop per session).
 
     Keeps a reference (no copy) to the last pushed tensors, so that it can push them again under
-    a new version when the server reports PARAMETERS_MISSING.
+    a new version when the server reports PARAMETERS_MISSING: after the server restarted (its
+    sessions live on in its ``--state-dir``) this object goes on where it was, and a new process
+    reattaches with :meth:`GradientClient.session` and pushes its parameters.
     """
 
     def __init__(self, client: GradientClient, session_id: str, parameters: Iterable[pb.ParameterSpec], *,
-                 param_version: int = 0) -> None:
+                 param_version: int = 0, config: DPConfig | None = None) -> None:
         self._client = client
         self.id = session_id
         #: ``{name: (dtype, shape)}`` of every model parameter.
         self.parameter_specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             p.name: parameter_spec_from_proto(p) for p in parameters}
         self.param_version = param_version
+        #: The session's DP configuration, ``noise_multiplier`` the sigma of its steps (chosen by the
+        #: server when the session was opened with a plan); None from a server that does not say.
+        self.config = config
         self._pushed: list[tuple[str, torch.Tensor]] | None = None
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """sigma of every step (None when the server did not say)."""
+        return None if self.config is None else self.config.noise_multiplier
 
     def push_parameters(self, model: nn.Module | Sequence[tuple[str, torch.Tensor]]) -> int:
         """Uploads every parameter of ``model`` under a new version and returns that version."""
@@ -270,17 +291,28 @@ class Session:
         return version
 
     def compute_gradients(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor, *,
-                          step_seed: int | None = None) -> GradientResult:
-        """One DP step on the batch (``N * K`` rows, sample-major); see :class:`GradientResult`."""
+                          step_seed: int | None = None, max_rows: int | None = None,
+                          max_bytes: int | None = None) -> GradientResult:
+        """One DP step on the batch (``N * K`` rows, sample-major); see :class:`GradientResult`.
+
+        With ``max_rows`` or ``max_bytes``, a batch larger than that goes as several requests of
+        whole samples (gradient accumulation: the server adds noise and accounts once, after the
+        last), and the result is that of the whole batch: use it for logical batches beyond the
+        server's ``max_batch_rows`` or ``max_request_bytes`` (:meth:`GradientClient.server_info`).
+        """
         try:
-            return self._compute(inputs, targets, step_seed)
+            return self._compute(inputs, targets, step_seed, max_rows=max_rows, max_bytes=max_bytes)
         except ServiceError as error:
-            if error.reason != Reason.PARAMETERS_MISSING or self._pushed is None:
+            lost = error.reason == Reason.PARAMETERS_MISSING and self._pushed is not None
+            if not lost and error.reason != Reason.ACCUMULATION_LOST:
                 raise
-        logger.warning("psg client: the server lost the parameters of session %s; pushing them again",
-                       self.id)
-        self.push_parameters(self._pushed)
-        return self._compute(inputs, targets, step_seed)
+        if lost:
+            logger.warning("psg client: the server lost the parameters of session %s; pushing them again",
+                           self.id)
+            self.push_parameters(self._pushed)  # type: ignore[arg-type]
+        else:
+            logger.warning("psg client: the server lost the first parts of this logical batch; sending it again")
+        return self._compute(inputs, targets, step_seed, max_rows=max_rows, max_bytes=max_bytes)
 
     def info(self) -> pb.SessionInfo:
         """Steps, epsilon spent and budget left."""
@@ -300,20 +332,28 @@ class Session:
         self.close()
 
     def _compute(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor,
-                 step_seed: int | None) -> GradientResult:
+                 step_seed: int | None, *, max_rows: int | None = None, max_bytes: int | None = None) -> GradientResult:
         positional = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
         named = [(input_name(i), t) for i, t in enumerate(positional)] + [(TARGETS, targets)]
-        header = pb.ComputeGradientsHeader(session_id=self.id, param_version=self.param_version)
-        if step_seed is not None:
-            header.step_seed = step_seed
+        config = self.config or DPConfig()
+        parts = split_named_batch(named, max_rows=max_rows, max_bytes=max_bytes,
+                                  augmentation_multiplicity=config.augmentation_multiplicity,
+                                  batch_first=config.batch_first)
         client = self._client
+        for index, part in enumerate(parts):
+            header = pb.ComputeGradientsHeader(session_id=self.id, param_version=self.param_version, part=index,
+                                               more_parts=index < len(parts) - 1)
+            if step_seed is not None:
+                header.step_seed = step_seed
 
-        def invoke(stub: Any, kw: dict[str, Any]) -> GradientResult:
-            frames = _COMPUTE_WIRE.messages(named, chunk_bytes=client.chunk_bytes)
-            requests = _prepend(pb.ComputeGradientsRequest(header=header), frames)
-            return _read_result(stub.ComputeGradients(requests, **kw), client.limits)
+            def invoke(stub: Any, kw: dict[str, Any], header: pb.ComputeGradientsHeader = header,
+                       part: list[tuple[str, torch.Tensor]] = part) -> GradientResult:
+                frames = _COMPUTE_WIRE.messages(part, chunk_bytes=client.chunk_bytes)
+                requests = _prepend(pb.ComputeGradientsRequest(header=header), frames)
+                return _read_result(stub.ComputeGradients(requests, **kw), client.limits)
 
-        return client.call(invoke)
+            result = client.call(invoke)
+        return result
 
 
 def _stub(channel: grpc.Channel) -> pb_grpc.GradientServiceStub:
@@ -346,6 +386,7 @@ def _read_result(responses: Iterator[pb.ComputeGradientsResponse], limits: Codec
             decoder.add_message(message)
     if stats is None:
         raise PsgError("compute_gradients: the server's reply was empty")
-    report = step_stats_from_proto(stats)
-    return GradientResult(grads=decoder.finish(), **dataclasses.asdict(report))
+    report = dataclasses.asdict(step_stats_from_proto(stats))
+    report.pop("pending")  # a part's reply; compute_gradients returns the last part's, the step's
+    return GradientResult(grads=decoder.finish(), **report)
 

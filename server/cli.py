@@ -16,12 +16,12 @@ import signal
 from collections.abc import MutableMapping, Sequence
 
 from psg_core.errors import PsgError
-from psg_server.config import ServerConfig
+from psg_server.config import ServerConfig, default_state_dir
 
 # No import above loads gRPC: main() prepares gRPC's environment first, and serve() imports the
 # service (and with it gRPC) only then.
 
-__all__ = ["main", "serve"]
+__all__ = ["command_defaults", "main", "serve"]
 
 logger = logging.getLogger("psg_server")
 
@@ -59,6 +59,12 @@ async def serve(config: ServerConfig) -> None:
     await server.stop(grace=5.0)
 
 
+def command_defaults() -> dict[str, object]:
+    """What the command sets over :class:`ServerConfig`'s library defaults: shards on the Ray pool,
+    sessions kept on disk (:func:`~psg_server.config.default_state_dir`)."""
+    return {"executor": "ray", "state_dir": default_state_dir()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``psg-server`` console script; returns the exit status."""
     _prepare_grpc_environment()
@@ -66,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Domain errors name where they come from ("ServerConfig: ...", "psg-server: refusing ..."):
     # they are logged as they are, with no prefix of ours.
     try:
-        config = ServerConfig.from_args(argv, defaults={"executor": "ray"})
+        config = ServerConfig.from_args(argv, defaults=command_defaults())
     except PsgError as err:
         logger.error("%s", err)
         return 2

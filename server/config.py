@@ -23,7 +23,7 @@ from pathlib import Path
 
 from psg_core.errors import ConfigError
 
-__all__ = ["ServerConfig", "load_tokens"]
+__all__ = ["ServerConfig", "default_state_dir", "load_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,18 @@ _MIB = 1 << 20
 _GIB = 1 << 30
 # Room for the protobuf framing around a chunk of tensor bytes.
 _FRAME_OVERHEAD = 64 * 1024
+
+
+def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where ``psg-server`` keeps its sessions unless told otherwise: ``$XDG_STATE_HOME/psg``, else
+    ``~/.local/state/psg`` (the XDG base directory convention for state that survives restarts).
+
+    >>> default_state_dir({"XDG_STATE_HOME": "/var/state"})
+    PosixPath('/var/state/psg')
+    """
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "psg"
 
 
 def load_tokens(text: str, *, source: str) -> dict[str, str]:
@@ -107,6 +119,11 @@ class ServerConfig:
     step_timeout_seconds: float = 600.0
     #: Accountant used when a session does not name one: "rdp" or "pld".
     default_accountant: str = "rdp"
+    #: Directory of the SQLite session store (settings, epsilon ledger, step counter, parameter
+    #: version), so sessions survive a restart; None keeps them in memory only (the library's
+    #: default, for servers embedded in tests; the ``psg-server`` command defaults to
+    #: :func:`default_state_dir`). ``--state-dir none`` turns the store off.
+    state_dir: Path | None = None
     tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -152,6 +169,10 @@ class ServerConfig:
             raise ConfigError("ServerConfig: tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"ServerConfig: metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.state_dir is not None:
+            text = str(self.state_dir).strip()
+            object.__setattr__(self, "state_dir", None if text.lower() in ("", "none") else
+                               Path(text).expanduser())
         object.__setattr__(self, "tokens", dict(self.tokens))
         object.__setattr__(self, "model_plugins", tuple(self.model_plugins))
 
@@ -172,7 +193,7 @@ class ServerConfig:
         """Parses flags (``argv``, default ``sys.argv[1:]``) over ``PSG_*`` environment variables.
 
         ``defaults`` replaces field defaults for fields that neither a flag nor the environment
-        sets (the ``psg-server`` command passes ``{"executor": "ray"}``).
+        sets (the ``psg-server`` command passes :func:`psg_server.cli.command_defaults`).
         """
         environ = os.environ if environ is None else environ
         parser = build_parser(defaults)
@@ -200,7 +221,7 @@ _INT_FIELDS = {"port", "max_message_bytes", "chunk_bytes", "max_tensor_bytes", "
                "max_batch_rows", "max_model_bytes", "max_sessions", "parameter_memory_bytes",
                "max_shard_samples", "num_workers", "cpus_per_worker", "metrics_port"}
 _FLOAT_FIELDS = {"session_idle_seconds", "step_timeout_seconds"}
-_PATH_FIELDS = {"tls_cert", "tls_key", "tls_client_ca"}
+_PATH_FIELDS = {"tls_cert", "tls_key", "tls_client_ca", "state_dir"}
 
 
 def _from_env(name: str, text: str) -> object:
@@ -288,6 +309,12 @@ def build_parser(defaults: Mapping[str, object] | None = None) -> argparse.Argum
         help="server-side cap on one step; a client deadline can only shorten it")
     add("--default-accountant", choices=("rdp", "pld"),
         help="privacy accountant of sessions that do not name one")
+    add("--state-dir", type=Path, metavar="PATH",
+        help="directory of the SQLite session store: settings, epsilon ledger, step counter and "
+             "parameter version of every session, written before a step's result is returned, so "
+             "sessions survive a restart (clients push their parameters again); 'none' keeps "
+             "sessions in memory only; one server per directory",
+        shown=None if field_defaults["state_dir"] is not None else "none, sessions in memory only")
     add("--tokens-file", metavar="PATH", help="bearer tokens, one per line: 'token' or 'label token'",
         shown="PSG_TOKENS=tok1,tok2, else no authentication")
     add("--tls-cert", type=Path, metavar="PATH", help="PEM certificate chain; with --tls-key turns on TLS",

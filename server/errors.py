@@ -28,6 +28,7 @@ from psg_wire.names import REASON_METADATA_KEY, Reason
 __all__ = [
     "REASON_METADATA_KEY",
     "STATUS_TABLE",
+    "AccumulationLostError",
     "AuthenticationError",
     "InvalidRequestError",
     "LimitExceededError",
@@ -70,6 +71,11 @@ class ParametersMissingError(PsgError):
     server under memory pressure); the client should push them again."""
 
 
+class AccumulationLostError(PsgError):
+    """A part of a logical batch arrived without its earlier parts (never sent, out of order, or
+    lost with a restart of the server); the client sends the logical batch again from part 0."""
+
+
 class LimitExceededError(PsgError):
     """A request exceeds a server limit (batch rows, model size, sessions, parameter memory)."""
 
@@ -95,6 +101,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (StaleParametersError, grpc.StatusCode.FAILED_PRECONDITION, Reason.STALE_PARAMETERS),
     (ParametersMissingError, grpc.StatusCode.FAILED_PRECONDITION, Reason.PARAMETERS_MISSING),
     (BudgetExhaustedError, grpc.StatusCode.FAILED_PRECONDITION, Reason.BUDGET_EXHAUSTED),
+    (AccumulationLostError, grpc.StatusCode.FAILED_PRECONDITION, Reason.ACCUMULATION_LOST),
     (TensorLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.LIMIT_EXCEEDED),
     (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.LIMIT_EXCEEDED),
     (NoWorkersError, grpc.StatusCode.UNAVAILABLE, Reason.NO_WORKERS),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -40,7 +41,8 @@ from psg_server.losses import LOSSES
 from psg_server.metrics import Metrics
 from psg_server.models import ModelEntry, ModelRegistry, default_registry
 from psg_server.security import AuthInterceptor, TokenAuthenticator, check_bind_allowed, server_credentials
-from psg_server.sessions import SessionStore, open_session, parameter_specs
+from psg_server.sessions import SessionStore, open_session, parameter_specs, restore_session
+from psg_server.state import SessionDatabase
 from psg_server.step import StepRunner
 from psg_server.streams import read_header, receive_parameters
 from psg_wire.codec import CodecLimits, FrameWire
@@ -64,12 +66,21 @@ class GradientServicer:
         self._executor = executor
         self._auth = authenticator
         self._metrics = metrics
+        database = SessionDatabase(config.state_dir) if config.state_dir is not None else None
         self._store = SessionStore(max_sessions=config.max_sessions, idle_seconds=config.session_idle_seconds,
-                                   parameter_memory_bytes=config.parameter_memory_bytes)
+                                   parameter_memory_bytes=config.parameter_memory_bytes, database=database)
+        if database is not None:
+            restored = self._store.restore(functools.partial(restore_session, registry=registry, config=config))
+            logger.info("psg-server: sessions kept in %s (%d reopened)", database.path, restored)
         self._steps = StepRunner(config=config, store=self._store, executor=executor, metrics=metrics)
         self._parameter_limits = CodecLimits(max_tensor_bytes=config.max_tensor_bytes,
                                              max_total_bytes=config.max_request_bytes, max_tensors=1 << 16,
                                              max_chunk_bytes=config.max_message_bytes)
+
+    @property
+    def sessions(self) -> SessionStore:
+        """The open sessions (the server closes their database when it stops)."""
+        return self._store
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
                             context: aio.ServicerContext) -> pb.ServerInfo:
@@ -93,7 +104,9 @@ class GradientServicer:
                             context: aio.ServicerContext) -> pb.CreateSessionResponse:
         owner = self._auth.principal_of(context)
         await self._expire_idle()
-        session = open_session(request, owner=owner, registry=self._registry, config=self._config)
+        # Off the event loop: building the model and calibrating sigma can take seconds.
+        session = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+            open_session, request, owner=owner, registry=self._registry, config=self._config))
         self._store.add(session)
         self._metrics.sessions.set(len(self._store))
         dp = session.dp_config  # enums by value: their reprs would read <Clipping.FLAT: 'flat'>
@@ -101,8 +114,8 @@ class GradientServicer:
                     "C=%g, noise multiplier %g", session.id, owner, request.model, session.loss.name,
                     dp.loss_reduction.value, dp.mode.value, dp.augmentation_multiplicity, dp.clipping.value,
                     dp.max_grad_norm, dp.noise_multiplier)
-        return pb.CreateSessionResponse(session_id=session.id,
-                                        parameters=parameter_specs(session.parameter_info))
+        return pb.CreateSessionResponse(session_id=session.id, parameters=parameter_specs(session.parameter_info),
+                                        noise_multiplier=dp.noise_multiplier)
 
     async def PushParameters(self, requests: AsyncIterator[pb.PushParametersRequest],
                              context: aio.ServicerContext) -> pb.PushParametersResponse:
@@ -253,7 +266,7 @@ class PsgServer:
 
     def __init__(self, server: aio.Server, executor: ShardExecutor, metrics: Metrics,
                  health: health_aio.HealthServicer, metrics_port: int | None,
-                 health_task: asyncio.Task[None] | None = None) -> None:
+                 health_task: asyncio.Task[None] | None = None, sessions: SessionStore | None = None) -> None:
         self.grpc_server = server
         self.executor = executor
         self.metrics = metrics
@@ -261,6 +274,7 @@ class PsgServer:
         #: The bound Prometheus port, when the endpoint is on.
         self.metrics_port = metrics_port
         self._health_task = health_task
+        self._sessions = sessions
 
     async def wait_for_termination(self) -> None:
         """Blocks until the server stops."""
@@ -268,7 +282,7 @@ class PsgServer:
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Marks the service NOT_SERVING, stops accepting RPCs (in-flight ones get ``grace`` seconds),
-        then closes the executor and the metrics endpoint."""
+        then closes the executor, the session database and the metrics endpoint."""
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -277,6 +291,8 @@ class PsgServer:
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(grace)
         await self.executor.close()
+        if self._sessions is not None:
+            self._sessions.close()
         self.metrics.close()
 
 
@@ -311,14 +327,19 @@ async def create_server(config: ServerConfig, *, executor: ShardExecutor | None 
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
     credentials = server_credentials(config)
-    port = (server.add_secure_port(config.address, credentials) if credentials is not None
-            else server.add_insecure_port(config.address))
+    try:
+        port = (server.add_secure_port(config.address, credentials) if credentials is not None
+                else server.add_insecure_port(config.address))
+    except BaseException:
+        servicer.sessions.close()
+        raise
     await _set_health(health, False)
     await server.start()
     try:
         await executor.start()
     except BaseException:
         await server.stop(None)
+        servicer.sessions.close()
         raise
     metrics_port = None
     if config.metrics_port is not None:
@@ -328,7 +349,7 @@ async def create_server(config: ServerConfig, *, executor: ShardExecutor | None 
     health_task = asyncio.create_task(_follow_readiness(health, executor, serving), name="psg-health")
     logger.info("psg-server listening on %s:%d (%s, %s)", config.host, port,
                 "TLS" if credentials else "plaintext", "tokens" if authenticator.enabled else "no auth")
-    return PsgServer(server, executor, metrics, health, metrics_port, health_task), port
+    return PsgServer(server, executor, metrics, health, metrics_port, health_task, servicer.sessions), port
 
 
 def _default_executor(config: ServerConfig, registry: ModelRegistry) -> ShardExecutor:

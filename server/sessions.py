@@ -5,6 +5,11 @@ A caller only ever sees its own sessions: another principal's session id gives t
 NOT_FOUND as an unknown one. Idle sessions are closed after ``session_idle_seconds``; parameter
 sets beyond ``parameter_memory_bytes`` are dropped least-recently-used first (the session stays,
 and its client pushes again when told PARAMETERS_MISSING).
+
+With a :class:`~psg_server.state.SessionDatabase` (``--state-dir``), the store writes every session
+it opens, closes or expires, and the step runner has it write each step's progress before the
+step's result goes out; :meth:`SessionStore.restore` reopens them after a restart (without their
+parameters, which clients push again).
 """
 
 from __future__ import annotations
@@ -17,21 +22,25 @@ import math
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from psg_core.accounting import PrivacyAccountant
+from psg_core.calibration import calibrate_noise_multiplier
 from psg_core.config import DPConfig
 from psg_core.privacy_step import PrivacyStep
 from psg_server.config import ServerConfig
 from psg_server.errors import (InvalidRequestError, LimitExceededError, ParametersMissingError,
                                SessionNotFoundError, StaleParametersError)
+from psg_server.accumulation import PendingBatch
 from psg_server.executor import ParameterSet, SessionSpec
 from psg_server.losses import LossEntry, get_loss
 from psg_server.models import ModelRegistry, ModelSignature, ParameterInfo
 from psg_wire.convert import dp_config_from_proto, parameter_spec_to_proto, privacy_from_proto
+from psg_server.state import SessionDatabase, SessionRecord
+from psg_wire.convert import dp_config_to_proto
 from psg_wire.v1 import gradient_service_pb2 as pb
 
-__all__ = ["PrivacyPlan", "Session", "SessionStore", "open_session"]
+__all__ = ["PrivacyPlan", "Session", "SessionStore", "open_session", "restore_session"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +82,10 @@ class Session:
         self.steps = 0
         self.parameters: ParameterSet | None = None
         self.latest_version = 0
+        #: The parts received of a logical batch sent in several requests (psg_server.accumulation).
+        self.pending: PendingBatch | None = None
+        #: The CreateSessionRequest as opened (sigma chosen, seed drawn): what rebuilds the session.
+        self.request = pb.CreateSessionRequest()
         self.last_used = time.monotonic()
         self._accountant: PrivacyAccountant | None = None
         if spec.dp_config.noise_multiplier > 0:
@@ -136,7 +149,22 @@ class Session:
         return pb.SessionInfo(session_id=self.id, model=self.spec.model, steps=self.steps,
                               param_version=self.parameters.version if self.parameters else 0,
                               epsilon_spent=self.epsilon_spent, budget_left=self.budget_left,
-                              delta=self.privacy.delta, parameters=parameter_specs(self.parameter_info))
+                              delta=self.privacy.delta, parameters=parameter_specs(self.parameter_info),
+                              dp=dp_config_to_proto(self.dp_config), latest_param_version=self.latest_version)
+
+    def record(self) -> SessionRecord:
+        """The session as the database keeps it."""
+        ledger = None if self._accountant is None else json.dumps(self._accountant.state_dict())
+        return SessionRecord(session_id=self.id, owner=self.owner, request=self.request.SerializeToString(),
+                             steps=self.steps, ledger=ledger, epsilon_spent=self.epsilon_spent,
+                             param_version=self.latest_version, updated=time.time())
+
+    def resume(self, record: SessionRecord) -> None:
+        """Takes the progress of a stored session: steps, ledger, epsilon and parameter version."""
+        self.steps, self.latest_version = record.steps, record.param_version
+        if self._accountant is not None and record.ledger is not None:
+            self._accountant.load_state_dict(json.loads(record.ledger))
+            self.epsilon_spent = record.epsilon_spent
 
 
 def parameter_specs(parameters: list[ParameterInfo]) -> list[pb.ParameterSpec]:
@@ -168,9 +196,50 @@ def _privacy(request: pb.CreateSessionRequest, dp_config: DPConfig, default_acco
                        target_epsilon=target)
 
 
+def _calibrated(request: pb.CreateSessionRequest, dp_config: DPConfig, default_accountant: str) -> DPConfig:
+    """``dp_config`` with the sigma chosen from the budget when the request plans steps or epochs."""
+    settings = privacy_from_proto(request.privacy)
+    if settings.steps is None and settings.epochs is None:
+        return dp_config
+    if dp_config.noise_multiplier != 0:
+        raise InvalidRequestError(f"CreateSession: give dp.noise_multiplier ({dp_config.noise_multiplier}) or "
+                                  "privacy.steps/epochs (calibration), not both")
+    if settings.target_epsilon is None or settings.delta is None:
+        raise InvalidRequestError("CreateSession: calibrating the noise (privacy.steps/epochs) needs "
+                                  "privacy.target_epsilon and privacy.delta")
+    sigma = calibrate_noise_multiplier(settings.target_epsilon, delta=settings.delta,
+                                       sample_rate=settings.sample_rate or 1.0, steps=settings.steps,
+                                       epochs=settings.epochs, accountant=settings.accountant or default_accountant)
+    logger.info("sessions: noise multiplier %.4g for epsilon %g at delta %g after %s", sigma,
+                settings.target_epsilon, settings.delta,
+                f"{settings.steps} steps" if settings.steps else f"{settings.epochs} epochs")
+    return replace(dp_config, noise_multiplier=sigma)
+
+
+def _opened_request(request: pb.CreateSessionRequest, sigma: float, seed: int) -> pb.CreateSessionRequest:
+    """The request that reopens a session as it is: its sigma and seed fixed, nothing to calibrate."""
+    opened = pb.CreateSessionRequest()
+    opened.CopyFrom(request)
+    opened.dp.noise_multiplier = sigma
+    opened.privacy.ClearField("steps")
+    opened.privacy.ClearField("epochs")
+    opened.seed = seed
+    return opened
+
+
+def restore_session(record: SessionRecord, *, registry: ModelRegistry, config: ServerConfig) -> Session:
+    """Reopens a stored session (no parameters: its client pushes them again)."""
+    request = pb.CreateSessionRequest.FromString(record.request)
+    session = open_session(request, owner=record.owner, registry=registry, config=config,
+                           session_id=record.session_id)
+    session.resume(record)
+    return session
+
+
 def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: ModelRegistry,
-                 config: ServerConfig) -> Session:
-    """Validates a ``CreateSession`` request and builds its (not yet stored) :class:`Session`."""
+                 config: ServerConfig, session_id: str | None = None) -> Session:
+    """Validates a ``CreateSession`` request and builds its (not yet stored) :class:`Session`
+    (under a new id, or ``session_id`` when a stored session is reopened)."""
     entry = registry.entry(request.model)
     loss = get_loss(request.loss)
     kwargs = registry.parse_kwargs(request.model, request.model_kwargs_json)
@@ -180,6 +249,7 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
                                   "set batch_first=True")
     if request.expected_batch_size < 1:
         raise InvalidRequestError("CreateSession: expected_batch_size must be >= 1 (samples per step)")
+    dp_config = _calibrated(request, dp_config, config.default_accountant)
     privacy = _privacy(request, dp_config, config.default_accountant)
     parameters = registry.describe(request.model, kwargs, max_bytes=config.max_model_bytes)
     if not any(p.requires_grad for p in parameters):
@@ -189,14 +259,16 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
     if bounds is not None and len(bounds) != trainable:
         raise InvalidRequestError(f"CreateSession: per_layer_max_grad_norms has {len(bounds)} bounds for "
                                   f"{trainable} trainable parameters")
-    session_id = secrets.token_urlsafe(16)
+    session_id = session_id if session_id is not None else secrets.token_urlsafe(16)
     spec = SessionSpec(session_id=session_id, model=request.model,
                        model_kwargs_json=json.dumps(kwargs, sort_keys=True), loss=request.loss,
                        dp_config=dp_config, plugins=registry.plugins)
-    return Session(session_id=session_id, owner=owner, spec=spec, parameters=parameters,
-                   signature=registry.signature(request.model, kwargs), loss=loss,
-                   expected_batch_size=request.expected_batch_size, privacy=privacy,
-                   seed=request.seed if request.HasField("seed") else None, secure_rng=request.secure_rng)
+    session = Session(session_id=session_id, owner=owner, spec=spec, parameters=parameters,
+                      signature=registry.signature(request.model, kwargs), loss=loss,
+                      expected_batch_size=request.expected_batch_size, privacy=privacy,
+                      seed=request.seed if request.HasField("seed") else None, secure_rng=request.secure_rng)
+    session.request = _opened_request(request, dp_config.noise_multiplier, session.seed)
+    return session
 
 
 class SessionStore:
@@ -207,15 +279,64 @@ class SessionStore:
         idle_seconds: sessions unused this long are expired by :meth:`expire_idle`.
         parameter_memory_bytes: total bytes of parameter sets kept.
         clock: monotonic seconds (tests substitute their own).
+        database: where sessions are kept across restarts; None = in memory only.
     """
 
     def __init__(self, *, max_sessions: int, idle_seconds: float, parameter_memory_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, database: SessionDatabase | None = None) -> None:
         self._sessions: dict[str, Session] = {}
         self._max_sessions = max_sessions
         self._idle_seconds = idle_seconds
         self._memory = parameter_memory_bytes
         self._clock = clock
+        self._database = database
+
+    @property
+    def persistent(self) -> bool:
+        """Whether sessions are written to a database (:meth:`persist` does something)."""
+        return self._database is not None
+
+    def persist(self, session: Session) -> None:
+        """Writes ``session``'s progress (steps, ledger, parameter version) to the database, durably;
+        the step runner calls it after accounting a step and before returning its result. Blocking
+        (an fsync): call it off the event loop."""
+        if self._database is not None:
+            record = session.record()
+            self._database.save_progress(session.id, steps=record.steps, ledger=record.ledger,
+                                         epsilon_spent=record.epsilon_spent, param_version=record.param_version)
+
+    def restore(self, build: Callable[[SessionRecord], Session]) -> int:
+        """Reopens the database's sessions with ``build`` (:func:`restore_session`); those idle
+        longer than ``idle_seconds`` since their last write are expired instead. Returns how many
+        were reopened."""
+        if self._database is None:
+            return 0
+        now, wall = self._clock(), time.time()
+        for record in self._database.load():
+            idle = max(0.0, wall - record.updated)
+            if idle > self._idle_seconds:
+                self._database.delete(record.session_id)
+                logger.info("sessions: %s expired after %.0f s idle (across a restart)", record.session_id, idle)
+                continue
+            # One session that cannot be rebuilt (a plugin gone, a model renamed) must not keep the
+            # server from starting with the others: it is logged and left in the database.
+            try:
+                session = build(record)
+            except Exception:
+                logger.exception("sessions: cannot reopen stored session %s; left in the state directory",
+                                 record.session_id)
+                continue
+            session.last_used = now - idle
+            self._sessions[session.id] = session
+            logger.info("sessions: reopened %s (%d steps, epsilon %.4g, parameter version %d)", session.id,
+                        session.steps, session.epsilon_spent, session.latest_version)
+        return len(self._sessions)
+
+    def close(self) -> None:
+        """Closes the database (the sessions in memory stay readable)."""
+        if self._database is not None:
+            self._database.close()
+            self._database = None
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -226,6 +347,8 @@ class SessionStore:
             raise LimitExceededError(f"CreateSession: the server already holds {len(self._sessions)} "
                                      "sessions, its maximum; close one or wait for idle ones to expire")
         session.last_used = self._clock()
+        if self._database is not None:
+            self._database.insert(session.record())
         self._sessions[session.id] = session
 
     def get(self, session_id: str, owner: str) -> Session:
@@ -239,6 +362,8 @@ class SessionStore:
     def remove(self, session_id: str, owner: str) -> Session:
         """Closes the caller's session and returns it."""
         session = self.get(session_id, owner)
+        if self._database is not None:
+            self._database.delete(session_id)
         del self._sessions[session_id]
         return session
 
@@ -247,6 +372,8 @@ class SessionStore:
         cutoff = self._clock() - self._idle_seconds
         expired = [s for s in self._sessions.values() if s.last_used < cutoff and not s.lock.locked()]
         for session in expired:
+            if self._database is not None:
+                self._database.delete(session.id)
             del self._sessions[session.id]
             logger.info("sessions: %s expired after %.0f s idle", session.id, self._idle_seconds)
         return expired

@@ -1,7 +1,10 @@
 """One DP step on the frontend (README.md, "The gradient service": "One step").
 
 validate -> split the N samples (K rows together) into shards -> executor -> merge in shard order
--> noise once (seeded per step) -> normalise by the expected batch size -> account -> reply.
+-> noise once (seeded per step) -> normalise by the expected batch size -> account -> persist the
+session's progress (with ``--state-dir``, before the reply: no accounted step is lost) -> reply.
+A logical batch sent in parts (:mod:`psg_server.accumulation`) runs everything up to the merge per
+part, and the rest once, on the last part.
 The privacy part (budget check, noise, normalisation, accounting) is
 :class:`psg_core.privacy_step.PrivacyStep`, the one :class:`psg_core.DPStep` runs in process.
 The result equals :func:`psg_core.dp.dp_gradient` on the whole batch, noised and normalised,
@@ -11,6 +14,7 @@ for any number of shards (up to floating point summation order).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ import torch
 from psg_core.backends.base import check_rows
 from psg_core.config import DPGradient
 from psg_core.errors import BatchLayoutError, NonFiniteInputError
+from psg_server.accumulation import check_part, take_part
 from psg_server.config import ServerConfig
 from psg_server.errors import InvalidRequestError, LimitExceededError, StepTimeoutError
 from psg_server.executor import ShardExecutor
@@ -153,6 +158,7 @@ class StepRunner:
             header = await read_header(requests, rpc="ComputeGradients")
             session = self._store.get(header.session_id, owner)
             session.parameters_for(header.param_version)  # fail before the batch is uploaded
+            check_part(session.pending, part=header.part, param_version=header.param_version, session_id=session.id)
             check = _rows_check(session, self._config.max_batch_rows)
             decoder = TensorDecoder(self._limits, check_header=check)
             tensors = await read_tensors(requests, decoder)
@@ -164,7 +170,8 @@ class StepRunner:
             with metrics.phase("validate"):
                 # Refuse before computing, not after. Accounting (here and below) can take a good
                 # fraction of a second under PLD, so it runs on a thread, off the event loop.
-                await _account(session, session.check_budget)
+                if header.part == 0 or not header.more_parts:
+                    await _account(session, session.check_budget)
             with metrics.phase("compute"):
                 plan = plan_shards(batch.num_samples, self._executor.throughputs(),
                                    max_shard_samples=self._config.max_shard_samples)
@@ -183,12 +190,22 @@ class StepRunner:
                                            "its shards were cancelled") from None
                 # One shard's result is the step's: merging would only copy its gradients.
                 merged = results[0] if len(results) == 1 else DPGradient.merge(results)
-            with metrics.phase("noise"):
-                grads = self._noise_and_normalise(session, merged, step_seed)
-            with metrics.phase("account"):
-                step = await _account(session, session.record_step)
+                session.pending, total = take_part(session.pending, merged, part=header.part,
+                                                   more_parts=header.more_parts, param_version=parameters.version,
+                                                   session_id=session.id)
+            if total is not None:
+                with metrics.phase("noise"):
+                    grads = self._noise_and_normalise(session, total, step_seed)
+                with metrics.phase("account"):
+                    step = await _account(session, session.record_step)
+                    if self._store.persistent:  # before the result goes out: no accounted step is lost
+                        await _off_loop(functools.partial(self._store.persist, session))
         metrics.samples.inc(merged.num_samples)
-        stats = _stats(session, merged, step=step, version=parameters.version,
+        if total is None:  # a part of a logical batch: its statistics, nothing released
+            yield pb.ComputeGradientsResponse(stats=_stats(session, merged, step=0, version=parameters.version,
+                                                           seconds=time.perf_counter() - started, pending=True))
+            return
+        stats = _stats(session, total, step=step, version=parameters.version,
                        seconds=time.perf_counter() - started)
         with metrics.phase("send"):
             yield pb.ComputeGradientsResponse(stats=stats)
@@ -224,7 +241,7 @@ async def _off_loop(function: Callable[[], Any]) -> Any:
 
 
 def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
-           seconds: float) -> pb.StepStats:
+           seconds: float, pending: bool = False) -> pb.StepStats:
     norms = merged.per_sample_norms.detach().to(torch.float64).cpu()  # (N,)
     levels = torch.tensor(NORM_QUANTILES, dtype=torch.float64)  # (Q,)
     # An empty (Poisson) batch has no norms: report no quantiles rather than invent some.
@@ -233,5 +250,6 @@ def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
     return step_stats_to_proto(StepReport(
         step=step, param_version=version, samples=merged.num_samples, mean_loss=merged.loss_sum / samples,
         norm_quantiles=dict(zip(NORM_QUANTILES, values)), fraction_clipped=merged.num_clipped / samples,
-        epsilon_spent=session.epsilon_spent, budget_left=session.budget_left, server_seconds=seconds))
+        epsilon_spent=session.epsilon_spent, budget_left=session.budget_left, server_seconds=seconds,
+        pending=pending))
 

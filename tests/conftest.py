@@ -37,6 +37,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_home_of_this_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``psg-server`` keeps its sessions under ``$XDG_STATE_HOME/psg`` unless given ``--state-dir``,
+    and one server holds that directory at a time: every command this test session starts (as a
+    subprocess, or ``cli.main`` in process) gets a state home of the session's own, never the
+    developer's ``~/.local/state`` nor another test session's."""
+    saved = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = saved
+
+
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[Any]:
     """The session's Ray (the ``ray`` module, initialised)."""

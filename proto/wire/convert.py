@@ -14,7 +14,7 @@ zero, an absent optional) is read and written here and nowhere else:
 >>> dp_config_from_proto(dp_config_to_proto(config)) == config
 True
 >>> privacy_from_proto(privacy_to_proto(PrivacyRequest(delta=1e-5)))
-PrivacyRequest(accountant=None, sample_rate=None, delta=1e-05, target_epsilon=None)
+PrivacyRequest(accountant=None, sample_rate=None, delta=1e-05, target_epsilon=None, steps=None, epochs=None)
 """
 
 from __future__ import annotations
@@ -87,18 +87,24 @@ class PrivacyRequest:
     delta: float | None = None
     #: Refuse steps past this epsilon; None = no budget.
     target_epsilon: float | None = None
+    #: Noise calibration: choose sigma for ``target_epsilon`` after this many steps; None = not given.
+    steps: int | None = None
+    #: The same plan in epochs; None = not given.
+    epochs: float | None = None
 
 
 def privacy_to_proto(request: PrivacyRequest) -> pb.PrivacySettings:
     """``PrivacySettings`` of ``request`` (None travels as the field's zero value)."""
     return pb.PrivacySettings(accountant=request.accountant or "", sample_rate=request.sample_rate or 0.0,
-                              delta=request.delta or 0.0, target_epsilon=request.target_epsilon or 0.0)
+                              delta=request.delta or 0.0, target_epsilon=request.target_epsilon or 0.0,
+                              steps=request.steps or 0, epochs=request.epochs or 0.0)
 
 
 def privacy_from_proto(settings: pb.PrivacySettings) -> PrivacyRequest:
     """The :class:`PrivacyRequest` of ``settings`` (a zero value reads as not given)."""
     return PrivacyRequest(accountant=settings.accountant or None, sample_rate=settings.sample_rate or None,
-                          delta=settings.delta or None, target_epsilon=settings.target_epsilon or None)
+                          delta=settings.delta or None, target_epsilon=settings.target_epsilon or None,
+                          steps=settings.steps or None, epochs=settings.epochs or None)
 
 
 # ------------------------------------------------------------------------------------- StepStats
@@ -121,6 +127,8 @@ class StepReport:
     budget_left: float
     #: Seconds the server spent on the step.
     server_seconds: float
+    #: The reply to a part of a logical batch that is not its last: that part's statistics only.
+    pending: bool = False
 
 
 def step_stats_to_proto(report: StepReport) -> pb.StepStats:
@@ -130,7 +138,8 @@ def step_stats_to_proto(report: StepReport) -> pb.StepStats:
                         norm_quantiles=[pb.NormQuantile(quantile=q, value=v)
                                         for q, v in report.norm_quantiles.items()],
                         fraction_clipped=report.fraction_clipped, epsilon_spent=report.epsilon_spent,
-                        budget_left=report.budget_left, server_seconds=report.server_seconds)
+                        budget_left=report.budget_left, server_seconds=report.server_seconds,
+                        pending=report.pending)
 
 
 def step_stats_from_proto(stats: pb.StepStats) -> StepReport:
@@ -139,7 +148,8 @@ def step_stats_from_proto(stats: pb.StepStats) -> StepReport:
                       mean_loss=stats.mean_loss,
                       norm_quantiles={q.quantile: q.value for q in stats.norm_quantiles},
                       fraction_clipped=stats.fraction_clipped, epsilon_spent=stats.epsilon_spent,
-                      budget_left=stats.budget_left, server_seconds=stats.server_seconds)
+                      budget_left=stats.budget_left, server_seconds=stats.server_seconds,
+                      pending=stats.pending)
 
 
 # --------------------------------------------------------------------------------- ParameterSpec

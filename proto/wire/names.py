@@ -91,6 +91,9 @@ class Reason:
     STALE_PARAMETERS = "STALE_PARAMETERS"
     PARAMETERS_MISSING = "PARAMETERS_MISSING"
     BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"
+    #: A part of a logical batch came out of order (its earlier parts were never received, or were
+    #: lost with a server restart): send the logical batch again from part 0.
+    ACCUMULATION_LOST = "ACCUMULATION_LOST"
     LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
     NO_WORKERS = "NO_WORKERS"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"

@@ -158,7 +158,8 @@ def _plan(workdir: Path) -> tuple[dict[str, _Service], str, str, str, dict[str, 
                           "--dashboard-host=0.0.0.0": "--dashboard-host=127.0.0.1"})
             extra = node_flags
         elif name == "frontend":
-            exact = {"50051": str(grpc_port), "9090": str(metrics), "0.0.0.0": "127.0.0.1"}
+            exact = {"50051": str(grpc_port), "9090": str(metrics), "0.0.0.0": "127.0.0.1",
+                     "/var/lib/psg": str(workdir / "psg-state")}
             inside["127.0.0.1:50051"] = f"127.0.0.1:{grpc_port}"
         else:  # the worker node; one CPU, so the pool runs one actor on this 2-core machine
             inside["127.0.0.1:52365"] = f"127.0.0.1:{agent}"

@@ -464,7 +464,8 @@ def _env(container: dict[str, Any]) -> dict[str, Any]:
 def test_k8s_manifests_parse_and_are_complete() -> None:
     documents = _k8s_documents()
     kinds = sorted((d["apiVersion"], d["kind"]) for d in documents)
-    assert kinds == [("apps/v1", "Deployment"), ("ray.io/v1", "RayCluster"), ("v1", "Service")]
+    assert kinds == [("apps/v1", "Deployment"), ("ray.io/v1", "RayCluster"), ("v1", "PersistentVolumeClaim"),
+                     ("v1", "Service")]
     kustomization = load_yaml(K8S / "kustomization.yaml")
     for resource in kustomization["resources"]:
         assert (K8S / resource).is_file(), resource
@@ -518,6 +519,14 @@ def test_k8s_agrees_with_compose(gpu_model: dict[str, Any]) -> None:
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     items = [item for source in volume["projected"]["sources"] for item in source["secret"]["items"]]
     assert {"key": "psg_tokens", "path": tokens_file.name} in items
+    # The session store (--state-dir) is the claim's volume, as in compose it is a named volume.
+    state_dir = flag_value(frontend["args"], "--state-dir")
+    assert state_dir and deployment["spec"]["strategy"]["type"] == "Recreate"  # one owner of the store
+    (mount,) = [m for m in frontend["volumeMounts"] if m["mountPath"] == state_dir]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    claim = documents["PersistentVolumeClaim"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert f"{next(iter(gpu_model['volumes']))}:{state_dir}" in services[FRONTEND]["volumes"]
     # The init container waits on the same cluster, and its script compiles.
     (wait,) = pod["initContainers"]
     assert _env(wait)["PSG_RAY_JOIN"] == k8s_address and _env(wait)["PSG_WAIT_RESOURCE"] == "GPU"

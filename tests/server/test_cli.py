@@ -12,6 +12,7 @@ import argparse
 import logging
 import re
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +23,10 @@ from psg_server.errors import (InvalidRequestError, LimitExceededError, NoWorker
                                translate)
 from tests.server.service_harness import MLP_KWARGS, client_for, serve
 
-#: What ``psg-server`` itself passes over the dataclass defaults (see cli.main).
-SERVER_DEFAULTS = {"executor": "ray"}
+def server_defaults() -> dict[str, object]:
+    """What ``psg-server`` itself passes over the dataclass defaults (see cli.main), read when called:
+    its state directory follows ``XDG_STATE_HOME``, which tests/conftest.py sets per test session."""
+    return cli.command_defaults()
 
 
 def help_entries(text: str) -> dict[str, str]:
@@ -65,7 +68,7 @@ def check_server_help(text: str) -> None:
     """Every flag of psg-server is in ``text`` with help and a default, the dataclass's where it
     has a plain one."""
     entries = help_entries(text)
-    field_defaults = {f.name: f.default for f in fields(ServerConfig)} | SERVER_DEFAULTS
+    field_defaults = {f.name: f.default for f in fields(ServerConfig)} | server_defaults()
     checked = 0
     for action in options(build_parser()):
         for flag in action.option_strings:
@@ -76,6 +79,8 @@ def check_server_help(text: str) -> None:
             shown = shown_default(text)
             assert text.removesuffix(f"(default: {shown})").strip(), f"{flag} has a default but no help"
             default = field_defaults.get(action.dest)
+            if isinstance(default, Path):
+                default = str(default)
             if isinstance(default, (int, float, str)) and not isinstance(default, bool):
                 # Byte sizes read "4194304 = 4 MiB": the exact number comes first.
                 assert shown.split(" = ")[0] == str(default), (flag, shown, default)
@@ -86,7 +91,7 @@ def check_server_help(text: str) -> None:
 def test_server_help_gives_every_flag_help_and_its_default(capsys: pytest.CaptureFixture[str]) -> None:
     # What cli.main does once gRPC's environment is set (left alone here: this is the test process).
     with pytest.raises(SystemExit) as exit_info:
-        ServerConfig.from_args(["--help"], environ={}, defaults=SERVER_DEFAULTS)
+        ServerConfig.from_args(["--help"], environ={}, defaults=server_defaults())
     assert exit_info.value.code == 0
     check_server_help(capsys.readouterr().out)
 
@@ -100,10 +105,30 @@ def test_every_server_setting_has_a_flag() -> None:
 def test_help_defaults_follow_the_config() -> None:
     """The help reads its defaults from ServerConfig, with the command's overrides on top."""
     plain = help_entries(build_parser().format_help())
-    command = help_entries(build_parser(SERVER_DEFAULTS).format_help())
+    command = help_entries(build_parser(server_defaults()).format_help())
     assert shown_default(plain["--executor"]) == ServerConfig.executor == "inprocess"
     assert shown_default(command["--executor"]) == "ray"
     assert shown_default(command["--max-message-bytes"]) == f"{ServerConfig.max_message_bytes} = 4 MiB"
+
+
+def test_the_command_keeps_sessions_on_disk_unless_told_otherwise(tmp_path: Path) -> None:
+    """The library's servers keep sessions in memory; the command's, under XDG's state home."""
+    assert ServerConfig().state_dir is None
+    environ = {"XDG_STATE_HOME": str(tmp_path)}
+    assert config_state_dir([], environ) == tmp_path / "psg"
+    assert config_state_dir(["--state-dir", str(tmp_path / "here")], environ) == tmp_path / "here"
+    assert config_state_dir(["--state-dir", "none"], environ) is None
+    assert config_state_dir([], {**environ, "PSG_STATE_DIR": "none"}) is None
+    assert config_state_dir([], {**environ, "PSG_STATE_DIR": str(tmp_path / "env")}) == tmp_path / "env"
+    plain = help_entries(build_parser().format_help())
+    assert shown_default(plain["--state-dir"]) == "none, sessions in memory only"
+
+
+def config_state_dir(argv: list[str], environ: dict[str, str]) -> Path | None:
+    from psg_server.config import default_state_dir
+
+    defaults = {"executor": "ray", "state_dir": default_state_dir(environ)}
+    return ServerConfig.from_args(argv, environ=environ, defaults=defaults).state_dir
 
 
 def test_flags_left_out_keep_the_environment_and_the_defaults() -> None:

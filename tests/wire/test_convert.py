@@ -41,6 +41,15 @@ def test_privacy_settings_zero_means_not_given() -> None:
     given = PrivacyRequest(accountant="rdp", sample_rate=0.01, delta=1e-5, target_epsilon=3.0)
     assert privacy_from_proto(privacy_to_proto(given)) == given
     assert privacy_to_proto(PrivacyRequest()) == pb.PrivacySettings()
+    for plan in (PrivacyRequest(target_epsilon=3.0, delta=1e-5, steps=120),
+                 PrivacyRequest(target_epsilon=3.0, delta=1e-5, epochs=2.5)):
+        assert privacy_from_proto(privacy_to_proto(plan)) == plan
+
+
+def test_a_part_s_stats_say_pending() -> None:
+    report = StepReport(step=0, param_version=1, samples=4, mean_loss=0.5, norm_quantiles={}, fraction_clipped=0.0,
+                        epsilon_spent=0.0, budget_left=math.inf, server_seconds=0.0, pending=True)
+    assert step_stats_from_proto(step_stats_to_proto(report)) == report
 
 
 def test_step_stats_round_trip() -> None:

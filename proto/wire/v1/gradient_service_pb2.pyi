@@ -108,16 +108,20 @@ class DPSettings(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., augmentation_multiplicity: _Optional[int] = ..., loss_reduction: _Optional[str] = ..., batch_first: _Optional[bool] = ..., max_grad_norm: _Optional[float] = ..., clipping: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., per_layer_max_grad_norms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrivacySettings(_message.Message):
-    __slots__ = ("accountant", "sample_rate", "delta", "target_epsilon")
+    __slots__ = ("accountant", "sample_rate", "delta", "target_epsilon", "steps", "epochs")
     ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     TARGET_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
     accountant: str
     sample_rate: float
     delta: float
     target_epsilon: float
-    def __init__(self, accountant: _Optional[str] = ..., sample_rate: _Optional[float] = ..., delta: _Optional[float] = ..., target_epsilon: _Optional[float] = ...) -> None: ...
+    steps: int
+    epochs: float
+    def __init__(self, accountant: _Optional[str] = ..., sample_rate: _Optional[float] = ..., delta: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., steps: _Optional[int] = ..., epochs: _Optional[float] = ...) -> None: ...
 
 class LoraSettings(_message.Message):
     __slots__ = ("rank", "alpha", "target_modules")
@@ -164,12 +168,14 @@ class ParameterSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
-    __slots__ = ("session_id", "parameters")
+    __slots__ = ("session_id", "parameters", "noise_multiplier")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
-    def __init__(self, session_id: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ...) -> None: ...
+    noise_multiplier: float
+    def __init__(self, session_id: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., noise_multiplier: _Optional[float] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -178,7 +184,7 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters", "frozen_version")
+    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters", "frozen_version", "dp", "latest_param_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +194,8 @@ class SessionInfo(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     FROZEN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    LATEST_PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     steps: int
@@ -197,7 +205,9 @@ class SessionInfo(_message.Message):
     delta: float
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     frozen_version: int
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., frozen_version: _Optional[int] = ...) -> None: ...
+    dp: DPSettings
+    latest_param_version: int
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., frozen_version: _Optional[int] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., latest_param_version: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -238,14 +248,18 @@ class PushParametersResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., frozen_version: _Optional[int] = ...) -> None: ...
 
 class ComputeGradientsHeader(_message.Message):
-    __slots__ = ("session_id", "param_version", "step_seed")
+    __slots__ = ("session_id", "param_version", "step_seed", "part", "more_parts")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_SEED_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    MORE_PARTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     param_version: int
     step_seed: int
-    def __init__(self, session_id: _Optional[str] = ..., param_version: _Optional[int] = ..., step_seed: _Optional[int] = ...) -> None: ...
+    part: int
+    more_parts: bool
+    def __init__(self, session_id: _Optional[str] = ..., param_version: _Optional[int] = ..., step_seed: _Optional[int] = ..., part: _Optional[int] = ..., more_parts: _Optional[bool] = ...) -> None: ...
 
 class ComputeGradientsRequest(_message.Message):
     __slots__ = ("header", "tensor", "chunk")
@@ -266,7 +280,7 @@ class NormQuantile(_message.Message):
     def __init__(self, quantile: _Optional[float] = ..., value: _Optional[float] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("step", "param_version", "samples", "mean_loss", "norm_quantiles", "fraction_clipped", "epsilon_spent", "budget_left", "server_seconds")
+    __slots__ = ("step", "param_version", "samples", "mean_loss", "norm_quantiles", "fraction_clipped", "epsilon_spent", "budget_left", "server_seconds", "pending")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +290,7 @@ class StepStats(_message.Message):
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
     SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     step: int
     param_version: int
     samples: int
@@ -285,7 +300,8 @@ class StepStats(_message.Message):
     epsilon_spent: float
     budget_left: float
     server_seconds: float
-    def __init__(self, step: _Optional[int] = ..., param_version: _Optional[int] = ..., samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., norm_quantiles: _Optional[_Iterable[_Union[NormQuantile, _Mapping]]] = ..., fraction_clipped: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., server_seconds: _Optional[float] = ...) -> None: ...
+    pending: bool
+    def __init__(self, step: _Optional[int] = ..., param_version: _Optional[int] = ..., samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., norm_quantiles: _Optional[_Iterable[_Union[NormQuantile, _Mapping]]] = ..., fraction_clipped: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., server_seconds: _Optional[float] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class ComputeGradientsResponse(_message.Message):
     __slots__ = ("stats", "tensor", "chunk")
