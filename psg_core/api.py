@@ -20,6 +20,7 @@ from psg_core.errors import ConfigError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced
 from psg_core.modes import GradSampleMode, LossReduction, parse_enum
+from psg_core.precision import no_autocast, with_loss_scale
 
 __all__ = ["PerSampleOutput", "per_sample_gradients", "compute_per_sample", "BACKENDS"]
 
@@ -53,7 +54,19 @@ def compute_per_sample(module: nn.Module, inputs: Any, targets: torch.Tensor, *,
                                      batch_first=batch_first, where=where)
     if layout.num_samples == 0:
         return empty_output(trainable_parameters(module))
-    return backend(module, model_inputs, targets, as_unreduced(loss_fn), layout=layout, reduction=reduction)
+    unreduced = as_unreduced(loss_fn)
+    params = trainable_parameters(module)
+
+    def run(scale: float) -> PerSampleOutput:
+        scaled = unreduced if scale == 1.0 else (lambda outputs, y: unreduced(outputs, y) * scale)
+        out = backend(module, model_inputs, targets, scaled, layout=layout, reduction=reduction)
+        # Each parameter's per-sample gradients in its own dtype (psg_core.precision), unscaled.
+        with no_autocast():
+            return PerSampleOutput(grads={name: (g if scale == 1.0 else g / scale).to(params[name].dtype)
+                                          for name, g in out.grads.items()},
+                                   per_sample_losses=out.per_sample_losses / scale, num_samples=out.num_samples)
+
+    return with_loss_scale(run, lambda out: all(bool(torch.isfinite(g).all()) for g in out.grads.values()))
 
 
 def per_sample_gradients(module: nn.Module, inputs: Any, targets: torch.Tensor, *,

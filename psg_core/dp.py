@@ -16,6 +16,7 @@ from psg_core.errors import ConfigError, NonFiniteInputError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn
 from psg_core.modes import Clipping, GradSampleMode
+from psg_core.precision import no_autocast
 
 __all__ = ["dp_gradient", "l2_sensitivity"]
 
@@ -116,8 +117,9 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
                              augmentation_multiplicity=config.augmentation_multiplicity,
                              loss_reduction=config.loss_reduction, batch_first=config.batch_first,
                              layout=layout)
-    clipped = clip_and_sum(out.grads, max_grad_norm=config.max_grad_norm, clipping=config.clipping,
-                           per_layer_max_grad_norms=config.per_layer_max_grad_norms)
-    return DPGradient(grads=clipped.grads, per_sample_norms=clipped.per_sample_norms,
+    with no_autocast():  # norms in fp32, sums in the parameters' precision (psg_core.precision)
+        clipped = clip_and_sum(out.grads, max_grad_norm=config.max_grad_norm, clipping=config.clipping,
+                               per_layer_max_grad_norms=config.per_layer_max_grad_norms)
+    return DPGradient(grads={name: g.to(params[name].dtype) for name, g in clipped.grads.items()}, per_sample_norms=clipped.per_sample_norms,
                       loss_sum=float(out.per_sample_losses.sum().item()), num_samples=out.num_samples,
                       num_clipped=clipped.num_clipped)

@@ -197,7 +197,7 @@ class MeetingPoint:
                                         allow_unused=True) for c in cotangent]
             grads = [None if rows[0][i] is None else torch.stack([cast(torch.Tensor, r[i]) for r in rows])
                      for i in range(len(self.params))]
-        return {p: g for p, g in zip(self.params, grads) if g is not None}
+        return {p: g.to(p.dtype) for p, g in zip(self.params, grads) if g is not None}
 
 
 def _batch_axis_after_view(shape_in: Sequence[int], bd: int, merged: int, shape_out: Sequence[int]

@@ -12,6 +12,7 @@ layer's per-sample gradients from those: its registered grad sampler, or the per
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import UnsupportedModuleError
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
+from psg_core.precision import compute_dtype, no_autocast, to_compute
 from psg_core.provenance import active_tracker
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call"]
@@ -130,7 +132,19 @@ def call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int,
     per-layer ``torch.func`` fallback (run inside ``suspend``, which should stop the backend from
     capturing the layer's re-run forward).
     """
-    grads = [call.unmerge(g) for g in grads]
+    # Autocast leaves half-precision gradients (and maybe activations) beside fp32 parameters:
+    # the per-sample arithmetic runs in the parameters' precision (psg_core.precision).
+    dtype = compute_dtype(call.layer.parameters(recurse=False))
+    grads = [to_compute(call.unmerge(g), dtype) for g in grads]
+    if any(to_compute(a, dtype) is not a for a in call.args):
+        call = dataclasses.replace(call, args=tuple(to_compute(a, dtype) for a in call.args))
+    with no_autocast():
+        return _call_grad_samples(call, grads, K, where=where, force_functorch=force_functorch, suspend=suspend)
+
+
+def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int, *, where: str,
+                       force_functorch: bool,
+                       suspend: contextlib.AbstractContextManager[Any] | None) -> dict[torch.Tensor, torch.Tensor]:
     entry = None if force_functorch else call.entry
     if entry is None or len(grads) != 1 or grads[0] is None:
         if call.custom_rows:

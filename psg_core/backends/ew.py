@@ -37,6 +37,7 @@ from psg_core.errors import BatchLayoutError, GradAccumulationError, PsgError, U
 from psg_core.layout import BatchLayout, ModelInputs, fold_rows
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import GradSampleMode, LossReduction
+from psg_core.precision import no_autocast
 from psg_core.provenance import BatchTracker, active_tracker
 from psg_core.support import reject_batch_mixing
 
@@ -258,7 +259,10 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
     reject_batch_mixing(module, where=_WHERE)
     params = trainable_parameters(module)
     aliases, expanded = _expand(params, rows, batch_first)
-    with _expanded_forward(module, batch_first=batch_first, where=_WHERE, inputs=inputs, layout=layout) as watcher:
+    # ExpandedWeights' per-sample kernels do not follow autocast's casts (fp32 weights beside
+    # half-precision inputs fail on CUDA): ew runs the forward in the parameters' precision.
+    with _expanded_forward(module, batch_first=batch_first, where=_WHERE, inputs=inputs, layout=layout) as watcher, \
+            no_autocast():
         outputs = functional_call(module, _as_tensor_dict(expanded), inputs.args, inputs.kwargs)
     padding_rows = watcher.padding_rows(expanded)
     per_element = loss_fn(outputs, targets)
@@ -350,7 +354,8 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
         aliases, expanded = _expand(params, rows, self.batch_first)
         layout = BatchLayout(rows=rows, augmentation_multiplicity=self.augmentation_multiplicity, batch_dim=self.batch_dim)
         with _expanded_forward(self._module, batch_first=self.batch_first, where=where,
-                               inputs=ModelInputs(tuple(args), dict(kwargs)), layout=layout) as watcher:
+                               inputs=ModelInputs(tuple(args), dict(kwargs)), layout=layout) as watcher, \
+                no_autocast():  # see ew_per_sample
             output = functional_call(self._module, _as_tensor_dict(expanded), args, kwargs)
         entry = (num_samples, aliases, watcher.padding_rows(expanded))
 

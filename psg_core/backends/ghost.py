@@ -57,6 +57,7 @@ from psg_core.grad_sample.ghost_norm import GHOST_NORMS, GhostFactors, GhostNorm
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
+from psg_core.precision import compute_dtype, no_autocast, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
 from psg_core.support import reject_batch_mixing, reject_fused
 
@@ -185,7 +186,8 @@ class _GhostBookkeeping:
 
     def _on_grads(self, call: _Call, grads: Any) -> None:
         if self._in_backward:
-            self._norm_contribution(call, list(grads))
+            with no_autocast():  # the hook runs inside the caller's autocast region
+                self._norm_contribution(call, list(grads))
 
     def on_meeting(self, point: MeetingPoint, view: torch.Tensor) -> None:
         """A batch-free tensor computed from parameters meets the batch (see BatchTracker)."""
@@ -193,8 +195,9 @@ class _GhostBookkeeping:
 
         def on_grads(grads: Any) -> None:
             if self._in_backward and grads[0] is not None:
-                for param, grad_sample in point.per_sample_grads(grads[0], self.num_samples, self.K).items():
-                    self._add(param, grad_sample)
+                with no_autocast():
+                    for param, grad_sample in point.per_sample_grads(grads[0], self.num_samples, self.K).items():
+                        self._add(param, grad_sample)
 
         self.edges.append(get_gradient_edge(view))
         self._handles.append(on_output_grads([view], on_grads))
@@ -223,9 +226,13 @@ class _GhostBookkeeping:
             state.ghost = self._plan_ghost(layer, state)
         if state.ghost and state.norm is not None and grads[0] is not None:
             bd = call.captured.batch_dim
-            a = call.captured.args[0].movedim(bd, 0)  # (N*K, ...)
-            g = cast(torch.Tensor, call.captured.unmerge(grads[0])).movedim(bd, 0)  # (N*K, ...)
-            factors, others = state.norm.fn(layer, a, g, self.K)
+            # In the parameters' precision (autocast leaves half-precision gradients): see
+            # psg_core.precision.
+            dtype = compute_dtype(layer.parameters(recurse=False))
+            a = to_compute(call.captured.args[0].movedim(bd, 0), dtype)  # (N*K, ...)
+            g = to_compute(cast(torch.Tensor, call.captured.unmerge(grads[0])).movedim(bd, 0), dtype)  # (N*K, ...)
+            with no_autocast():
+                factors, others = state.norm.fn(layer, a, g, self.K)
             for param, grad_sample in others.items():  # e.g. a bias, small: materialised
                 if param.requires_grad:
                     self._add(param, grad_sample)
@@ -277,8 +284,9 @@ class _GhostBookkeeping:
         try:
             if self.edges:
                 torch.autograd.grad(total_loss, earliest_edges(self.edges), allow_unused=True)
-            for layer in self._layers:
-                self.finish_layer(layer)
+            with no_autocast():
+                for layer in self._layers:
+                    self.finish_layer(layer)
         finally:
             self._in_backward = False
 
@@ -318,11 +326,11 @@ def _check_supported(module: nn.Module) -> None:
     reject_fused(module, where=_WHERE)
 
 
-def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter], config: DPConfig
-                  ) -> tuple[dict[torch.Tensor, torch.Tensor], torch.Tensor, int]:
+def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter], config: DPConfig,
+                  loss_scale: float = 1.0) -> tuple[dict[torch.Tensor, torch.Tensor], torch.Tensor, int]:
     """Each parameter's ``(N,)`` clipping factors, the ``(N,)`` total norms and the clip count."""
     names = list(params)
-    layer_norms = torch.stack([bookkeeping.sq_norms[params[n]] for n in names], 1).sqrt()  # (N, P)
+    layer_norms = torch.stack([bookkeeping.sq_norms[params[n]] for n in names], 1).sqrt() / loss_scale  # (N, P)
     factors, norms, clipped = clip_factors(layer_norms, names, max_grad_norm=config.max_grad_norm,
                                            clipping=config.clipping,
                                            per_layer_max_grad_norms=config.per_layer_max_grad_norms)
@@ -341,11 +349,13 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
     Equal (up to floating point) to clipping the per-sample gradients of any other backend with
     :func:`psg_core.clip_and_sum`, but it holds no ``(N, *param.shape)`` tensor for the layers
     where the Gram matrices are cheaper. ``config.mode`` is not consulted; ``noise_multiplier``
-    is ignored (noise is added once per step, elsewhere).
+    is ignored (noise is added once per step, elsewhere). Under fp16 autocast the backward pass
+    runs on a scaled loss (see :func:`psg_core.precision.with_loss_scale`).
 
     Args:
         module: the model; ``p.grad`` and ``p.grad_sample`` are left untouched.
-        inputs: a tensor or tuple of positional arguments with ``N*K`` rows, sample-major.
+        inputs: a tensor, a tuple of positional arguments or a mapping of keyword arguments with
+            ``N*K`` rows, sample-major.
         targets: ``N*K`` rows, same layout.
         loss_fn: returns the unreduced loss (a torch loss module of any reduction is accepted).
         config: K, reduction, batch_first, max_grad_norm and clipping rule.
@@ -360,6 +370,14 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
     >>> out.num_samples, out.per_sample_norms.shape, out.grads["0.weight"].shape
     (3, torch.Size([3]), torch.Size([8, 4]))
     """
+    return with_loss_scale(lambda scale: _ghost_dp_gradient(module, inputs, targets, loss_fn=loss_fn, config=config,
+                                                            loss_scale=scale),
+                           lambda out: bool(torch.isfinite(out.per_sample_norms).all()))
+
+
+def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,
+                       config: DPConfig, loss_scale: float) -> DPGradient:
+    """One attempt of :func:`ghost_dp_gradient` with the backward pass's loss scaled by ``loss_scale``."""
     if not isinstance(config, DPConfig):
         raise ConfigError(f"{_WHERE}: config must be a DPConfig, got {type(config).__name__}")
     _check_supported(module)
@@ -388,16 +406,19 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
             tracker.release()
         losses = per_sample_loss(per_element, num_samples=num_samples, batch_dim=loss_dim,
                                  reduction=config.loss_reduction)  # (N,)
-        bookkeeping.backward(losses.sum())
-        factors, norms, num_clipped = _clip_factors(bookkeeping, params, config)
-        sums = bookkeeping.clipped_sums(factors)
+        bookkeeping.backward(losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum())
+        with no_autocast():
+            factors, norms, num_clipped = _clip_factors(bookkeeping, params, config, loss_scale)
+            sums = bookkeeping.clipped_sums(factors)
+            if loss_scale != 1.0:
+                sums = {p: g / loss_scale for p, g in sums.items()}
         summed = [sums.get(p) for p in params.values()]
     finally:
         bookkeeping.remove()
     grads = {}
     for (name, p), grad in zip(params.items(), summed):
         grad = torch.zeros_like(p) if grad is None else (grad.to_dense() if grad.is_sparse else grad)
-        grads[name] = grad.detach()
+        grads[name] = grad.detach().to(p.dtype)
     return DPGradient(grads=grads, per_sample_norms=norms.detach().to(torch.float32),
                       loss_sum=float(losses.detach().sum()), num_samples=num_samples, num_clipped=num_clipped)
 

@@ -21,6 +21,7 @@ from psg_core.grad_sample.registry import GRAD_SAMPLERS
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import LossReduction
+from psg_core.precision import compute_dtype, no_autocast, to_compute
 from psg_core.provenance import BatchTracker, MeetingPoint
 from psg_core.support import FUSED, SAMPLE_MIXING
 
@@ -195,9 +196,10 @@ class GradSampleModule(AbstractGradSampleModule):
         def on_grads(grads: Any) -> None:
             if grads[0] is None or not self._hooks_enabled:
                 return
-            for param, grad_sample in point.per_sample_grads(grads[0], layout.num_samples,
-                                                             layout.augmentation_multiplicity).items():
-                self._store(param, grad_sample * scale if scale != 1.0 else grad_sample, forward_id)
+            with no_autocast():  # the hook runs inside the caller's autocast region
+                for param, grad_sample in point.per_sample_grads(grads[0], layout.num_samples,
+                                                                 layout.augmentation_multiplicity).items():
+                    self._store(param, grad_sample * scale if scale != 1.0 else grad_sample, forward_id)
 
         on_output_grads([view], on_grads)
         if self._edge_log is not None:
@@ -303,7 +305,9 @@ class GradSampleModule(AbstractGradSampleModule):
             backprop_size = sum(b.numel() for b in backprops if b is not None)
             grad_sample_size = n_samples * sum(p.numel() for p in _own_trainable(call.layer))
             if backprop_size <= grad_sample_size:
-                backprops = [b * scale if b is not None else None for b in backprops]
+                # In the parameters' precision first: half-precision backprops times N may overflow.
+                dtype = compute_dtype(call.layer.parameters(recurse=False))
+                backprops = [to_compute(b, dtype) * scale if b is not None else None for b in backprops]
                 scale = 1.0
         grad_samples = call_grad_samples(call, backprops, self.augmentation_multiplicity,
                                          where="GradSampleModule", force_functorch=self.force_functorch,

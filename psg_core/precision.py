@@ -1,0 +1,96 @@
+"""Precision policy: per-sample arithmetic in the parameters' precision, never in autocast's.
+
+Under ``torch.autocast`` a layer's forward runs in bf16/fp16 while its parameters stay fp32, so
+the gradients that reach a grad sampler are half precision and the activations it kept may be
+either. psg computes per-sample gradients, norms and clipped sums from those in the parameters'
+dtype (fp32 for an fp32 model), with autocast switched off, so that the clipping bound holds for
+what is summed and every returned gradient has its parameter's dtype. A model whose parameters
+are themselves bf16 (no autocast) keeps computing in bf16; norms are always fp32.
+
+TF32: psg leaves ``torch.backends.cuda.matmul.allow_tf32`` / ``cudnn.allow_tf32`` as the user set
+them; with TF32 on, CUDA convolutions differ from an fp32 reference by ~1e-3 relative.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+logger = logging.getLogger(__name__)
+
+import torch
+
+__all__ = ["no_autocast", "compute_dtype", "to_compute", "autocast_active", "fp16_autocast",
+           "with_loss_scale", "INITIAL_LOSS_SCALE"]
+
+#: The first loss scale tried under fp16 autocast (halved by 16x until the result is finite).
+INITIAL_LOSS_SCALE = 2.0 ** 16
+
+
+def autocast_active() -> bool:
+    """Whether an autocast region is active on any device type psg runs on."""
+    if torch.is_autocast_enabled("cpu"):
+        return True
+    return torch.cuda.is_available() and torch.is_autocast_enabled("cuda")
+
+
+@contextlib.contextmanager
+def no_autocast() -> Iterator[None]:
+    """Switches autocast off (CPU and CUDA) for psg's own arithmetic.
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     with no_autocast():
+    ...         (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+    torch.float32
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
+
+
+def compute_dtype(params: Iterable[torch.Tensor]) -> torch.dtype:
+    """The dtype per-sample arithmetic runs in: the promotion of the parameters' floating dtypes
+    (fp32 when there is none).
+
+    >>> compute_dtype([torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)])
+    torch.float32
+    """
+    floating = [p.dtype for p in params if p.is_floating_point()]
+    return functools.reduce(torch.promote_types, floating) if floating else torch.float32
+
+
+def to_compute(value: Any, dtype: torch.dtype) -> Any:
+    """A floating tensor cast to ``dtype`` (anything else unchanged)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value
+
+
+def fp16_autocast() -> bool:
+    """Whether an autocast region computing in float16 is active (its gradients can underflow)."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.float16 for d in devices)
+
+
+def with_loss_scale(run: Callable[[float], _T], finite: Callable[[_T], bool]) -> _T:
+    """``run(scale)`` with the backward pass's loss multiplied by ``scale`` (the caller divides its
+    results by it): 1 unless fp16 autocast is on, where small per-sample gradients would underflow
+    float16; then ``INITIAL_LOSS_SCALE``, divided by 16 and run again while the result overflows
+    (``finite`` says it did not), as a GradScaler does for an ordinary step.
+
+    >>> with_loss_scale(lambda scale: scale, lambda out: True)
+    1.0
+    """
+    scale = INITIAL_LOSS_SCALE if fp16_autocast() else 1.0
+    while True:
+        out = run(scale)
+        if scale <= 1.0 or finite(out):
+            return out
+        logger.debug("loss scale %g overflowed float16; retrying at %g", scale, scale / 16)
+        scale = max(1.0, scale / 16)
