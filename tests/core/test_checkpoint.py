@@ -7,6 +7,8 @@ import copy
 import io
 import json
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from psg_core.dp_step import DPStep
 from psg_core.errors import BudgetExhaustedError, ConfigError
 
 FAST_PLD = 1e-3
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def used_accountant() -> PrivacyAccountant:
@@ -160,3 +163,20 @@ def test_bad_dp_step_states_change_nothing() -> None:
         with pytest.raises(ConfigError, match=match):
             step.load_state_dict(bad)
         assert step.state_dict() == before
+
+
+@pytest.mark.slow  # the example calibrates sigma under PLD for 2340 planned steps (seconds)
+def test_the_readme_s_in_process_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    section = README.read_text().split("### DP-SGD in process", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    loader = [(torch.randn(rows, 784), torch.randint(0, 10, (rows,))) for rows in (70, 0, 40)]
+    namespace: dict[str, object] = {"model": model, "poisson_loader": loader,
+                                    "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code.group(1), str(README), "exec"), namespace)  # noqa: S102 - our own README
+    step = namespace["step"]
+    assert isinstance(step, DPStep) and step.accountant.steps == 3 and step.config.noise_multiplier > 0
+    assert step.accountant.target_epsilon == 3.0 and step.epsilon() <= 3.0
