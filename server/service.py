@@ -72,6 +72,7 @@ class GradientServicer:
         if database is not None:
             restored = self._store.restore(functools.partial(restore_session, registry=registry, config=config))
             logger.info("psg-server: sessions kept in %s (%d reopened)", database.path, restored)
+            metrics.sessions.set(restored)
         self._steps = StepRunner(config=config, store=self._store, executor=executor, metrics=metrics)
         self._parameter_limits = CodecLimits(max_tensor_bytes=config.max_tensor_bytes,
                                              max_total_bytes=config.max_request_bytes, max_tensors=1 << 16,
