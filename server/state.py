@@ -116,6 +116,7 @@ class SessionDatabase:
         self._lock_file.write(f"{os.getpid()}\n")
         self._lock_file.flush()
         self.path = state_dir / DATABASE_NAME
+        self._connection: sqlite3.Connection | None = None
         try:
             self._connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._connection.execute("PRAGMA journal_mode=WAL")
@@ -130,19 +131,23 @@ class SessionDatabase:
             raise
         self._lock = threading.Lock()
 
+    def _open(self) -> sqlite3.Connection:
+        if self._connection is None:
+            raise RuntimeError("SessionDatabase: the database is closed")
+        return self._connection
+
     def _check_version(self) -> None:
-        row = self._connection.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        row = self._open().execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is None:
-            self._connection.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
+            self._open().execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
                                      (str(SCHEMA_VERSION),))
         elif row[0] != str(SCHEMA_VERSION):
             raise ConfigError(f"psg-server: the session database {str(self.path)!r} has schema version "
                               f"{row[0]}; this server reads version {SCHEMA_VERSION}")
 
     def _release(self) -> None:
-        connection = getattr(self, "_connection", None)
-        if connection is not None:
-            connection.close()
+        if self._connection is not None:
+            self._connection.close()
             self._connection = None
         if not self._lock_file.closed:
             self._lock_file.close()  # closing the descriptor releases the flock
@@ -151,7 +156,7 @@ class SessionDatabase:
     def insert(self, record: SessionRecord) -> None:
         """Stores a new session."""
         with self._lock:
-            self._connection.execute(
+            self._open().execute(
                 "INSERT INTO sessions (session_id, owner, request, steps, ledger, epsilon_spent, param_version, "
                 "updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (record.session_id, record.owner, record.request, record.steps, record.ledger,
@@ -161,20 +166,20 @@ class SessionDatabase:
                       param_version: int) -> None:
         """Records a session's progress after a step; durable when it returns."""
         with self._lock:
-            self._connection.execute(
+            self._open().execute(
                 "UPDATE sessions SET steps = ?, ledger = ?, epsilon_spent = ?, param_version = ?, updated = ? "
                 "WHERE session_id = ?", (steps, ledger, epsilon_spent, param_version, time.time(), session_id))
 
     def delete(self, session_id: str) -> None:
         """Forgets a closed or expired session."""
         with self._lock:
-            self._connection.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+            self._open().execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
 
     # ----------------------------------------------------------------------------- reads
     def load(self) -> list[SessionRecord]:
         """Every stored session, oldest write first."""
         with self._lock:
-            rows = self._connection.execute(
+            rows = self._open().execute(
                 "SELECT session_id, owner, request, steps, ledger, epsilon_spent, param_version, updated "
                 "FROM sessions ORDER BY updated").fetchall()
         return [SessionRecord(session_id=row[0], owner=row[1], request=bytes(row[2]), steps=row[3], ledger=row[4],
