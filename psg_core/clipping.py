@@ -10,7 +10,8 @@ Three rules, all with bound ``C = max_grad_norm``:
 * ``automatic``: every sample is scaled by ``C / (norm + 0.01)`` (Bu et al., 2022, "Automatic
   clipping"), so each contribution has norm just below ``C`` whatever its size.
 
-Norms are computed in (at least) fp32 whatever the gradients' dtype, and reported in fp32.
+Norms are computed in (at least) fp32 whatever the gradients' dtype, and reported in fp32. A
+sample whose gradient is not finite is dropped (factor 0, counted in ``num_dropped``), never summed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 from psg_core.errors import ConfigError
 from psg_core.modes import Clipping, parse_enum
 
-__all__ = ["ClipResult", "clip_and_sum", "clip_factors", "FLAT_EPSILON", "AUTOMATIC_STABILITY"]
+__all__ = ["ClipResult", "clip_and_sum", "clip_factors", "dropped_samples", "zero_dropped", "FLAT_EPSILON",
+           "AUTOMATIC_STABILITY"]
 
 #: Added to the norm in the flat and per-layer factors so that a zero gradient gives factor 1.
 FLAT_EPSILON = 1e-6
@@ -49,6 +51,9 @@ class ClipResult:
     #: ``(N,)`` fp32 for flat and automatic clipping: the factor each sample was multiplied by;
     #: ``(N, P)`` for per_layer clipping, one column per parameter in ``grads`` order.
     clip_factors: torch.Tensor
+    #: Number of samples dropped because their gradient was not finite (NaN or infinity, e.g.
+    #: from overflowing inputs): they contribute nothing, so one record cannot poison the sum.
+    num_dropped: int = 0
 
 
 def _norm_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
@@ -109,16 +114,34 @@ def clip_factors(layer_norms: torch.Tensor, names: Sequence[str], *, max_grad_no
         sample's gradient by, total norms ``(N,)`` and a ``(N,)`` bool of the samples scaled down.
     """
     norms = torch.linalg.vector_norm(layer_norms, dim=1)  # (N,)
+    # A sample whose gradient is not finite (overflowing inputs or parameters) would make the sum
+    # NaN, and its influence would not be bounded by C: it gets factor 0 (see dropped_samples).
+    finite = torch.isfinite(norms)  # (N,)
     if clipping is Clipping.PER_LAYER:
         bounds = torch.tensor(_per_layer_bounds(names, max_grad_norm, per_layer_max_grad_norms),
                               dtype=layer_norms.dtype, device=layer_norms.device)  # (P,)
         factors = (bounds / (layer_norms + FLAT_EPSILON)).clamp(max=1.0)  # (N, P)
-        return factors, norms, (layer_norms > bounds).any(dim=1)
+        factors = torch.where(finite[:, None], factors, 0.0)
+        return factors, norms, (layer_norms > bounds).any(dim=1) & finite
     if clipping is Clipping.FLAT:
         factors = (max_grad_norm / (norms + FLAT_EPSILON)).clamp(max=1.0)  # (N,)
-        return factors, norms, norms > max_grad_norm
+        return torch.where(finite, factors, 0.0), norms, (norms > max_grad_norm) & finite
     factors = max_grad_norm / (norms + AUTOMATIC_STABILITY)  # (N,)
-    return factors, norms, factors < 1.0
+    return torch.where(finite, factors, 0.0), norms, (factors < 1.0) & finite
+
+
+def dropped_samples(norms: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` bool: the samples whose gradient is not finite, which clipping drops (factor 0,
+    rows zeroed before the sum) and the results count in ``num_dropped``."""
+    return ~torch.isfinite(norms)
+
+
+def zero_dropped(grad: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """``grad`` ``(N, ...)`` with the rows of dropped samples set to 0 (``0 * inf`` is NaN)."""
+    if not bool(dropped.any()):
+        return grad
+    return torch.where(dropped.view(-1, *[1] * (grad.dim() - 1)), torch.zeros((), dtype=grad.dtype, device=grad.device),
+                       grad)
 
 
 def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float,
@@ -163,9 +186,12 @@ def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float
         for name in names], dim=1)  # (N, P)
     factors, norms, clipped = clip_factors(layer_norms, names, max_grad_norm=float(max_grad_norm),
                                            clipping=rule, per_layer_max_grad_norms=per_layer_max_grad_norms)
+    dropped = dropped_samples(norms)
     if rule is Clipping.PER_LAYER:
-        grads = {name: _weighted_sum(factors[:, i], per_sample[name]) for i, name in enumerate(names)}
+        grads = {name: _weighted_sum(factors[:, i], zero_dropped(per_sample[name], dropped))
+                 for i, name in enumerate(names)}
     else:
-        grads = {name: _weighted_sum(factors, per_sample[name]) for name in names}
+        grads = {name: _weighted_sum(factors, zero_dropped(per_sample[name], dropped)) for name in names}
     return ClipResult(grads=grads, per_sample_norms=norms.to(torch.float32),
-                      num_clipped=int(clipped.sum().item()), clip_factors=factors.to(torch.float32))
+                      num_clipped=int(clipped.sum().item()), clip_factors=factors.to(torch.float32),
+                      num_dropped=int(dropped.sum().item()))

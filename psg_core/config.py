@@ -100,6 +100,8 @@ class DPGradient:
     loss_sum: float
     num_samples: int
     num_clipped: int
+    #: samples whose gradient was not finite, dropped from the sum (see psg_core.clipping).
+    num_dropped: int = 0
 
     @staticmethod
     def merge(parts: list[DPGradient]) -> DPGradient:
@@ -118,4 +120,5 @@ class DPGradient:
             loss_sum=float(sum(p.loss_sum for p in parts)),
             num_samples=sum(p.num_samples for p in parts),
             num_clipped=sum(p.num_clipped for p in parts),
+            num_dropped=sum(p.num_dropped for p in parts),
         )

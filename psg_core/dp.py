@@ -10,7 +10,7 @@ from torch import nn
 
 from psg_core.api import compute_per_sample
 from psg_core.backends.base import trainable_parameters
-from psg_core.clipping import clip_and_sum
+from psg_core.clipping import clip_and_sum, dropped_samples
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import ConfigError, NonFiniteInputError
 from psg_core.layout import BatchLayout, ModelInputs
@@ -120,6 +120,8 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
     with no_autocast():  # norms in fp32, sums in the parameters' precision (psg_core.precision)
         clipped = clip_and_sum(out.grads, max_grad_norm=config.max_grad_norm, clipping=config.clipping,
                                per_layer_max_grad_norms=config.per_layer_max_grad_norms)
-    return DPGradient(grads={name: g.to(params[name].dtype) for name, g in clipped.grads.items()}, per_sample_norms=clipped.per_sample_norms,
-                      loss_sum=float(out.per_sample_losses.sum().item()), num_samples=out.num_samples,
-                      num_clipped=clipped.num_clipped)
+    losses = out.per_sample_losses[~dropped_samples(clipped.per_sample_norms)]  # a dropped sample's loss may be NaN
+    return DPGradient(grads={name: g.to(params[name].dtype) for name, g in clipped.grads.items()},
+                      per_sample_norms=clipped.per_sample_norms,
+                      loss_sum=float(losses.sum().item()), num_samples=out.num_samples,
+                      num_clipped=clipped.num_clipped, num_dropped=clipped.num_dropped)

@@ -50,7 +50,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from psg_core.backends.base import AbstractGradSampleModule, earliest_edges, on_output_grads, trainable_parameters
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
-from psg_core.clipping import clip_factors
+from psg_core.clipping import clip_factors, dropped_samples, zero_dropped
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.grad_sample.ghost_norm import GHOST_NORMS, GhostFactors, GhostNormEntry
@@ -291,7 +291,8 @@ class _GhostBookkeeping:
             self._in_backward = False
 
     # ---------------------------------------------------------------------------- clipped sums
-    def clipped_sums(self, factors: dict[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+    def clipped_sums(self, factors: dict[torch.Tensor, torch.Tensor], dropped: torch.Tensor
+                     ) -> dict[torch.Tensor, torch.Tensor]:
         """``sum_n factors[p][n] * grad_n(p)`` for every parameter, from what the pass kept.
 
         Materialised per-sample gradients are contracted with their factors; a ghost weight's
@@ -302,7 +303,7 @@ class _GhostBookkeeping:
         sums: dict[torch.Tensor, torch.Tensor] = {}
         for param, grad_sample in self._materialised.items():
             weights = factors[param].to(grad_sample.dtype)  # (N,)
-            flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)
+            flat = zero_dropped(grad_sample.reshape(self.num_samples, -1), dropped)  # (N, numel)
             sums[param] = (weights @ flat).view(param.shape)
         self._materialised = {}
         for layer, state in self._layers.items():
@@ -311,8 +312,11 @@ class _GhostBookkeeping:
             if not state.kept or norm is None or weight is None:
                 continue
             row_factors = factors[weight].repeat_interleave(self.K)  # (N*K,)
+            row_dropped = dropped.repeat_interleave(self.K)  # (N*K,)
             for a, g in state.kept:
-                scaled = g * row_factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype)  # (N*K, ...)
+                scaled = zero_dropped(g, row_dropped) * row_factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
+                if a.is_floating_point():
+                    a = zero_dropped(a, row_dropped)  # an overflowing input row: inf * 0 would be NaN
                 total = norm.weight_sum(layer, a, scaled)
                 current = sums.get(weight)
                 sums[weight] = total if current is None else current + total
@@ -409,7 +413,8 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
         bookkeeping.backward(losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum())
         with no_autocast():
             factors, norms, num_clipped = _clip_factors(bookkeeping, params, config, loss_scale)
-            sums = bookkeeping.clipped_sums(factors)
+            dropped = dropped_samples(norms)  # not finite: factor 0, rows zeroed, counted
+            sums = bookkeeping.clipped_sums(factors, dropped)
             if loss_scale != 1.0:
                 sums = {p: g / loss_scale for p, g in sums.items()}
         summed = [sums.get(p) for p in params.values()]
@@ -420,7 +425,8 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
         grad = torch.zeros_like(p) if grad is None else (grad.to_dense() if grad.is_sparse else grad)
         grads[name] = grad.detach().to(p.dtype)
     return DPGradient(grads=grads, per_sample_norms=norms.detach().to(torch.float32),
-                      loss_sum=float(losses.detach().sum()), num_samples=num_samples, num_clipped=num_clipped)
+                      loss_sum=float(losses.detach()[~dropped].sum()), num_samples=num_samples,
+                      num_clipped=num_clipped, num_dropped=int(dropped.sum()))
 
 
 class GhostClippingModule(AbstractGradSampleModule):

@@ -372,3 +372,24 @@ def test_dp_sgd_with_poisson_batches_learns() -> None:
     assert after < 0.1 * before
     assert step.accountant.steps == 120
     assert 0 < step.epsilon(1e-5) < math.inf
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ew", "ghost"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+def test_a_sample_with_a_non_finite_gradient_is_dropped(mode: str, clipping: str) -> None:
+    """One record with finite but overflowing inputs must not poison the step: its gradient is
+    not finite, so it is left out of the sum (and counted), never summed as NaN."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    x[2:4] = 3e38  # sample 1 of 4 (K = 2): its outputs and squared error overflow
+    config = DPConfig(mode=mode, augmentation_multiplicity=2, max_grad_norm=0.5, clipping=clipping)
+    result = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
+    keep = torch.tensor([True, True, False, False, True, True, True, True])
+    expected = dp_gradient(model, x[keep], y[keep], loss_fn=nn.MSELoss(), config=config)
+    assert result.num_dropped == 1 and result.num_samples == 4
+    assert not bool(torch.isfinite(result.per_sample_norms[1]))
+    assert math.isfinite(result.loss_sum)
+    for name, grad in result.grads.items():
+        assert bool(torch.isfinite(grad).all()), name
+        torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
