@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from psg_core.accounting import AccountingMethod, PrivacyAccountant
 from psg_core.accumulate import GradientAccumulator, split_batch
+from psg_core.adaptive_clipping import QuantileClipping
 from psg_core.api import per_sample_gradients
 from psg_core.backends.base import AbstractGradSampleModule
 from psg_core.backends.hooks import GradSampleModule
@@ -43,6 +44,7 @@ __all__ = [
     "GradientAccumulator",
     "PoissonBatchSampler",
     "PrivacyAccountant",
+    "QuantileClipping",
     "add_noise",
     "calibrate_noise_multiplier",
     "clip_and_sum",

@@ -24,11 +24,13 @@ point summation order (and exactly the same noise for the same generator state).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
+from psg_core.adaptive_clipping import gradient_noise_multiplier, private_unclipped_fraction, updated_bound
 from psg_core.backends.base import trainable_parameters
 from psg_core.config import DPGradient
 from psg_core.dp import dp_gradient
@@ -108,9 +110,10 @@ class GradientAccumulator:
 
     :meth:`add` computes a physical batch's clipped sum (:func:`psg_core.dp_gradient`) and adds it to
     the running total; :meth:`release` adds noise once, normalises, fills ``p.grad`` and accounts one
-    step, as :class:`~psg_core.dp_step.DPStep` does for a batch given whole. The privacy settings
-    (sigma, sample rate, normaliser) are those of the step when the first physical batch arrives,
-    and the budget is checked then, before anything is computed.
+    step, as :class:`~psg_core.dp_step.DPStep` does for a batch given whole, and, with the step's
+    ``adaptive_clipping``, moves its clipping bound (:mod:`psg_core.adaptive_clipping`). The privacy
+    settings (sigma, bound, sample rate, normaliser) are those of the step when the first physical
+    batch arrives, and the budget is checked then, before anything is computed.
 
     Args:
         step: the DPStep whose model, loss, configuration, accountant and generator are used.
@@ -173,9 +176,21 @@ class GradientAccumulator:
             raise ConfigError("GradientAccumulator.release: no physical batch was added (an empty Poisson "
                               "batch is one add() of zero rows)")
         step, privacy, total = self._step, self._privacy, self._total
-        released = privacy.noise_and_normalise(total.grads, generator=step.generator, secure_rng=step.secure_rng)
+        adaptive = step.adaptive_clipping
+        noising = privacy if adaptive is None else replace(privacy, noise_multiplier=gradient_noise_multiplier(
+            privacy.noise_multiplier, adaptive.count_noise_multiplier))
+        released = noising.noise_and_normalise(total.grads, generator=step.generator, secure_rng=step.secure_rng)
         for name, param in trainable_parameters(step.model).items():
             param.grad = released[name].to(param.dtype)  # (*param.shape)
-        privacy.account(step.accountant)
+        privacy.account(step.accountant)  # gradient and count together: one mechanism of sigma z
+        if adaptive is not None:
+            # Flat clipping (DPStep checks): the sensitivity is the bound this batch was clipped at.
+            fraction = private_unclipped_fraction(total.per_sample_norms, privacy.sensitivity,
+                                                  count_noise_multiplier=adaptive.count_noise_multiplier,
+                                                  expected_batch_size=step.expected_batch_size,
+                                                  generator=step.generator, secure_rng=step.secure_rng)
+            bound = updated_bound(privacy.sensitivity, unclipped_fraction=fraction, clipping=adaptive)
+            step.config = replace(step.config, max_grad_norm=bound)
+            step.unclipped_fraction = fraction
         self._privacy, self._total, self._batches = None, None, 0
         return total

@@ -19,10 +19,12 @@ from torch import nn
 
 from psg_core.accounting import PrivacyAccountant
 from psg_core.accumulate import GradientAccumulator, split_batch
+from psg_core.adaptive_clipping import QuantileClipping, gradient_noise_multiplier
 from psg_core.calibration import calibrate_noise_multiplier
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import ConfigError
 from psg_core.losses import LossFn
+from psg_core.modes import Clipping
 from psg_core.privacy_step import PrivacyStep
 
 __all__ = ["DPStep", "DP_STEP_STATE_VERSION"]
@@ -67,6 +69,11 @@ class DPStep:
         delta: delta of ``target_epsilon`` (default: the accountant's ``target_delta``).
         epochs, steps: the planned run, one of the two (epochs count
             :func:`~psg_core.calibration.steps_for_epochs` steps).
+        adaptive_clipping: a :class:`~psg_core.adaptive_clipping.QuantileClipping`: the bound
+            (flat clipping, starting at ``config.max_grad_norm``) follows a private quantile of
+            the per-sample norms, updated after every step into ``config.max_grad_norm``; the
+            step stays accounted at ``config.noise_multiplier``, the gradient's noise being
+            slightly larger to pay for the count (:mod:`psg_core.adaptive_clipping`).
 
     >>> model = nn.Linear(3, 1)
     >>> step = DPStep(model, loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0),
@@ -86,7 +93,8 @@ class DPStep:
                  sample_rate: float, expected_batch_size: float,
                  accountant: PrivacyAccountant | None = None, generator: torch.Generator | None = None,
                  secure_rng: bool = False, target_epsilon: float | None = None, delta: float | None = None,
-                 epochs: float | None = None, steps: int | None = None) -> None:
+                 epochs: float | None = None, steps: int | None = None,
+                 adaptive_clipping: QuantileClipping | None = None) -> None:
         where = "DPStep"
         if not isinstance(model, nn.Module):
             raise ConfigError(f"{where}: expected an nn.Module, got {type(model).__name__}")
@@ -121,6 +129,14 @@ class DPStep:
             config = dataclasses.replace(config, noise_multiplier=sigma)
         elif (delta, epochs, steps) != (None, None, None):
             raise ConfigError(f"{where}: delta, epochs and steps calibrate the noise and need target_epsilon")
+        if adaptive_clipping is not None:
+            if not isinstance(adaptive_clipping, QuantileClipping):
+                raise ConfigError(f"{where}: adaptive_clipping must be a QuantileClipping, got "
+                                  f"{type(adaptive_clipping).__name__}")
+            if config.clipping is not Clipping.FLAT:
+                raise ConfigError(f"{where}: adaptive clipping moves one flat bound; got clipping="
+                                  f"{config.clipping.value!r}")
+            gradient_noise_multiplier(config.noise_multiplier, adaptive_clipping.count_noise_multiplier)
         self.model = model
         self.loss_fn = loss_fn
         self.config = config
@@ -129,6 +145,9 @@ class DPStep:
         self.accountant = accountant if accountant is not None else PrivacyAccountant()
         self.generator = generator
         self.secure_rng = bool(secure_rng)
+        self.adaptive_clipping = adaptive_clipping
+        #: With adaptive clipping: the last step's private estimate of the fraction left unclipped.
+        self.unclipped_fraction: float | None = None
 
     def __call__(self, inputs: Any, targets: torch.Tensor, *,
                  max_physical_batch_size: int | None = None) -> DPGradient:
@@ -207,7 +226,8 @@ class DPStep:
         return {"format": _STATE_FORMAT, "version": DP_STEP_STATE_VERSION, "config": _config_state(self.config),
                 "sample_rate": self.sample_rate, "expected_batch_size": self.expected_batch_size,
                 "secure_rng": self.secure_rng, "accountant": self.accountant.state_dict(),
-                "generator": generator}
+                "generator": generator, "adaptive_clipping": None if self.adaptive_clipping is None else
+                dataclasses.asdict(self.adaptive_clipping)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores :meth:`state_dict`'s settings, ledger and generator state (the model and the loss
@@ -228,9 +248,12 @@ class DPStep:
         try:
             config = DPConfig(**{**state["config"], "per_layer_max_grad_norms": _tuple_or_none(
                 state["config"]["per_layer_max_grad_norms"])})
+            adaptive = state.get("adaptive_clipping")
+            adaptive = None if adaptive is None else QuantileClipping(**adaptive)
             checked = DPStep(self.model, loss_fn=self.loss_fn, config=config, sample_rate=state["sample_rate"],
                              expected_batch_size=state["expected_batch_size"],
-                             secure_rng=bool(state["secure_rng"]) and self.generator is None)
+                             secure_rng=bool(state["secure_rng"]) and self.generator is None,
+                             adaptive_clipping=adaptive)
             accountant = PrivacyAccountant()
             accountant.load_state_dict(state["accountant"])
             generator = _generator(state["generator"], self.generator)
@@ -241,6 +264,7 @@ class DPStep:
         self.config, self.sample_rate = checked.config, checked.sample_rate
         self.expected_batch_size = checked.expected_batch_size
         self.secure_rng = bool(state["secure_rng"])
+        self.adaptive_clipping = checked.adaptive_clipping
         self.accountant.load_state_dict(accountant.state_dict())
         if generator is not None:
             self.generator = generator
