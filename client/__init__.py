@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from psg_client.client import (GradientClient, GradientResult, RetryPolicy, ServiceError, Session,
                                TLSConfig)
+from psg_wire.adapters import LoraAdapter
 from psg_wire.codec import CodecError, CodecLimits, TensorLimitError
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "CodecLimits",
     "GradientClient",
     "GradientResult",
+    "LoraAdapter",
     "RetryPolicy",
     "ServiceError",
     "Session",

@@ -11,6 +11,11 @@
         result = session.compute_gradients(inputs, targets)
         result.apply_to(model)
         optimizer.step()
+
+Inputs go positionally (a tensor, or a sequence of tensors) or by keyword (a mapping such as
+``{"input_ids": ..., "attention_mask": ...}``, for the Hugging Face family). A session may add a LoRA
+adapter (``lora=LoraAdapter(...)``): its frozen base model is pushed once, every later version
+carries only the adapter, and only the adapter's gradients come back.
 """
 
 from __future__ import annotations
@@ -30,14 +35,15 @@ import torch
 from torch import nn
 
 from psg_client.batches import split_named_batch
-from psg_client.torch import apply_gradients, check_parameters, parameter_tensors
+from psg_client.torch import apply_gradients, batch_tensors, check_parameters, parameter_tensors
 from psg_core.config import DPConfig
 from psg_core.errors import PsgError
+from psg_wire.adapters import LoraAdapter
 from psg_wire.codec import DEFAULT_CHUNK_BYTES, CodecLimits, FrameWire, TensorDecoder
-from psg_wire.convert import (PrivacyRequest, dp_config_to_proto, parameter_spec_from_proto, privacy_to_proto,
-                              step_stats_from_proto)
+from psg_wire.convert import (PrivacyRequest, dp_config_to_proto, lora_to_proto, parameter_spec_from_proto,
+                              privacy_to_proto, step_stats_from_proto)
 from psg_wire.convert import dp_config_from_proto
-from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME, TARGETS, Reason, input_name
+from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME, Reason
 from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 
@@ -205,21 +211,24 @@ class GradientClient:
                        sample_rate: float | None = None, delta: float | None = None,
                        target_epsilon: float | None = None, accountant: str | None = None,
                        seed: int | None = None, secure_rng: bool = False, steps: int | None = None,
-                       epochs: float | None = None) -> Session:
+                       epochs: float | None = None, lora: LoraAdapter | None = None) -> Session:
         """Opens a session; see ``CreateSessionRequest`` in ``gradient_service.proto``.
 
         Args:
             model: a name from :meth:`list_models`.
-            loss: cross_entropy, nll, mse or bce_with_logits.
+            loss: cross_entropy, nll, mse, bce_with_logits, token_cross_entropy or causal_lm.
             expected_batch_size: samples (not rows) per step, the normaliser of the gradient.
             config: the DP configuration of every step.
-            model_kwargs: the architecture's keyword arguments.
+            model_kwargs: the architecture's keyword arguments; for the Hugging Face family
+                (``hf_causal_lm``, ...) the transformers config, e.g. ``GPT2Config(...).to_dict()``.
             sample_rate: Poisson sampling rate q (default 1: full batch).
             delta: delta of the reported epsilon; needed when ``config.noise_multiplier > 0``.
             target_epsilon: refuse steps beyond this epsilon.
             accountant: "rdp" or "pld" (default: the server's).
             seed: seeds the per-step noise (default: a secret random seed chosen by the server).
             secure_rng: draw noise from a cryptographically secure source instead.
+            lora: a LoRA adapter the server adds to the model; give the trainer's copy the same
+                adapter (``lora.apply(model)``), so that names and trainable parameters agree.
             steps, epochs: the planned run (one of the two), to have the server choose sigma in
                 place of ``config.noise_multiplier`` (left at 0): the smallest that keeps epsilon at
                 ``delta`` within ``target_epsilon`` after the plan. :attr:`Session.noise_multiplier`
@@ -233,6 +242,8 @@ class GradientClient:
                                           privacy=privacy_to_proto(privacy), secure_rng=secure_rng)
         if seed is not None:
             request.seed = seed
+        if lora is not None:
+            request.lora.CopyFrom(lora_to_proto(lora))
         reply = self.call(lambda stub, kw: stub.CreateSession(request, **kw))
         return Session(self, reply.session_id, reply.parameters,
                        config=dataclasses.replace(config, noise_multiplier=reply.noise_multiplier))
@@ -243,7 +254,8 @@ class GradientClient:
         info = self.call(lambda stub, kw: stub.GetSession(pb.GetSessionRequest(session_id=session_id), **kw))
         config = dp_config_from_proto(info.dp) if info.HasField("dp") else None
         return Session(self, session_id, info.parameters, config=config,
-                       param_version=max(info.param_version, info.latest_param_version))
+                       param_version=max(info.param_version, info.latest_param_version),
+                       frozen_held=info.frozen_version > 0)
 
 
 class Session:
@@ -256,12 +268,18 @@ class Session:
     """
 
     def __init__(self, client: GradientClient, session_id: str, parameters: Iterable[pb.ParameterSpec], *,
-                 param_version: int = 0, config: DPConfig | None = None) -> None:
+                 param_version: int = 0, config: DPConfig | None = None, frozen_held: bool = False) -> None:
         self._client = client
         self.id = session_id
+        specs = list(parameters)
         #: ``{name: (dtype, shape)}`` of every model parameter.
         self.parameter_specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-            p.name: parameter_spec_from_proto(p) for p in parameters}
+            p.name: parameter_spec_from_proto(p) for p in specs}
+        #: ``{name: requires_grad}`` in the session's model: the frozen parameters travel once.
+        self.trainable: dict[str, bool] = {p.name: p.requires_grad for p in specs}
+        #: Bytes of the tensors the last push sent.
+        self.last_push_bytes = 0
+        self._frozen_held = frozen_held
         self.param_version = param_version
         #: The session's DP configuration, ``noise_multiplier`` the sigma of its steps (chosen by the
         #: server when the session was opened with a plan); None from a server that does not say.
@@ -273,27 +291,59 @@ class Session:
         """sigma of every step (None when the server did not say)."""
         return None if self.config is None else self.config.noise_multiplier
 
-    def push_parameters(self, model: nn.Module | Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Uploads every parameter of ``model`` under a new version and returns that version."""
+    def push_parameters(self, model: nn.Module | Sequence[tuple[str, torch.Tensor]], *,
+                        frozen: bool | None = None) -> int:
+        """Uploads the parameters of ``model`` under a new version and returns that version.
+
+        Every trainable parameter goes; the frozen ones (``requires_grad=False`` in the session's
+        model, a LoRA run's base model) go with the session's first push, and then only with
+        ``frozen=True`` (their values changed) or when the server lost them.
+
+        Args:
+            model: the trainer's model (its ``requires_grad`` flags must be the session's) or
+                ``(name, tensor)`` pairs of every parameter.
+            frozen: send the frozen parameters (True), keep the server's (False), or send them
+                when the server holds none (None).
+        """
         named = parameter_tensors(model) if isinstance(model, nn.Module) else list(model)
-        check_parameters(named, self.parameter_specs)
+        flags = ({name: p.requires_grad for name, p in model.named_parameters()} if isinstance(model, nn.Module)
+                 else None)
+        check_parameters(named, self.parameter_specs, requires_grad=flags, trainable=self.trainable)
+        send_frozen = not self._frozen_held if frozen is None else frozen
+        try:
+            self._push(named, send_frozen=send_frozen)
+        except ServiceError as error:
+            if frozen is not None or send_frozen or error.reason != Reason.PARAMETERS_MISSING:
+                raise
+            logger.warning("psg client: the server holds no frozen parameters of session %s; sending them",
+                           self.id)
+            self._push(named, send_frozen=True)
+        self._pushed = named
+        return self.param_version
+
+    def _push(self, named: list[tuple[str, torch.Tensor]], *, send_frozen: bool) -> None:
+        sent = [(name, tensor) for name, tensor in named if send_frozen or self.trainable[name]]
         version = self.param_version + 1
         header = pb.PushParametersRequest(header=pb.PushParametersHeader(session_id=self.id, version=version))
         chunk_bytes = self._client.chunk_bytes
 
         def invoke(stub: Any, kw: dict[str, Any]) -> pb.PushParametersResponse:
-            frames = _PUSH_WIRE.messages(named, chunk_bytes=chunk_bytes)
+            frames = _PUSH_WIRE.messages(sent, chunk_bytes=chunk_bytes)
             return stub.PushParameters(_prepend(header, frames), **kw)
 
-        self._client.call(invoke)
+        reply = self._client.call(invoke)
         self.param_version = version
-        self._pushed = named
-        return version
+        self.last_push_bytes = reply.num_bytes
+        self._frozen_held = True
 
-    def compute_gradients(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor, *,
+    def compute_gradients(self, inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+                          targets: torch.Tensor, *,
                           step_seed: int | None = None, max_rows: int | None = None,
                           max_bytes: int | None = None) -> GradientResult:
         """One DP step on the batch (``N * K`` rows, sample-major); see :class:`GradientResult`.
+
+        ``inputs`` is a tensor, a sequence of tensors (the model's positional arguments) or a
+        mapping of keyword arguments (``{"input_ids": ..., "attention_mask": ...}``).
 
         With ``max_rows`` or ``max_bytes``, a batch larger than that goes as several requests of
         whole samples (gradient accumulation: the server adds noise and accounts once, after the
@@ -309,7 +359,7 @@ class Session:
         if lost:
             logger.warning("psg client: the server lost the parameters of session %s; pushing them again",
                            self.id)
-            self.push_parameters(self._pushed)  # type: ignore[arg-type]
+            self.push_parameters(self._pushed, frozen=True)  # type: ignore[arg-type]
         else:
             logger.warning("psg client: the server lost the first parts of this logical batch; sending it again")
         return self._compute(inputs, targets, step_seed, max_rows=max_rows, max_bytes=max_bytes)
@@ -331,10 +381,10 @@ class Session:
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def _compute(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor,
-                 step_seed: int | None, *, max_rows: int | None = None, max_bytes: int | None = None) -> GradientResult:
-        positional = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        named = [(input_name(i), t) for i, t in enumerate(positional)] + [(TARGETS, targets)]
+    def _compute(self, inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+                 targets: torch.Tensor, step_seed: int | None, *, max_rows: int | None = None,
+                 max_bytes: int | None = None) -> GradientResult:
+        named = batch_tensors(inputs, targets)
         config = self.config or DPConfig()
         parts = split_named_batch(named, max_rows=max_rows, max_bytes=max_bytes,
                                   augmentation_multiplicity=config.augmentation_multiplicity,

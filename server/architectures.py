@@ -1,6 +1,6 @@
 """The built-in architectures of the model registry: the pure-torch builders of
 :mod:`psg_core.architectures`, each with the signature that lets the frontend reject batches that
-do not fit before any worker sees them.
+do not fit before any worker sees them, and the Hugging Face family (:mod:`psg_server.huggingface`).
 
 >>> registry = ModelRegistry()
 >>> register_builtins(registry)
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from psg_core.architectures import (cnn_groupnorm, embedding_bag_classifier, lstm_classifier, mlp,
                                     resnet_groupnorm, transformer_classifier)
+from psg_server.huggingface import register_huggingface
 from psg_server.models import InputSpec, ModelRegistry, ModelSignature
 
 __all__ = ["cnn_groupnorm", "embedding_bag_classifier", "lstm_classifier", "mlp", "register_builtins",
@@ -33,10 +34,11 @@ def _token_signature(*, vocab_size: int, max_len: int, num_classes: int, **_: ob
 
 
 def register_builtins(registry: ModelRegistry) -> None:
-    """Registers every architecture of this module."""
+    """Registers every architecture of this module and the Hugging Face family."""
     registry.register("mlp", mlp, signature=_mlp_signature)
     registry.register("cnn_groupnorm", cnn_groupnorm, signature=_image_signature)
     registry.register("resnet_groupnorm", resnet_groupnorm, signature=_image_signature)
     registry.register("transformer_classifier", transformer_classifier, signature=_token_signature)
     registry.register("lstm_classifier", lstm_classifier, signature=_token_signature)
     registry.register("embedding_bag_classifier", embedding_bag_classifier, signature=_token_signature)
+    register_huggingface(registry)

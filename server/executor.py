@@ -6,7 +6,8 @@ into :class:`Shard` objects (by :mod:`psg_server.scheduler`, from the executor's
 :meth:`~ShardExecutor.throughputs`). The executor returns one :class:`~psg_core.config.DPGradient` per
 shard, in shard order; the frontend merges, noises and accounts. :class:`ShardRunner` is the part
 every executor shares: it builds and caches one model per session, loads parameters on a version
-change and calls :func:`psg_core.dp.dp_gradient`. The Ray pool wraps the same runner in actors.
+change (the frozen ones only when they changed) and calls :func:`psg_core.dp.dp_gradient`. The Ray
+pool wraps the same runner in actors.
 
 >>> import asyncio
 >>> from psg_server.models import default_registry
@@ -30,9 +31,11 @@ import torch
 from torch import nn
 
 from psg_core.config import DPConfig, DPGradient
+from psg_core.layout import ModelInputs
 from psg_server.errors import NoWorkersError
 from psg_server.losses import get_loss
 from psg_server.models import ModelRegistry
+from psg_wire.adapters import LoraAdapter
 
 __all__ = ["InProcessExecutor", "ParameterSet", "SessionSpec", "Shard", "ShardExecutor", "ShardRunner",
            "WorkerDescription"]
@@ -52,6 +55,8 @@ class SessionSpec:
     dp_config: DPConfig
     #: Plugin modules the worker's registry must load to know ``model``.
     plugins: tuple[str, ...] = ()
+    #: The LoRA adapter added to the model, if any.
+    lora: LoraAdapter | None = None
 
     @property
     def model_kwargs(self) -> dict[str, Any]:
@@ -62,10 +67,23 @@ class SessionSpec:
 
 @dataclass(frozen=True)
 class ParameterSet:
-    """One pushed version of a session's parameters (CPU tensors, named as in named_parameters())."""
+    """One version of a session's parameters (CPU tensors, named as in named_parameters()).
+
+    A push that leaves out the frozen parameters (``requires_grad=False``) keeps those of the
+    previous set: ``tensors`` then shares them with it, and ``frozen_version`` still names the
+    version whose push carried them, so a worker whose model holds them already loads only the
+    trainable ones.
+    """
 
     version: int
     tensors: Mapping[str, torch.Tensor]
+    #: The version whose push carried the frozen parameters; 0 = this one (or there are none).
+    frozen_version: int = 0
+
+    @property
+    def frozen_from(self) -> int:
+        """The version the frozen tensors came with."""
+        return self.frozen_version or self.version
 
     @property
     def num_bytes(self) -> int:
@@ -79,11 +97,25 @@ class Shard:
     :func:`psg_server.scheduler.plan_shards`."""
 
     index: int
+    #: The model's inputs: the positional ones, then the keyword ones named by ``keywords``.
     inputs: tuple[torch.Tensor, ...]
     targets: torch.Tensor
     #: Id of the worker the plan meant the shard for; None: whichever worker is free first. An
     #: executor that balances by throughput (the Ray pool) follows it while that worker is live.
     worker: str | None = None
+    #: Names of the keyword inputs: the last ``len(keywords)`` of ``inputs``.
+    keywords: tuple[str, ...] = ()
+
+    def model_inputs(self, inputs: tuple[torch.Tensor, ...] | None = None) -> Any:
+        """What :func:`psg_core.dp.dp_gradient` takes for ``inputs`` (default the shard's own,
+        or the same moved to a device): a tensor, a tuple of positional tensors, a mapping of
+        keyword ones, or both."""
+        tensors = self.inputs if inputs is None else inputs
+        count = len(tensors) - len(self.keywords)
+        positional, keyword = tensors[:count], dict(zip(self.keywords, tensors[count:]))
+        if not keyword:
+            return positional[0] if len(positional) == 1 else positional
+        return keyword if not positional else ModelInputs(tuple(positional), keyword)
 
 
 @dataclass(frozen=True)
@@ -147,8 +179,7 @@ class ShardRunner:
     def __init__(self, registry: ModelRegistry, device: torch.device | str = "cpu") -> None:
         self._registry = registry
         self.device = torch.device(device)
-        # session id -> (spec, loaded parameter version, model, loss)
-        self._cache: dict[str, tuple[SessionSpec, int, nn.Module, nn.Module]] = {}
+        self._cache: dict[str, _CachedModel] = {}
 
     def run_shard(self, spec: SessionSpec, parameters: ParameterSet, shard: Shard) -> DPGradient:
         """``dp_gradient`` of the session's model at ``parameters`` on one shard (results on CPU)."""
@@ -157,8 +188,7 @@ class ShardRunner:
         model, loss = self._model(spec, parameters)
         inputs = tuple(t.to(self.device, non_blocking=True) for t in shard.inputs)
         targets = shard.targets.to(self.device, non_blocking=True)
-        result = dp_gradient(model, inputs if len(inputs) > 1 else inputs[0], targets, loss_fn=loss,
-                             config=spec.dp_config)
+        result = dp_gradient(model, shard.model_inputs(inputs), targets, loss_fn=loss, config=spec.dp_config)
         if self.device.type == "cpu":
             return result
         return DPGradient(grads={name: g.cpu() for name, g in result.grads.items()},
@@ -177,22 +207,36 @@ class ShardRunner:
         """Whether the session's model is cached with parameter ``version`` loaded, so a caller
         that must fetch parameters from afar (a Ray worker) can skip fetching them."""
         cached = self._cache.get(spec.session_id)
-        return cached is not None and cached[0] == spec and cached[1] == version
+        return cached is not None and cached.spec == spec and cached.version == version
 
     def _model(self, spec: SessionSpec, parameters: ParameterSet) -> tuple[nn.Module, nn.Module]:
         cached = self._cache.get(spec.session_id)
-        if cached is None or cached[0] != spec:
-            model = self._registry.build(spec.model, spec.model_kwargs, device=self.device)
+        if cached is None or cached.spec != spec:
+            model = self._registry.build(spec.model, spec.model_kwargs, device=self.device, lora=spec.lora)
             model.train()
-            cached = (spec, -1, model, get_loss(spec.loss).build())
-        _, loaded_version, model, loss = cached
-        if loaded_version != parameters.version:
-            named = dict(model.named_parameters())
+            cached = self._cache[spec.session_id] = _CachedModel(spec, model, get_loss(spec.loss).build())
+        if cached.version != parameters.version:
+            # The frozen parameters (a LoRA run's whole base model) are copied only when they changed.
+            keep_frozen = cached.frozen_from == parameters.frozen_from
             with torch.no_grad():
-                for name, tensor in parameters.tensors.items():
-                    named[name].copy_(tensor, non_blocking=True)
-        self._cache[spec.session_id] = (spec, parameters.version, model, loss)
-        return model, loss
+                for name, param in cached.model.named_parameters():
+                    if param.requires_grad or not keep_frozen:
+                        param.copy_(parameters.tensors[name], non_blocking=True)
+            cached.version, cached.frozen_from = parameters.version, parameters.frozen_from
+        return cached.model, cached.loss
+
+
+@dataclass
+class _CachedModel:
+    """A session's model on one worker and the parameter versions it holds."""
+
+    spec: SessionSpec
+    model: nn.Module
+    loss: nn.Module
+    #: Version of the loaded parameters; -1 = none yet.
+    version: int = -1
+    #: Version whose push carried the loaded frozen parameters; -1 = none yet.
+    frozen_from: int = -1
 
 
 class _ThreadWorker:

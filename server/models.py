@@ -2,9 +2,12 @@
 
 An architecture is a *builder*, a function of keyword arguments with type annotations and
 defaults, returning an ``nn.Module``. The registry derives the argument list from the builder's
-signature (for ``ListModels`` and for validating a session's JSON kwargs), and optionally holds a
-*signature* function describing what the model takes per row, which the frontend uses to reject
-batches that do not fit before any worker sees them.
+signature (for ``ListModels`` and for validating a session's JSON kwargs), unless the entry brings
+its own parser of the JSON object (the Hugging Face family, :mod:`psg_server.huggingface`, takes a
+transformers config); and optionally holds a *signature* function describing what the model takes
+per row, positionally or by keyword, which the frontend uses to reject batches that do not fit
+before any worker sees them. Any model can get a LoRA adapter (:class:`psg_wire.adapters.LoraAdapter`)
+on top, which freezes its own parameters.
 
 Operators add architectures with ``--model-plugin my.module``: the module defines
 ``register_models(registry)`` and calls :meth:`ModelRegistry.register`. Builders must be
@@ -19,6 +22,7 @@ torch.Size([2, 3])
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -26,7 +30,7 @@ import logging
 import math
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ from torch import nn
 
 from psg_core.errors import ConfigError
 from psg_server.errors import InvalidRequestError, LimitExceededError, ModelNotFoundError
+from psg_wire.adapters import LoraAdapter
 
 __all__ = [
     "BUILTIN",
@@ -61,23 +66,36 @@ Dim = int | tuple[int, int]
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One positional model input, per row (the batch dimension excluded).
+    """One model input, per row (the batch dimension excluded).
 
-    ``kind`` is ``"float"`` (any floating dtype; cast to the parameters' dtype, must be finite) or
-    ``"index"`` (any integer dtype; cast to int64, values in ``[0, num_embeddings)``).
+    ``kind`` is ``"float"`` (any floating dtype; cast to the parameters' dtype, must be finite),
+    ``"index"`` (any integer dtype; cast to int64, values in ``[0, num_embeddings)``) or ``"mask"``
+    (any dtype holding only 0 and 1, an attention mask; cast to int64).
     """
 
     kind: str
     sample_shape: tuple[Dim, ...]
     num_embeddings: int | None = None
+    #: A keyword input the batch must send (False: the model has a default for it).
+    required: bool = True
+    #: The keyword input this one must have the shape of (an attention mask and its input ids).
+    same_shape_as: str | None = None
 
 
 @dataclass(frozen=True)
 class ModelSignature:
-    """What a model takes per row and how many outputs per row it produces."""
+    """What a model takes per row and how many outputs per row it produces.
+
+    ``inputs`` are the positional arguments (``inputs/0``, ...) and ``keyword_inputs`` the keyword
+    arguments the model accepts (``inputs/<name>``); a batch sends every positional one, the
+    required keyword ones and any other keyword one.
+    """
 
     inputs: tuple[InputSpec, ...]
     num_outputs: int
+    keyword_inputs: Mapping[str, InputSpec] = field(default_factory=dict)
+    #: The keyword input whose shape token-level targets must have (one label per token), if any.
+    targets_like: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +135,9 @@ class ModelEntry:
     signature: Callable[..., ModelSignature] | None
     #: The model takes its batch on dimension 0 only (DPConfig.batch_first must be True).
     batch_first_only: bool
+    #: Validates the decoded JSON object of kwargs and returns the builder's kwargs (None: checked
+    #: against ``arguments``, from the builder's signature).
+    parse: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 _TYPE_NAMES: dict[Any, str] = {int: "int", float: "float", bool: "bool", str: "str",
@@ -176,10 +197,14 @@ class ModelRegistry:
         self._entries: dict[str, ModelEntry] = {}
         self._origin = BUILTIN
         self.plugins: tuple[str, ...] = ()
+        # name -> parameters at the default arguments (None: an argument is required)
+        self._default_parameters: dict[str, list[ParameterInfo] | None] = {}
 
     def register(self, name: str, builder: Callable[..., nn.Module], *,
                  signature: Callable[..., ModelSignature] | None = None, description: str | None = None,
-                 batch_first_only: bool = True, replace: bool = False) -> None:
+                 batch_first_only: bool = True, replace: bool = False,
+                 arguments: Sequence[ModelArgument] | None = None,
+                 parse_kwargs: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         """Adds an architecture.
 
         Args:
@@ -190,7 +215,15 @@ class ModelRegistry:
             description: defaults to the first line of the builder's docstring.
             batch_first_only: sessions must use ``batch_first=True``.
             replace: allow replacing an existing name.
+            arguments: what ``ListModels`` shows, for a builder whose signature cannot say
+                (``**kwargs``); requires ``parse_kwargs``.
+            parse_kwargs: the decoded JSON object -> the builder's kwargs, raising
+                :class:`InvalidRequestError` (or :class:`ModelNotFoundError`) for what it refuses;
+                replaces the checks against the builder's signature.
         """
+        if (arguments is None) != (parse_kwargs is None):
+            raise ConfigError(f"ModelRegistry.register: {name!r} needs both arguments and parse_kwargs, or "
+                              "neither")
         if not name or not name.replace("_", "").isalnum():
             raise ConfigError(f"ModelRegistry.register: model names are letters, digits and '_', "
                               f"got {name!r}")
@@ -199,8 +232,11 @@ class ModelRegistry:
                               f"(by {self._entries[name].origin}); pass replace=True")
         doc = description if description is not None else (inspect.getdoc(builder) or "").split("\n")[0]
         self._entries[name] = ModelEntry(name=name, builder=builder, description=doc,
-                                         arguments=_arguments(name, builder), origin=self._origin,
-                                         signature=signature, batch_first_only=batch_first_only)
+                                         arguments=tuple(arguments) if arguments is not None
+                                         else _arguments(name, builder),
+                                         origin=self._origin, signature=signature,
+                                         batch_first_only=batch_first_only, parse=parse_kwargs)
+        self._default_parameters.pop(name, None)
 
     def load_plugin(self, module_name: str) -> None:
         """Imports ``module_name`` and calls its ``register_models(registry)``."""
@@ -243,6 +279,8 @@ class ModelRegistry:
             raise InvalidRequestError(f"CreateSession: model_kwargs_json is not valid JSON: {err}") from None
         if not isinstance(given, dict):
             raise InvalidRequestError("CreateSession: model_kwargs_json must be a JSON object")
+        if entry.parse is not None:
+            return entry.parse(given)
         known = {argument.name: argument for argument in entry.arguments}
         unknown = sorted(set(given) - set(known))
         if unknown:
@@ -258,25 +296,36 @@ class ModelRegistry:
                 kwargs[argument.name] = argument.default
         return kwargs
 
-    def build(self, name: str, kwargs: Mapping[str, Any], *,
-              device: torch.device | str | None = None) -> nn.Module:
-        """Builds the model; a builder that rejects its arguments gives :class:`InvalidRequestError`."""
+    def build(self, name: str, kwargs: Mapping[str, Any], *, device: torch.device | str | None = None,
+              lora: LoraAdapter | None = None) -> nn.Module:
+        """Builds the model, with the LoRA adapter ``lora`` when given (peft: the model's own
+        parameters are then frozen). A builder that rejects its arguments, or an adapter that does
+        not fit the model, gives :class:`InvalidRequestError`."""
         entry = self.entry(name)
         try:
-            if device is None:
-                return entry.builder(**kwargs)
-            with torch.device(device):
-                return entry.builder(**kwargs)
+            with torch.device(device) if device is not None else contextlib.nullcontext():
+                module = entry.builder(**kwargs)
+                if lora is None:
+                    return module
+                try:
+                    return lora.apply(module)
+                except ConfigError as err:
+                    raise InvalidRequestError(f"CreateSession: the LoRA adapter does not fit model {name!r}: "
+                                              f"{err}") from None
+        except InvalidRequestError:
+            raise
         except (ValueError, TypeError) as err:  # includes psg's ConfigError
             raise InvalidRequestError(f"CreateSession: model {name!r} rejected its arguments: "
                                       f"{err}") from None
 
-    def describe(self, name: str, kwargs: Mapping[str, Any], *, max_bytes: int) -> list[ParameterInfo]:
-        """Parameters of the model (built on the meta device, so nothing is allocated).
+    def describe(self, name: str, kwargs: Mapping[str, Any], *, max_bytes: int,
+                 lora: LoraAdapter | None = None) -> list[ParameterInfo]:
+        """Parameters of the model (built on the meta device, so nothing is allocated), with
+        ``requires_grad`` telling the trainable ones from the frozen ones.
 
         Raises :class:`LimitExceededError` when they add up to more than ``max_bytes``.
         """
-        module = self.build(name, kwargs, device="meta")
+        module = self.build(name, kwargs, device="meta", lora=lora)
         params = [ParameterInfo(n, p.dtype, tuple(p.shape), p.requires_grad)
                   for n, p in module.named_parameters()]
         total = sum(p.num_bytes for p in params)
@@ -285,6 +334,22 @@ class ModelRegistry:
                                      f"parameter bytes, more than the server's limit of {max_bytes}")
         return params
 
+    def default_parameters(self, name: str, *, max_bytes: int) -> list[ParameterInfo]:
+        """Parameters of the model at its default arguments (``ListModels`` shows them), or an
+        empty list when an argument is required or the defaults exceed ``max_bytes``. Computed
+        once per entry."""
+        if name not in self._default_parameters:
+            entry = self.entry(name)
+            params = None
+            if entry.parse is None and not any(a.required for a in entry.arguments):
+                kwargs = {a.name: a.default for a in entry.arguments}
+                try:
+                    params = self.describe(name, kwargs, max_bytes=max_bytes)
+                except (InvalidRequestError, LimitExceededError) as err:
+                    logger.warning("models: %s at its defaults: %s", name, err)
+            self._default_parameters[name] = params
+        return list(self._default_parameters[name] or ())
+
     def signature(self, name: str, kwargs: Mapping[str, Any]) -> ModelSignature | None:
         """What the model takes per row, if its entry says."""
         entry = self.entry(name)
@@ -292,7 +357,8 @@ class ModelRegistry:
 
 
 def default_registry(plugins: Sequence[str] = ()) -> ModelRegistry:
-    """The built-in architectures (:mod:`psg_server.architectures`) plus the given plugins."""
+    """The built-in architectures (:mod:`psg_server.architectures`, the Hugging Face family
+    included) plus the given plugins."""
     from psg_server import architectures
 
     registry = ModelRegistry()

@@ -39,12 +39,12 @@ from psg_server.errors import translate
 from psg_server.executor import InProcessExecutor, ShardExecutor
 from psg_server.losses import LOSSES
 from psg_server.metrics import Metrics
-from psg_server.models import ModelEntry, ModelRegistry, default_registry
+from psg_server.models import ModelEntry, ModelRegistry, ParameterInfo, default_registry
 from psg_server.security import AuthInterceptor, TokenAuthenticator, check_bind_allowed, server_credentials
 from psg_server.sessions import SessionStore, open_session, parameter_specs, restore_session
 from psg_server.state import SessionDatabase
 from psg_server.step import StepRunner
-from psg_server.streams import read_header, receive_parameters
+from psg_server.streams import pushed_bytes, read_header, receive_parameters
 from psg_wire.codec import CodecLimits, FrameWire
 from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME
 from psg_wire.v1 import gradient_service_pb2 as pb
@@ -99,7 +99,10 @@ class GradientServicer:
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: aio.ServicerContext) -> pb.ListModelsResponse:
         self._auth.principal_of(context)
-        return pb.ListModelsResponse(models=[_model_info(entry) for entry in self._registry.entries()])
+        registry, max_bytes = self._registry, self._config.max_model_bytes
+        return pb.ListModelsResponse(models=[
+            _model_info(entry, registry.default_parameters(entry.name, max_bytes=max_bytes))
+            for entry in registry.entries()])
 
     async def CreateSession(self, request: pb.CreateSessionRequest,
                             context: aio.ServicerContext) -> pb.CreateSessionResponse:
@@ -125,7 +128,8 @@ class GradientServicer:
         session = self._store.get(header.session_id, owner)
         parameters = await receive_parameters(requests, session, header.version, self._parameter_limits)
         self._store.store_parameters(session, parameters)
-        return pb.PushParametersResponse(version=parameters.version, num_bytes=parameters.num_bytes)
+        return pb.PushParametersResponse(version=parameters.version, num_bytes=pushed_bytes(session, parameters),
+                                         frozen_version=parameters.frozen_from)
 
     async def ComputeGradients(self, requests: AsyncIterator[pb.ComputeGradientsRequest],
                                context: aio.ServicerContext) -> AsyncIterator[pb.ComputeGradientsResponse]:
@@ -149,12 +153,12 @@ class GradientServicer:
             await self._executor.release(session.id)
 
 
-def _model_info(entry: ModelEntry) -> pb.ModelInfo:
+def _model_info(entry: ModelEntry, parameters: list[ParameterInfo]) -> pb.ModelInfo:
     arguments = [pb.ModelArgument(name=a.name, type=a.type_name, required=a.required,
                                   default_json="" if a.required else json.dumps(a.default))
                  for a in entry.arguments]
     return pb.ModelInfo(name=entry.name, description=entry.description, arguments=arguments,
-                        origin=entry.origin)
+                        origin=entry.origin, parameters=parameter_specs(parameters))
 
 
 # --------------------------------------------------------------------------------------- wiring

@@ -35,7 +35,7 @@ from psg_server.accumulation import PendingBatch
 from psg_server.executor import ParameterSet, SessionSpec
 from psg_server.losses import LossEntry, get_loss
 from psg_server.models import ModelRegistry, ModelSignature, ParameterInfo
-from psg_wire.convert import dp_config_from_proto, parameter_spec_to_proto, privacy_from_proto
+from psg_wire.convert import dp_config_from_proto, lora_from_proto, parameter_spec_to_proto, privacy_from_proto
 from psg_server.state import SessionDatabase, SessionRecord
 from psg_wire.convert import dp_config_to_proto
 from psg_wire.v1 import gradient_service_pb2 as pb
@@ -150,7 +150,8 @@ class Session:
                               param_version=self.parameters.version if self.parameters else 0,
                               epsilon_spent=self.epsilon_spent, budget_left=self.budget_left,
                               delta=self.privacy.delta, parameters=parameter_specs(self.parameter_info),
-                              dp=dp_config_to_proto(self.dp_config), latest_param_version=self.latest_version)
+                              dp=dp_config_to_proto(self.dp_config), latest_param_version=self.latest_version,
+                              frozen_version=self.parameters.frozen_from if self.parameters else 0)
 
     def record(self) -> SessionRecord:
         """The session as the database keeps it."""
@@ -244,14 +245,15 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
     loss = get_loss(request.loss)
     kwargs = registry.parse_kwargs(request.model, request.model_kwargs_json)
     dp_config = dp_config_from_proto(request.dp)
-    if entry.batch_first_only and not dp_config.batch_first:
-        raise InvalidRequestError(f"CreateSession: model {request.model!r} takes its batch on dimension 0; "
-                                  "set batch_first=True")
+    lora = lora_from_proto(request.lora) if request.HasField("lora") else None
+    if not dp_config.batch_first and (entry.batch_first_only or loss.batch_first_only):
+        what = f"model {request.model!r}" if entry.batch_first_only else f"loss {loss.name!r}"
+        raise InvalidRequestError(f"CreateSession: {what} takes its batch on dimension 0; set batch_first=True")
     if request.expected_batch_size < 1:
         raise InvalidRequestError("CreateSession: expected_batch_size must be >= 1 (samples per step)")
     dp_config = _calibrated(request, dp_config, config.default_accountant)
     privacy = _privacy(request, dp_config, config.default_accountant)
-    parameters = registry.describe(request.model, kwargs, max_bytes=config.max_model_bytes)
+    parameters = registry.describe(request.model, kwargs, max_bytes=config.max_model_bytes, lora=lora)
     if not any(p.requires_grad for p in parameters):
         raise InvalidRequestError(f"CreateSession: model {request.model!r} has no trainable parameters")
     trainable = sum(p.requires_grad for p in parameters)
@@ -262,7 +264,7 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
     session_id = session_id if session_id is not None else secrets.token_urlsafe(16)
     spec = SessionSpec(session_id=session_id, model=request.model,
                        model_kwargs_json=json.dumps(kwargs, sort_keys=True), loss=request.loss,
-                       dp_config=dp_config, plugins=registry.plugins)
+                       dp_config=dp_config, plugins=registry.plugins, lora=lora)
     session = Session(session_id=session_id, owner=owner, spec=spec, parameters=parameters,
                       signature=registry.signature(request.model, kwargs), loss=loss,
                       expected_batch_size=request.expected_batch_size, privacy=privacy,

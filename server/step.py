@@ -14,6 +14,7 @@ for any number of shards (up to floating point summation order).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -37,7 +38,7 @@ from psg_server.sessions import Session, SessionStore
 from psg_server.streams import all_finite, read_header, read_tensors, tensor_messages
 from psg_wire.codec import CodecLimits, TensorDecoder
 from psg_wire.convert import StepReport, step_stats_to_proto
-from psg_wire.names import INPUT_PREFIX, TARGETS, input_name
+from psg_wire.names import TARGETS, input_name, parse_input_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 
 __all__ = ["NORM_QUANTILES", "Batch", "StepRunner", "validate_batch"]
@@ -48,11 +49,16 @@ NORM_QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 @dataclass(frozen=True)
 class Batch:
-    """A validated batch: positional inputs and targets, N * K rows on the batch dimension."""
+    """A validated batch: the model's inputs and the targets, N * K rows on the batch dimension.
+
+    ``inputs`` are the positional inputs followed by the keyword ones, whose names ``keywords``
+    gives in order (the last ``len(keywords)`` inputs), as :class:`~psg_server.executor.Shard` holds them.
+    """
 
     inputs: tuple[torch.Tensor, ...]
     targets: torch.Tensor
     num_samples: int
+    keywords: tuple[str, ...] = ()
 
 
 def _rows_check(session: Session, max_rows: int) -> Any:
@@ -60,9 +66,11 @@ def _rows_check(session: Session, max_rows: int) -> Any:
     batch_dim = 0 if session.dp_config.batch_first else 1
 
     def check(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        if name != TARGETS and not (name.startswith(INPUT_PREFIX) and name[len(INPUT_PREFIX):].isdigit()):
-            raise InvalidRequestError(f"ComputeGradients: unexpected tensor {name!r}; send "
-                                      f"'{input_name(0)}', '{input_name(1)}', ... and '{TARGETS}'")
+        if name != TARGETS and parse_input_name(name) is None:
+            raise InvalidRequestError(f"ComputeGradients: unexpected tensor {name[:80]!r}; send the inputs as "
+                                      f"'{input_name(0)}', '{input_name(1)}', ... (positional) or "
+                                      f"'{input_name('<name>')}' (keyword, e.g. '{input_name('input_ids')}'), "
+                                      f"and '{TARGETS}'")
         dim = batch_dim  # targets follow the inputs' layout
         if len(shape) > dim and shape[dim] > max_rows:
             raise LimitExceededError(f"ComputeGradients: {name!r} has {shape[dim]} rows, more than the "
@@ -74,15 +82,19 @@ def _fits(dim: int, spec: int | tuple[int, int]) -> bool:
     return dim == spec if isinstance(spec, int) else spec[0] <= dim <= spec[1]
 
 
-def _prepare_input(index: int, tensor: torch.Tensor, spec: InputSpec | None, *, batch_dim: int,
+def _prepare_input(key: int | str, tensor: torch.Tensor, spec: InputSpec | None, *, batch_dim: int,
                    dtype: torch.dtype) -> torch.Tensor:
-    where = f"ComputeGradients: {input_name(index)}"
+    where = f"ComputeGradients: {input_name(key)}"
     if spec is not None:
         per_row = tuple(d for i, d in enumerate(tensor.shape) if i != batch_dim)
         if len(per_row) != len(spec.sample_shape) or not all(map(_fits, per_row, spec.sample_shape)):
             wanted = ["rows"] + [d if isinstance(d, int) else f"{d[0]}..{d[1]}" for d in spec.sample_shape]
             raise InvalidRequestError(f"{where} has shape {list(tensor.shape)}, which does not fit the "
                                       f"model: expected {wanted}")
+        if spec.kind == "mask":
+            if tensor.numel() and not bool(((tensor == 0) | (tensor == 1)).all()):
+                raise InvalidRequestError(f"{where} must be a mask of 0 and 1")
+            return tensor.to(torch.int64)
         if spec.kind == "index":
             if tensor.is_floating_point() or tensor.dtype == torch.bool:
                 raise InvalidRequestError(f"{where} must hold integer indices, got {tensor.dtype}")
@@ -100,36 +112,81 @@ def _prepare_input(index: int, tensor: torch.Tensor, spec: InputSpec | None, *, 
     return tensor
 
 
+def _input_keys(session: Session, tensors: Mapping[str, torch.Tensor]) -> tuple[int, tuple[str, ...]]:
+    """The number of positional inputs and the keywords (sorted) of a batch, checked against the
+    model's signature: positions 0..n-1 all there, no unknown keyword, every required one sent."""
+    keys = [parse_input_name(name) for name in tensors if name != TARGETS]
+    positions = sorted(key for key in keys if isinstance(key, int))
+    keywords = tuple(sorted(key for key in keys if isinstance(key, str)))
+    expected = [input_name(i) for i in range(len(positions))]
+    if not keys or positions != list(range(len(positions))):
+        raise InvalidRequestError(f"ComputeGradients: positional inputs must be named {expected or [input_name(0)]}"
+                                  f"{'' if keys else ' (or keyword ones inputs/<name>)'}, got "
+                                  f"{[input_name(p) for p in positions]}")
+    signature = session.signature
+    if signature is None:
+        return len(positions), keywords
+    model = session.spec.model
+    known = signature.keyword_inputs
+    named = ", ".join(input_name(k) for k in known)
+    if len(positions) != len(signature.inputs):
+        hint = f"; it takes keyword inputs {named}" if known and not signature.inputs else ""
+        raise InvalidRequestError(f"ComputeGradients: model {model!r} takes {len(signature.inputs)} input(s), "
+                                  f"got {len(positions)}{hint}")
+    unknown = [input_name(k) for k in keywords if k not in known]
+    if unknown:
+        raise InvalidRequestError(f"ComputeGradients: model {model!r} has no keyword input(s) {unknown}; "
+                                  f"it takes {named or 'positional inputs only'}")
+    missing = [input_name(k) for k, spec in known.items() if spec.required and k not in keywords]
+    if missing:
+        raise InvalidRequestError(f"ComputeGradients: the batch lacks the required input(s) {missing} of "
+                                  f"model {model!r}")
+    return len(positions), keywords
+
+
 def validate_batch(session: Session, tensors: Mapping[str, torch.Tensor]) -> Batch:
-    """Checks a decoded batch against the session (layout, K, model signature, loss targets)."""
+    """Checks a decoded batch against the session (names, layout, K, model signature, loss targets).
+
+    Inputs travel as ``inputs/<i>`` (positional) and ``inputs/<name>`` (keyword); every one of
+    them, and the targets, has the batch's N * K rows on the batch dimension.
+    """
     config = session.dp_config
     batch_dim = 0 if config.batch_first else 1
     if TARGETS not in tensors:
         raise InvalidRequestError(f"ComputeGradients: the batch has no {TARGETS!r} tensor")
-    count = len(tensors) - 1
-    names = [input_name(i) for i in range(count)]
-    if count == 0 or any(name not in tensors for name in names):
-        raise InvalidRequestError(f"ComputeGradients: inputs must be named {names or [input_name(0)]}, "
-                                  f"got {sorted(n for n in tensors if n != TARGETS)}")
-    signature = session.signature
-    if signature is not None and count != len(signature.inputs):
-        raise InvalidRequestError(f"ComputeGradients: model {session.spec.model!r} takes "
-                                  f"{len(signature.inputs)} input(s), got {count}")
+    num_positional, keywords = _input_keys(session, tensors)
+    keys: list[int | str] = [*range(num_positional), *keywords]
+    names = [input_name(key) for key in keys]
     rows = {name: (tensors[name].shape[batch_dim] if tensors[name].dim() > batch_dim else None)
             for name in names}
     if None in rows.values() or len(set(rows.values())) != 1:
         raise BatchLayoutError(f"ComputeGradients: every input needs the same number of rows on dimension "
-                               f"{batch_dim}; got shapes {[list(tensors[n].shape) for n in names]}")
+                               f"{batch_dim}; got shapes { {n: list(tensors[n].shape) for n in names} }")
     # Zero rows is legal: Poisson sampling draws empty batches, which still get noise and a step.
     num_rows = int(next(iter(rows.values())))  # type: ignore[arg-type]
     num_samples = check_rows(num_rows, config.augmentation_multiplicity, where="ComputeGradients")
     dtype = next(p.dtype for p in session.parameter_info if p.dtype.is_floating_point)
-    inputs = tuple(_prepare_input(i, tensors[name], signature.inputs[i] if signature else None,
-                                  batch_dim=batch_dim, dtype=dtype) for i, name in enumerate(names))
+    signature = session.signature
+    specs: list[InputSpec | None] = [None] * len(keys)
+    if signature is not None:
+        specs = [signature.inputs[key] if isinstance(key, int) else signature.keyword_inputs[key] for key in keys]
+    inputs = tuple(_prepare_input(key, tensors[name], spec, batch_dim=batch_dim, dtype=dtype)
+                   for key, name, spec in zip(keys, names, specs))
+    for key, spec in zip(keys, specs):
+        other = spec.same_shape_as if spec is not None else None
+        if other is None or other not in keywords:
+            continue
+        shape, wanted = tensors[input_name(key)].shape, tensors[input_name(other)].shape
+        if shape != wanted:
+            raise InvalidRequestError(f"ComputeGradients: {input_name(key)} must have the shape of "
+                                      f"{input_name(other)}, {list(wanted)}; got {list(shape)}")
+    like = None
+    if signature is not None and signature.targets_like in keywords:
+        like = (input_name(signature.targets_like), tensors[input_name(signature.targets_like)].shape)
     targets = prepare_targets(session.loss, tensors[TARGETS], rows=num_rows,
                               num_outputs=signature.num_outputs if signature else None, dtype=dtype,
-                              batch_dim=batch_dim)
-    return Batch(inputs=inputs, targets=targets, num_samples=num_samples)
+                              batch_dim=batch_dim, like=like)
+    return Batch(inputs=inputs, targets=targets, num_samples=num_samples, keywords=keywords)
 
 
 class StepRunner:
@@ -179,6 +236,8 @@ class StepRunner:
                 shards = cut_shards(batch.inputs, batch.targets, plan,
                                     augmentation_multiplicity=config.augmentation_multiplicity,
                                     batch_first=config.batch_first)
+                if batch.keywords:
+                    shards = [dataclasses.replace(shard, keywords=batch.keywords) for shard in shards]
                 remaining = time_remaining()
                 timeout = self._config.step_timeout_seconds if remaining is None else \
                     min(self._config.step_timeout_seconds, remaining)

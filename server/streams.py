@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 import torch
 
 from psg_core.errors import NonFiniteInputError
-from psg_server.errors import InvalidRequestError, StaleParametersError
+from psg_server.errors import InvalidRequestError, ParametersMissingError, StaleParametersError
 from psg_server.executor import ParameterSet
 from psg_server.sessions import Session
 from psg_wire.codec import CodecLimits, FrameWire, TensorDecoder
 
-__all__ = ["all_finite", "read_header", "read_tensors", "receive_parameters", "tensor_messages"]
+__all__ = ["all_finite", "pushed_bytes", "read_header", "read_tensors", "receive_parameters", "tensor_messages"]
 
 Message = TypeVar("Message")
 
@@ -56,8 +56,13 @@ async def read_tensors(requests: AsyncIterator[Any], decoder: TensorDecoder) -> 
 
 async def receive_parameters(requests: AsyncIterator[Any], session: Session, version: int,
                              limits: CodecLimits) -> ParameterSet:
-    """Decodes a full parameter set for ``session``, refusing any tensor that does not match the
-    model's parameters before allocating it."""
+    """Decodes a parameter set for ``session``, refusing any tensor that does not match the
+    model's parameters before allocating it.
+
+    Every trainable parameter must come; the frozen ones come all together (they replace the
+    session's) or not at all (the session's are kept, without a copy), as ``PushParametersRequest``
+    says. :class:`ParametersMissingError` when none came and the session holds none.
+    """
     if version <= session.latest_version:
         raise StaleParametersError(f"PushParameters: version {version} is not newer than the session's "
                                    f"version {session.latest_version}")
@@ -73,14 +78,38 @@ async def receive_parameters(requests: AsyncIterator[Any], session: Session, ver
                                       f"{list(info.shape)}, got {dtype} {list(shape)}")
 
     tensors = await read_tensors(requests, TensorDecoder(limits, check_header=check))
-    missing = [name for name in expected if name not in tensors]
+    missing = [name for name, info in expected.items() if info.requires_grad and name not in tensors]
     if missing:
-        raise InvalidRequestError(f"PushParameters: the parameter set lacks {missing[:8]}"
-                                  f"{' ...' if len(missing) > 8 else ''}")
+        raise InvalidRequestError(f"PushParameters: the parameter set lacks the trainable parameters "
+                                  f"{_some(missing)}")
+    frozen = [name for name, info in expected.items() if not info.requires_grad]
+    sent = [name for name in frozen if name in tensors]
+    if sent and len(sent) != len(frozen):
+        raise InvalidRequestError(f"PushParameters: the set holds {len(sent)} of the {len(frozen)} frozen "
+                                  f"parameters; send all of them (they replace the session's) or none (the "
+                                  f"session keeps its own); missing {_some([n for n in frozen if n not in tensors])}")
     bad = [name for name, t in tensors.items() if not all_finite(t)]
     if bad:
         raise NonFiniteInputError(f"PushParameters: parameters {bad[:8]} contain NaN or infinity")
-    return ParameterSet(version=version, tensors=tensors)
+    if sent or not frozen:
+        return ParameterSet(version=version, tensors=tensors, frozen_version=version)
+    held = session.parameters
+    if held is None:
+        raise ParametersMissingError(f"PushParameters: session {session.id!r} holds no frozen parameters (none "
+                                     "pushed yet, or the server dropped them); push them with the trainable ones")
+    everything = {name: tensors[name] if name in tensors else held.tensors[name] for name in expected}
+    return ParameterSet(version=version, tensors=everything, frozen_version=held.frozen_from)
+
+
+def pushed_bytes(session: Session, parameters: ParameterSet) -> int:
+    """Bytes of the tensors the push of ``parameters`` carried: the trainable ones, and the
+    frozen ones when that push sent them."""
+    sent_frozen = parameters.frozen_from == parameters.version
+    return sum(info.num_bytes for info in session.parameter_info if info.requires_grad or sent_frozen)
+
+
+def _some(names: list[str]) -> str:
+    return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
 
 
 def tensor_messages(message_type: type[Message], named: Iterable[tuple[str, torch.Tensor]], *,

@@ -123,15 +123,26 @@ class LoraAdapter:
             raise ConfigError(f"LoraAdapter: LoRA needs peft (psg's server extra): {err}") from None
         # GPT-2's Conv1D stores its weight transposed; peft must be told (it corrects a wrong
         # setting per layer, with a warning, when targets mix Conv1D and Linear layers).
-        config = peft.LoraConfig(r=self.rank, lora_alpha=self.alpha if self.alpha is not None else self.rank,
+        alpha = self.alpha if self.alpha is not None else self.rank
+        # peft annotates lora_alpha as int; it only ever divides it by r, so a float works as well
+        config = peft.LoraConfig(r=self.rank, lora_alpha=alpha,  # type: ignore[arg-type]
                                  target_modules=list(self.target_modules), lora_dropout=0.0, bias="none",
                                  fan_in_fan_out=all(_is_transformers_conv1d(m) for m in matched))
-        with warnings.catch_warnings():
-            # Raised inside peft by transformers' own deprecations, or for mixed targets (see above):
-            # nothing a caller can act on.
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)
-            try:
-                return peft.get_peft_model(module, config)
-            except (ValueError, TypeError) as err:
-                raise ConfigError(f"LoraAdapter: peft cannot adapt {self.target_modules}: {err}") from None
+        _quiet_peft()
+        try:
+            return peft.get_peft_model(module, config)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"LoraAdapter: peft cannot adapt {self.target_modules}: {err}") from None
+
+
+def _quiet_peft() -> None:
+    """Ignores the two warnings peft raises while wrapping a model that no caller can act on:
+    transformers' deprecation of the ``is_gradient_checkpointing`` name peft reads, and its
+    per-layer correction of ``fan_in_fan_out`` for targets that mix Conv1D and Linear layers.
+
+    A lasting filter rather than ``warnings.catch_warnings()``: that one swaps the process-wide
+    filter list and restores it on exit, which loses filters when several threads (the server's
+    in-process workers) build models at once. Adding the same filter again replaces it.
+    """
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)

@@ -170,12 +170,16 @@ def test_server_info_models_and_session_lifecycle(client: GradientClient, server
     info = client.server_info()
     assert set(info.backends) == set(MODES) and info.limits.max_message_bytes == 4 << 20
     assert [w.device for w in info.workers] == ["cpu", "cpu"]
-    assert set(info.losses) == {"cross_entropy", "nll", "mse", "bce_with_logits"}
+    assert set(info.losses) == {"cross_entropy", "nll", "mse", "bce_with_logits", "token_cross_entropy", "causal_lm"}
     models = {m.name: m for m in client.list_models()}
     assert {"mlp", "cnn_groupnorm", "resnet_groupnorm", "transformer_classifier", "lstm_classifier",
-            "embedding_bag_classifier"} <= set(models)
+            "embedding_bag_classifier", "hf_causal_lm", "hf_sequence_classification"} <= set(models)
     hidden = next(a for a in models["mlp"].arguments if a.name == "hidden")
     assert (hidden.type, hidden.default_json, hidden.required) == ("list[int]", "[128]", False)
+    # parameters at the default arguments, trainable ones marked; none where an argument is required
+    assert [(p.name, list(p.shape), p.requires_grad) for p in models["mlp"].parameters] == [
+        ("0.weight", [128, 784], True), ("0.bias", [128], True), ("2.weight", [10, 128], True), ("2.bias", [10], True)]
+    assert not models["hf_causal_lm"].parameters and models["hf_causal_lm"].arguments[0].name == "model_type"
     session = client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=2)
     assert list(session.parameter_specs) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     attached = client.session(session.id)

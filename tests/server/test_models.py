@@ -30,8 +30,10 @@ def registry() -> ModelRegistry:
     return default_registry()
 
 
-def test_the_six_builtins_are_registered(registry: ModelRegistry) -> None:
-    assert {e.name for e in registry.entries()} == set(SMALL)
+def test_the_six_builtins_and_the_hugging_face_family_are_registered(registry: ModelRegistry) -> None:
+    from psg_server.huggingface import TASKS
+
+    assert {e.name for e in registry.entries()} == set(SMALL) | set(TASKS)
     assert all(e.origin == BUILTIN and e.description and e.signature for e in registry.entries())
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -102,3 +104,80 @@ def test_targets_are_checked_per_loss(loss: str, targets: torch.Tensor, message:
 ])
 def test_all_finite(tensor: torch.Tensor, finite: bool) -> None:
     assert all_finite(tensor) is finite
+
+
+# ------------------------------------------------------------------------------ keyword inputs
+def causal_lm_session() -> Session:
+    from tests.server.hf_harness import GPT2
+
+    return session("hf_causal_lm", json.dumps(GPT2), loss="causal_lm")
+
+
+def test_keyword_inputs_are_checked_against_the_signature_and_keep_their_names() -> None:
+    ids = torch.randint(0, 32, (4, 6), dtype=torch.int32)
+    mask = torch.ones(4, 6, dtype=torch.uint8)
+    labels = ids.long().masked_fill(mask == 0, -100)
+    batch = validate_batch(causal_lm_session(), {"inputs/input_ids": ids, "inputs/attention_mask": mask,
+                                                 "targets": labels})
+    float_mask = validate_batch(causal_lm_session(), {"inputs/input_ids": ids, "inputs/attention_mask": mask.float(),
+                                                      "targets": labels})
+    assert float_mask.inputs[0].dtype == torch.int64  # masks of any dtype become 0/1 integers
+    assert batch.keywords == ("attention_mask", "input_ids") and batch.num_samples == 4
+    assert all(t.dtype == torch.int64 for t in batch.inputs)
+    torch.testing.assert_close(batch.inputs[1], ids.long())
+    only_ids = validate_batch(causal_lm_session(), {"inputs/input_ids": ids, "targets": labels})
+    assert only_ids.keywords == ("input_ids",)  # the mask is optional
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({"inputs/attention_mask": torch.ones(2, 6, dtype=torch.long)},
+     "lacks the required input\\(s\\) \\['inputs/input_ids'\\]"),
+    ({"inputs/input_ids": torch.zeros(2, 6, dtype=torch.long), "inputs/pixel_values": torch.zeros(2, 6)},
+     "has no keyword input\\(s\\) \\['inputs/pixel_values'\\]; it takes inputs/input_ids, inputs/attention_mask"),
+    ({"inputs/0": torch.zeros(2, 6, dtype=torch.long)},
+     "takes 0 input\\(s\\), got 1; it takes keyword inputs inputs/input_ids, inputs/attention_mask"),
+    ({"inputs/input_ids": torch.zeros(2, 6, dtype=torch.long),
+      "inputs/attention_mask": torch.ones(2, 5, dtype=torch.int8)},
+     "inputs/attention_mask must have the shape of inputs/input_ids, \\[2, 6\\]; got \\[2, 5\\]"),
+    ({"inputs/input_ids": torch.full((2, 6), 32)}, "outside \\[0, 32\\)"),
+    ({"inputs/input_ids": torch.zeros(2, 6, dtype=torch.long), "inputs/attention_mask": torch.full((2, 6), 0.5)},
+     "inputs/attention_mask must be a mask of 0 and 1"),
+    ({"inputs/input_ids": torch.zeros(2, 17, dtype=torch.long)}, "expected \\['rows', '1..16'\\]"),
+])
+def test_bad_keyword_inputs(tensors: dict[str, torch.Tensor], message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        validate_batch(causal_lm_session(), {**tensors, "targets": torch.zeros(2, 6, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("targets, message", [
+    (torch.zeros(2, 5, dtype=torch.long), "must have the shape of 'inputs/input_ids', \\[2, 6\\]"),
+    (torch.zeros(2, dtype=torch.long), "integer tensor \\(rows, T\\) of token labels"),
+    (torch.zeros(2, 6), "integer tensor \\(rows, T\\) of token labels"),
+    (torch.full((2, 6), 32), "class indices in \\[0, 32\\) or -100, got values in \\[32, 32\\]"),
+    (torch.full((2, 6), -5), "class indices in \\[0, 32\\) or -100"),
+])
+def test_token_targets_follow_the_token_input(targets: torch.Tensor, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        validate_batch(causal_lm_session(), {"inputs/input_ids": torch.zeros(2, 6, dtype=torch.long),
+                                             "targets": targets})
+
+
+def test_keyword_inputs_of_a_model_without_signature_pass_with_layout_checks() -> None:
+    registry = default_registry(["tests.server.plugin_models"])
+    request = pb.CreateSessionRequest(model="tiny_regressor", loss="mse", expected_batch_size=2,
+                                      dp=pb.DPSettings(max_grad_norm=1.0))
+    plugin = open_session(request, owner="a", registry=registry, config=ServerConfig())
+    batch = validate_batch(plugin, {"inputs/0": torch.randn(2, 7), "inputs/scale": torch.randn(2, 1),
+                                    "targets": torch.randn(2, 9)})
+    assert batch.keywords == ("scale",) and len(batch.inputs) == 2
+    with pytest.raises(BatchLayoutError, match="same number of rows"):
+        validate_batch(plugin, {"inputs/0": torch.randn(2, 7), "inputs/scale": torch.randn(3, 1),
+                                "targets": torch.randn(2, 9)})
+
+
+def test_token_losses_need_batch_first() -> None:
+    request = pb.CreateSessionRequest(model="seq_first_tagger", loss="causal_lm", expected_batch_size=2,
+                                      dp=pb.DPSettings(max_grad_norm=1.0, batch_first=False))
+    registry = default_registry(["tests.server.plugin_models"])
+    with pytest.raises(InvalidRequestError, match="loss 'causal_lm' takes its batch on dimension 0"):
+        open_session(request, owner="a", registry=registry, config=ServerConfig())

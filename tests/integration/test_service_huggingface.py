@@ -1,0 +1,248 @@
+"""Fine-tuning Hugging Face models through the service, over real sockets: keyword inputs, the
+allow-listed transformers classes built from a config, LoRA with the frozen base pushed once,
+per-token losses; the service's result equals psg_core's dp_gradient on the whole batch (noise off)
+for one and two workers, and bad requests get their status codes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from psg_client import GradientClient, ServiceError
+from psg_core.config import DPConfig
+from psg_core.errors import ConfigError
+from psg_server.background import BackgroundServer
+from psg_wire.adapters import LoraAdapter
+from psg_wire.codec import encode_tensors
+from psg_wire.v1 import gradient_service_pb2 as pb
+from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
+from psg_wire.v1.tensor_pb2 import TensorHeader
+from tests.server.hf_harness import BERT, BERT_LORA, GPT2, GPT2_LORA, hf_model, token_batch, trainable_bytes
+from tests.server.service_harness import client_for, local_dp, serve
+
+Code = grpc.StatusCode
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda n: f"{n}workers")
+def server(request: pytest.FixtureRequest) -> Iterator[BackgroundServer]:
+    # At most 2 samples per shard: with two workers every step is split and merged.
+    with serve(num_workers=request.param, max_shard_samples=2) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(server: BackgroundServer) -> Iterator[GradientClient]:
+    with client_for(server) as connected:
+        yield connected
+
+
+def assert_equals_local(result: Any, model: torch.nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
+                        config: DPConfig, loss: str, expected_batch_size: int) -> None:
+    local = local_dp(model, inputs, targets, config, loss=loss)
+    assert set(result.grads) == {n for n, p in model.named_parameters() if p.requires_grad} == set(local.grads)
+    for name, grad in result.grads.items():
+        torch.testing.assert_close(grad, local.grads[name] / expected_batch_size, rtol=1e-4, atol=1e-6)
+    samples = local.num_samples
+    assert result.samples == samples and result.mean_loss == pytest.approx(local.loss_sum / samples, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode, K", [("hooks", 1), ("ghost", 2)])
+@pytest.mark.parametrize("lora", [GPT2_LORA, None], ids=["lora", "full"])
+def test_gpt2_causal_lm_equals_local_dp_gradient(client: GradientClient, lora: LoraAdapter | None, mode: str,
+                                                 K: int) -> None:
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.05)
+    model = hf_model(GPT2, lora=lora, seed=K)
+    inputs, labels = token_batch(4 * K, seed=K)  # right-padded, IGNORE_INDEX on the padding
+    with client.create_session("hf_causal_lm", model_kwargs=GPT2, loss="causal_lm", expected_batch_size=4,
+                               config=config, lora=lora) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients(inputs, labels)
+    assert_equals_local(result, model, inputs, labels, config, "causal_lm", 4)
+    assert 0 < result.fraction_clipped <= 1
+
+
+@pytest.mark.parametrize("lora", [BERT_LORA, None], ids=["lora", "full"])
+def test_bert_sequence_classification_equals_local_dp_gradient(client: GradientClient,
+                                                               lora: LoraAdapter | None) -> None:
+    config = DPConfig(max_grad_norm=0.5)
+    model = hf_model(BERT, "BertForSequenceClassification", lora=lora)
+    inputs, _ = token_batch(5, seed=3)
+    labels = torch.tensor([0, 2, 1, 1, 0])
+    with client.create_session("hf_sequence_classification", model_kwargs=BERT, loss="cross_entropy",
+                               expected_batch_size=5, config=config, lora=lora) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients(inputs, labels)
+    assert_equals_local(result, model, inputs, labels, config, "cross_entropy", 5)
+
+
+def test_dp_lora_training_pushes_the_base_model_once(client: GradientClient) -> None:
+    """A few noisy DP steps of a LoRA GPT-2, as a trainer runs them: after the first push, every
+    version carries only the adapter, and only the adapter's gradients come back."""
+    model = hf_model(GPT2, lora=GPT2_LORA)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    adapter = trainable_bytes(model)
+    assert adapter * 20 < full
+    lora_b = "base_model.model.transformer.h.0.attn.c_attn.lora_B.default.weight"
+    config = DPConfig(max_grad_norm=1.0, noise_multiplier=0.8)
+    with client.create_session("hf_causal_lm", model_kwargs=GPT2, loss="causal_lm", expected_batch_size=4,
+                               config=config, sample_rate=0.01, delta=1e-5, seed=7, lora=GPT2_LORA) as session:
+        assert {n for n, trainable in session.trainable.items() if trainable} == \
+            {n for n, p in model.named_parameters() if p.requires_grad}
+        pushed, epsilons = [], []
+        for step in range(3):
+            session.push_parameters(model)
+            pushed.append(session.last_push_bytes)
+            inputs, labels = token_batch(4, seed=step)
+            result = session.compute_gradients(inputs, labels)
+            assert set(result.grads) == {n for n, p in model.named_parameters() if p.requires_grad}
+            optimizer.zero_grad()
+            result.apply_to(model)
+            optimizer.step()
+            epsilons.append(result.epsilon_spent)
+        assert pushed == [full, adapter, adapter]
+        info = session.info()
+        assert (info.steps, info.param_version, info.frozen_version) == (3, 3, 1)
+    assert dict(model.named_parameters())[lora_b].abs().sum() > 0  # lora_B left zero: the adapter trained
+    assert epsilons == sorted(epsilons) and all(math.isfinite(e) and e > 0 for e in epsilons)
+
+
+def test_frozen_parameters_can_be_sent_again_and_are_used(client: GradientClient) -> None:
+    config = DPConfig(max_grad_norm=0.05)
+    model = hf_model(GPT2, lora=GPT2_LORA)
+    inputs, labels = token_batch(4, seed=5)
+    with client.create_session("hf_causal_lm", model_kwargs=GPT2, loss="causal_lm", expected_batch_size=4,
+                               config=config, lora=GPT2_LORA) as session:
+        session.push_parameters(model)
+        session.compute_gradients(inputs, labels)
+        with torch.no_grad():  # the trainer changes its base model: it says so with frozen=True
+            dict(model.named_parameters())["base_model.model.transformer.wte.weight"].mul_(2.0)
+        session.push_parameters(model, frozen=True)
+        assert session.last_push_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+        result = session.compute_gradients(inputs, labels)
+    assert_equals_local(result, model, inputs, labels, config, "causal_lm", 4)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def raw_push(client: GradientClient, session_id: str, version: int, named: list[tuple[str, torch.Tensor]]) -> Any:
+    """A PushParameters of exactly ``named``, through the client's channel but not its checks."""
+    def requests() -> Iterator[pb.PushParametersRequest]:
+        yield pb.PushParametersRequest(header=pb.PushParametersHeader(session_id=session_id, version=version))
+        for frame in encode_tensors(named):
+            yield (pb.PushParametersRequest(tensor=frame) if isinstance(frame, TensorHeader)
+                   else pb.PushParametersRequest(chunk=bytes(frame)))
+
+    return client.call(lambda stub, kw: stub.PushParameters(requests(), **kw))
+
+
+def status_of(call: Any) -> tuple[grpc.StatusCode, str, str]:
+    with pytest.raises(ServiceError) as err:
+        call()
+    return err.value.code, err.value.details, err.value.reason
+
+
+@pytest.mark.parametrize("model, kwargs, lora, code, message", [
+    ("hf_causal_lm", {**GPT2, "model_type": "bloom"}, None, Code.NOT_FOUND, "builds no model_type 'bloom'"),
+    ("hf_masked_lm", GPT2, None, Code.NOT_FOUND, "unknown model 'hf_masked_lm'"),
+    ("hf_causal_lm", {**GPT2, "n_head": "two"}, None, Code.INVALID_ARGUMENT, "transformers refuses the gpt2 config"),
+    ("hf_causal_lm", {**GPT2, "n_embd": 15}, None, Code.INVALID_ARGUMENT, "cannot build GPT2LMHeadModel"),
+    ("hf_causal_lm", {**GPT2, "auto_map": {"AutoModelForCausalLM": "x.Y"}}, None, Code.INVALID_ARGUMENT,
+     "are refused"),
+    ("hf_causal_lm", GPT2, LoraAdapter(rank=2, target_modules=("q_proj",)), Code.INVALID_ARGUMENT,
+     "['q_proj'] match no module of the GPT2LMHeadModel model; its adaptable modules are named"),
+])
+def test_bad_sessions(client: GradientClient, model: str, kwargs: dict[str, Any], lora: LoraAdapter | None,
+                      code: grpc.StatusCode, message: str) -> None:
+    got, details, _ = status_of(lambda: client.create_session(model, model_kwargs=kwargs, loss="causal_lm",
+                                                              expected_batch_size=2, lora=lora))
+    assert got == code and message in details
+
+
+def test_bad_lora_settings_on_the_wire(server: BackgroundServer) -> None:
+    request = pb.CreateSessionRequest(model="hf_causal_lm", model_kwargs_json='{"model_type": "gpt2"}',
+                                      loss="causal_lm", expected_batch_size=1, dp=pb.DPSettings(max_grad_norm=1.0),
+                                      lora=pb.LoraSettings(rank=0, target_modules=["c_attn"]))
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.GradientServiceStub(channel).CreateSession(request, timeout=30)
+    assert err.value.code() == Code.INVALID_ARGUMENT and "rank must be an int in [1, 1024]" in err.value.details()
+
+
+def test_bad_batches_and_pushes(client: GradientClient) -> None:
+    model = hf_model(GPT2, lora=GPT2_LORA)
+    inputs, labels = token_batch(2)
+    with client.create_session("hf_causal_lm", model_kwargs=GPT2, loss="causal_lm", expected_batch_size=2,
+                               config=DPConfig(max_grad_norm=1.0), lora=GPT2_LORA) as session:
+        # the first push must carry the frozen base model
+        code, details, reason = status_of(lambda: session.push_parameters(model, frozen=False))
+        assert (code, reason) == (Code.FAILED_PRECONDITION, "PARAMETERS_MISSING") and "holds no frozen" in details
+        frozen = [(n, p.detach()) for n, p in model.named_parameters() if not p.requires_grad]
+        trainable = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad]
+        with pytest.raises(ConfigError, match="missing"):  # the client checks before sending
+            session.push_parameters(frozen[:3] + trainable)
+        # and the server, for clients that do not: some frozen parameters but not all
+        code, details, _ = status_of(lambda: raw_push(client, session.id, 1, frozen[:3] + trainable))
+        assert code == Code.INVALID_ARGUMENT and f"holds 3 of the {len(frozen)} frozen parameters" in details
+        session.push_parameters(model)
+        code, details, _ = status_of(lambda: session.compute_gradients({"attention_mask": inputs["attention_mask"]},
+                                                                       labels))
+        assert code == Code.INVALID_ARGUMENT and "lacks the required input(s) ['inputs/input_ids']" in details
+        code, details, _ = status_of(lambda: session.compute_gradients({**inputs, "labels": labels}, labels))
+        assert code == Code.INVALID_ARGUMENT and "has no keyword input(s) ['inputs/labels']" in details
+        code, details, _ = status_of(lambda: session.compute_gradients(inputs["input_ids"], labels))
+        assert code == Code.INVALID_ARGUMENT and "it takes keyword inputs inputs/input_ids" in details
+        code, details, _ = status_of(lambda: session.compute_gradients(inputs, labels[:, :4]))
+        assert code == Code.INVALID_ARGUMENT and "must have the shape of 'inputs/input_ids'" in details
+        assert session.compute_gradients(inputs, labels).samples == 2  # and the session goes on
+
+
+# ------------------------------------------------------------------------------------ Ray pool
+def test_lora_through_the_embedded_ray_pool(ray_session: Any) -> None:
+    """Two Ray workers: the adapter's new versions reach the actors (whose models keep the frozen
+    base), and every step equals dp_gradient on the whole batch."""
+    from psg_server.pool import WorkerPool
+
+    config = DPConfig(max_grad_norm=0.05)
+    model = hf_model(GPT2, lora=GPT2_LORA)
+    pool = WorkerPool(num_workers=2, start_timeout_s=120.0)
+    with serve(executor=pool, max_shard_samples=2) as running, client_for(running) as client:
+        assert [w.id for w in client.server_info().workers] == ["ray-worker-0", "ray-worker-1"]
+        with client.create_session("hf_causal_lm", model_kwargs=GPT2, loss="causal_lm", expected_batch_size=4,
+                                   config=config, lora=GPT2_LORA) as session:
+            for step in range(2):
+                session.push_parameters(model)
+                inputs, labels = token_batch(4, seed=step)
+                result = session.compute_gradients(inputs, labels)
+                assert_equals_local(result, model, inputs, labels, config, "causal_lm", 4)
+                result.apply_to(model)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.requires_grad:
+                            p.sub_(10.0 * p.grad)
+            assert session.last_push_bytes == trainable_bytes(model)
+
+
+def test_the_readme_lora_example_runs(server: BackgroundServer) -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Fine-tuning a Hugging Face model with LoRA", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match
+    code = match.group(1).replace('"localhost:50051"', repr(server.target)).replace("print(", "printed.append(")
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.ones(16, 12, dtype=torch.int64)
+    mask[::2, 9:] = 0
+    loader = [{"input_ids": torch.randint(0, 1000, (16, 12), generator=generator), "attention_mask": mask}
+              for _ in range(2)]
+    namespace: dict[str, Any] = {"loader": loader, "printed": []}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    assert len(namespace["printed"]) == 2 and "epsilon" in namespace["printed"][-1]
+    session = namespace["session"]
+    assert session.last_push_bytes == trainable_bytes(namespace["model"])

@@ -1,0 +1,57 @@
+"""Tiny Hugging Face configs and batches for the service tests (random weights, no download).
+
+The trainer's side builds its model with transformers itself, as a user would, and adds the same
+:class:`~psg_wire.adapters.LoraAdapter` the session declares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from psg_server.losses import IGNORE_INDEX
+from psg_wire.adapters import LoraAdapter
+
+VOCAB = 32
+#: GPT-2, 2 layers of width 16, no dropout (so the service and the local reference agree exactly).
+GPT2: dict[str, Any] = {"model_type": "gpt2", "vocab_size": VOCAB, "n_positions": 16, "n_embd": 16, "n_layer": 2,
+                        "n_head": 2, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 1,
+                        "eos_token_id": 1, "pad_token_id": 0}
+#: BERT for sequence classification, 3 labels.
+BERT: dict[str, Any] = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
+                        "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16,
+                        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": 3}
+GPT2_LORA = LoraAdapter(rank=2, target_modules=("c_attn",), alpha=4)
+BERT_LORA = LoraAdapter(rank=2, target_modules=("query", "value"))
+
+
+def hf_model(config: dict[str, Any], model_class: str = "GPT2LMHeadModel", *, lora: LoraAdapter | None = None,
+             seed: int = 0) -> nn.Module:
+    """The trainer's copy: ``transformers.<model_class>`` from the config, plus ``lora``."""
+    import transformers
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(transformers.CONFIG_MAPPING[config["model_type"]](**fields))
+    return lora.apply(model) if lora is not None else model
+
+
+def token_batch(rows: int, length: int = 6, *, seed: int = 0, padded: bool = True
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``{"input_ids", "attention_mask"}`` right-padded (row i keeps ``length - i % 3`` tokens) and
+    causal LM labels: the ids, IGNORE_INDEX on padding."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (rows, length), generator=generator)  # (rows, T)
+    mask = torch.ones(rows, length, dtype=torch.int64)  # (rows, T)
+    if padded:
+        for row in range(rows):
+            mask[row, length - row % 3:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask}, ids.masked_fill(mask == 0, IGNORE_INDEX)
+
+
+def trainable_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters that require grad."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
