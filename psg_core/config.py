@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from psg_core.errors import ConfigError
+from psg_core.layout import check_multiplicity
 from psg_core.modes import Clipping, GradSampleMode, LossReduction, parse_enum
 
 __all__ = ["DPConfig", "DPGradient"]
@@ -61,9 +62,7 @@ class DPConfig:
         set_(self, "clipping", parse_enum(Clipping, self.clipping, what="DPConfig.clipping"))
         set_(self, "loss_reduction", parse_enum(LossReduction, self.loss_reduction,
                                                 what="DPConfig.loss_reduction"))
-        k = self.augmentation_multiplicity
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"DPConfig: augmentation_multiplicity must be an int >= 1, got {k!r}")
+        check_multiplicity(self.augmentation_multiplicity, where="DPConfig")
         if not isinstance(self.max_grad_norm, (int, float)) or not math.isfinite(self.max_grad_norm) \
                 or self.max_grad_norm <= 0:
             raise ConfigError(f"DPConfig: max_grad_norm must be a finite number > 0, got "

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from psg_core.errors import BatchLayoutError, ConfigError
+from psg_core.errors import ConfigError
+from psg_core.layout import BatchLayout, check_multiplicity
 from psg_core.modes import LossReduction, parse_enum
 
 __all__ = ["AbstractGradSampleModule", "PerSampleOutput", "PerSampleBackend", "check_rows", "earliest_edges", "on_output_grads", "get_grad_sample", "set_grad_sample",
@@ -68,13 +69,10 @@ def set_grad_sample(param: torch.Tensor, grad_sample: torch.Tensor | None) -> No
 
 
 def check_rows(rows: int, augmentation_multiplicity: int, *, where: str) -> int:
-    """Returns N = rows / K, or raises :class:`BatchLayoutError` naming both numbers."""
-    if rows % augmentation_multiplicity:
-        raise BatchLayoutError(
-            f"{where}: the batch has {rows} rows, which is not divisible by "
-            f"augmentation_multiplicity K={augmentation_multiplicity}; each sample must arrive as "
-            "exactly K consecutive rows")
-    return rows // augmentation_multiplicity
+    """Returns N = rows / K, or raises :class:`BatchLayoutError` naming both numbers (the rule of
+    :meth:`psg_core.layout.BatchLayout.of`)."""
+    return BatchLayout.of(rows=rows, augmentation_multiplicity=augmentation_multiplicity, batch_first=True,
+                          where=where).num_samples
 
 
 def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -99,10 +97,7 @@ class AbstractGradSampleModule(nn.Module, abc.ABC):
         if isinstance(module, AbstractGradSampleModule):
             raise ConfigError(f"{type(self).__name__}: the module is already wrapped by "
                               f"{type(module).__name__}")
-        if (isinstance(augmentation_multiplicity, bool) or not isinstance(augmentation_multiplicity, int)
-                or augmentation_multiplicity < 1):
-            raise ConfigError(f"{type(self).__name__}: augmentation_multiplicity must be an int "
-                              f">= 1, got {augmentation_multiplicity!r}")
+        check_multiplicity(augmentation_multiplicity, where=type(self).__name__)
         self._module = module
         self.batch_first = bool(batch_first)
         self.loss_reduction = LossReduction(parse_enum(LossReduction, loss_reduction,
