@@ -5,6 +5,13 @@ get a tiny example; each backend computes per-sample gradients (ghost: per-sampl
 clipped sum) for it with ``K=2`` and is compared with a sample-by-sample reference. A registered
 type without an example shows up as "no example" until one is added to :data:`EXAMPLES`.
 
+Refusals are stated, each with its condition (:data:`REFUSALS`: "ew refuses Embedding when
+batch_first=False"), and checked: a stated refusal's example must raise a
+:class:`~psg_core.errors.PsgError`, a layer refused in every configuration must be refused on its
+own example, and any refusal nobody stated is shown as such. A cell reads ``✅`` (matches the
+reference), then ``❌ <condition>`` for each stated refusal; ``⚠`` marks a statement the code
+does not keep (the tests fail on it).
+
     python -m psg_core.coverage            # prints the Markdown table for the README
 
 >>> rows = coverage_rows([nn.Linear])
@@ -19,7 +26,7 @@ import copy
 import logging
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,96 +34,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from psg_core._coverage_cases import EXAMPLES, REFUSALS, Example, Refusal
+from psg_core._coverage_cases import K as _K
+from psg_core._coverage_cases import SAMPLES as _SAMPLES
 from psg_core.api import per_sample_gradients
 from psg_core.backends.ghost import ghost_dp_gradient, ghost_norm_layers
 from psg_core.config import DPConfig
 from psg_core.errors import PsgError
 from psg_core.grad_sample import GRAD_SAMPLERS
-from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention, SequenceBias
 from psg_core.modes import GradSampleMode
 
-__all__ = ["EXAMPLES", "CoverageRow", "coverage_rows", "render_markdown", "main"]
+__all__ = ["EXAMPLES", "REFUSALS", "Example", "Refusal", "CoverageRow", "coverage_rows", "refusal_holds",
+           "render_markdown", "main"]
 
 logger = logging.getLogger(__name__)
 
-_K = 2
-_SAMPLES = 2
-_ROWS = _K * _SAMPLES
 MODES = [m.value for m in GradSampleMode]
-
-
-class _FirstOutput(nn.Module):
-    """Keeps the first output of layers returning tuples (recurrent layers, attention)."""
-
-    def __init__(self, layer: nn.Module, self_attention: bool = False) -> None:
-        super().__init__()
-        self.layer = layer
-        self.self_attention = self_attention
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.layer(x, x, x) if self.self_attention else self.layer(x)
-        return out[0]
-
-
-class _BareParameter(nn.Module):
-    """A custom module whose parameter no grad sampler knows: ``x * scale``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
-
-
-def _floats(*shape: int) -> Callable[[], torch.Tensor]:
-    return lambda: torch.randn(_ROWS, *shape)
-
-
-def _tokens(vocab: int, length: int) -> Callable[[], torch.Tensor]:
-    return lambda: torch.randint(0, vocab, (_ROWS, length))
-
-
-#: label -> (model factory, input factory); rows = K * samples on dim 0.
-EXAMPLES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
-    "Linear": (lambda: nn.Linear(4, 3), _floats(3, 4)),
-    "Conv1d": (lambda: nn.Conv1d(2, 4, 3, padding=1), _floats(2, 6)),
-    "Conv2d": (lambda: nn.Conv2d(2, 4, 3, stride=2, groups=2), _floats(2, 5, 5)),
-    "Conv3d": (lambda: nn.Conv3d(2, 2, 2), _floats(2, 3, 3, 3)),
-    "ConvTranspose1d": (lambda: nn.ConvTranspose1d(2, 3, 3, stride=2), _floats(2, 4)),
-    "ConvTranspose2d": (lambda: nn.ConvTranspose2d(2, 2, 2), _floats(2, 3, 3)),
-    "ConvTranspose3d": (lambda: nn.ConvTranspose3d(2, 2, 2), _floats(2, 2, 2, 2)),
-    "Embedding": (lambda: nn.Embedding(10, 4, padding_idx=0), _tokens(10, 5)),
-    "EmbeddingBag": (lambda: nn.EmbeddingBag(10, 4, mode="mean"), _tokens(10, 5)),
-    "LayerNorm": (lambda: nn.LayerNorm(4), _floats(3, 4)),
-    "RMSNorm": (lambda: nn.RMSNorm(4), _floats(3, 4)),
-    "GroupNorm": (lambda: nn.GroupNorm(2, 4), _floats(4, 5)),
-    "InstanceNorm1d": (lambda: nn.InstanceNorm1d(3, affine=True), _floats(3, 5)),
-    "InstanceNorm2d": (lambda: nn.InstanceNorm2d(3, affine=True), _floats(3, 4, 4)),
-    "InstanceNorm3d": (lambda: nn.InstanceNorm3d(2, affine=True), _floats(2, 3, 3, 3)),
-    "SequenceBias": (lambda: SequenceBias(4, batch_first=True), _floats(3, 4)),
-    "DPMultiheadAttention": (lambda: _FirstOutput(DPMultiheadAttention(4, 2, batch_first=True), True),
-                             _floats(3, 4)),
-    "DPRNN": (lambda: _FirstOutput(DPRNN(3, 4, batch_first=True)), _floats(4, 3)),
-    "DPGRU": (lambda: _FirstOutput(DPGRU(3, 4, batch_first=True)), _floats(4, 3)),
-    "DPLSTM": (lambda: _FirstOutput(DPLSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)),
-               _floats(4, 3)),
-    "nn.MultiheadAttention (fused)": (lambda: _FirstOutput(nn.MultiheadAttention(4, 2, batch_first=True), True),
-                                      _floats(3, 4)),
-    "nn.RNN (fused)": (lambda: _FirstOutput(nn.RNN(3, 4, batch_first=True)), _floats(4, 3)),
-    "nn.GRU (fused)": (lambda: _FirstOutput(nn.GRU(3, 4, batch_first=True)), _floats(4, 3)),
-    "nn.LSTM (fused)": (lambda: _FirstOutput(nn.LSTM(3, 4, batch_first=True)), _floats(4, 3)),
-    "BatchNorm1d (training)": (lambda: nn.BatchNorm1d(3), _floats(3)),
-    "custom module, bare nn.Parameter": (lambda: _BareParameter(), _floats(3, 4)),
-}
 
 
 @dataclass(frozen=True)
 class CoverageRow:
-    """One layer: a cell per backend (✅ with how, or ❌ with why)."""
+    """One layer: a cell per backend (✅ with how, then ❌ with each stated refusal's condition)."""
 
     layer: str
     cells: dict[str, str]
+
+
+def _targets(model: nn.Module, args: tuple[Any, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.randn_like(model(*args))
 
 
 def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -154,33 +100,62 @@ def _reason(err: Exception) -> str:
     return type(err).__name__
 
 
-def _probe(mode: str, factory: Callable[[], nn.Module], x: torch.Tensor) -> str:
+def _run(mode: str, model: nn.Module, args: tuple[Any, ...], y: torch.Tensor, *, batch_first: bool = True) -> Any:
+    """Per-sample gradients (ghost: the clipped sum with no clipping) of ``mse`` at ``K=2``."""
+    loss_fn = nn.MSELoss(reduction="none")
+    if mode == GradSampleMode.GHOST.value:
+        config = DPConfig(mode=GradSampleMode.GHOST, augmentation_multiplicity=_K, max_grad_norm=1e9,
+                          batch_first=batch_first)
+        return ghost_dp_gradient(model, args, y, loss_fn=loss_fn, config=config)
+    return per_sample_gradients(model, args, y, loss_fn=loss_fn, mode=mode, augmentation_multiplicity=_K,
+                                batch_first=batch_first)
+
+
+def _probe(mode: str, example: Example) -> str:
+    """The row's own example: ``✅ ...`` when it matches the reference, else ``❌ <reason>``."""
     torch.manual_seed(0)
-    model = factory()
+    model = example.model()
+    args = example.inputs()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            y = torch.randn_like(model(x))
-            expected = _reference(model, x, y)
-            loss_fn = nn.MSELoss(reduction="none")
-            if mode == "ghost":
-                result = ghost_dp_gradient(model, x, y, loss_fn=loss_fn,
-                                           config=DPConfig(mode=GradSampleMode.GHOST,
-                                                           augmentation_multiplicity=_K,
-                                                           max_grad_norm=1e9))
+            y = _targets(model, args)
+            expected = _reference(model, args[0], y)
+            result = _run(mode, model, args, y)
+            if mode == GradSampleMode.GHOST.value:
                 norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)  # (N,)
                 ok = _close({"norms": result.per_sample_norms}, {"norms": norms}) and \
                     _close(result.grads, {n: g.sum(0) for n, g in expected.items()})
             else:
-                ok = _close(per_sample_gradients(model, x, y, loss_fn=loss_fn, mode=mode,
-                                                 augmentation_multiplicity=_K), expected)
+                ok = _close(result, expected)
     except (PsgError, RuntimeError, NotImplementedError) as err:
         logger.debug("coverage: %s failed: %s", mode, err)
-        return f"❌ {_reason(err)}"
+        return f"❌ {_reason(err)}" if isinstance(err, PsgError) else f"⚠ raw {type(err).__name__}"
     if not ok:
         return "❌ wrong result"
     slow = any("batching rule" in str(w.message) for w in caught)
     return "✅" + _how(mode, model) + (" (slow: vmap fallback)" if slow else "")
+
+
+def refusal_holds(refusal: Refusal) -> str | None:
+    """Runs a stated refusal's example: None when it raises a PsgError, else what happened."""
+    if refusal.example is None:
+        raise ValueError(f"refusal_holds: {refusal.layer!r} under {refusal.mode.value} is refused always; "
+                         "its row's own example shows it")
+    example = refusal.example
+    torch.manual_seed(0)
+    model = example.model()
+    args = example.inputs()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = _targets(model, args)
+            _run(refusal.mode.value, model, args, y, batch_first=example.batch_first)
+    except PsgError:
+        return None
+    except Exception as err:  # noqa: BLE001  (what a stated refusal raises instead is the finding)
+        return f"raw {type(err).__name__}"
+    return "not raised"
 
 
 def _how(mode: str, model: nn.Module) -> str:
@@ -195,29 +170,53 @@ def _how(mode: str, model: nn.Module) -> str:
     return ""
 
 
+def _cell(mode: str, example: Example, refusals: Sequence[Refusal]) -> str:
+    """The base probe, then each stated refusal for this row and mode, checked."""
+    base = _probe(mode, example)
+    always = [r for r in refusals if r.always]
+    if always:
+        statement = "; ".join(r.condition for r in always)
+        text = f"❌ {statement}" if base.startswith("❌") and base != "❌ wrong result" \
+            else f"⚠ stated refusal ({statement}) not kept: {base}"
+    elif base.startswith("❌") and base != "❌ wrong result":
+        text = f"⚠ unstated refusal: {base[2:]}"
+    else:
+        text = base
+    for refusal in refusals:
+        if refusal.always:
+            continue
+        problem = refusal_holds(refusal)
+        text += f"; ❌ {refusal.condition}" if problem is None else \
+            f"; ⚠ stated refusal ({refusal.condition}) {problem}"
+    return text
+
+
 def _label_of(layer_type: type[nn.Module]) -> str:
     return layer_type.__name__
 
 
 def coverage_rows(extra_types: Sequence[type[nn.Module]] | None = None) -> list[CoverageRow]:
-    """Probes every example (or only ``extra_types``' examples) under every backend.
+    """Probes every example (or only ``extra_types``' examples) under every backend, and checks
+    each stated refusal of those rows.
 
     Rows: the registered layer types (sorted), then psg's DP rewrites and the other examples.
     """
     registered = [_label_of(t) for t in (extra_types if extra_types is not None else GRAD_SAMPLERS)]
     labels = registered + ([label for label in EXAMPLES if label not in registered]
                            if extra_types is None else [])
+    if extra_types is None:
+        unknown = sorted({r.layer for r in REFUSALS} - set(labels))
+        if unknown:
+            raise ValueError(f"coverage_rows: refusals stated for rows that do not exist: {unknown}")
     rows = []
     for label in labels:
         example = EXAMPLES.get(label)
         if example is None:
             cells = {mode: "no example" for mode in MODES}
-            cells["hooks"] = "✅ registered sampler (no example in psg_core/coverage.py)"
+            cells["hooks"] = "✅ registered sampler (no example in psg_core/_coverage_cases.py)"
         else:
-            factory, make_input = example
-            torch.manual_seed(0)
-            x = make_input()
-            cells = {mode: _probe(mode, factory, x) for mode in MODES}
+            cells = {mode: _cell(mode, example, [r for r in REFUSALS if r.layer == label and r.mode.value == mode])
+                     for mode in MODES}
         rows.append(CoverageRow(label, cells))
     return rows
 
@@ -231,7 +230,7 @@ def render_markdown(rows: Sequence[CoverageRow]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m psg_core.coverage``: prints the table (measured on this torch build)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.parse_args(argv)
     sys.stdout.write(render_markdown(coverage_rows()))
 

@@ -458,7 +458,7 @@ def full_grid() -> list[Cell]:
     return [cell for case in all_cases() for cell in cells_of(case)]
 
 
-def slice_grid(per_mode: int = 2) -> list[Cell]:
+def slice_grid(per_mode: int = 3) -> list[Cell]:
     """A fixed subset: each family, for every mode, ``per_mode`` of its cases, turning through
     its K / reduction / layout combinations so each family meets each of them."""
     families: dict[str, list[Case]] = {}
