@@ -90,10 +90,11 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     tracker = active_tracker()
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if tracker is not None:
-        if not tracker.is_batched((args, kwargs)):
-            # Called without the batch (broadcast position ids, a bucket matrix): no per-row
-            # gradient here; its output stays batch-free and the tracker handles where it meets
-            # the batch.
+        if not tracker.is_batched([flat[i] for i in index]):
+            # Its output does not carry the batch (called on broadcast position ids or a bucket
+            # matrix, or, like BART's position table, on positions made from the batch's shape
+            # only): no per-row gradient here; the output stays batch-free and the tracker
+            # handles where it meets the batch.
             return None
         first = next((a for a in args if isinstance(a, torch.Tensor) and tracker.is_batched(a)), first)
     entry = GRAD_SAMPLERS.lookup(layer)

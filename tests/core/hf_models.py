@@ -2,7 +2,8 @@
 
 Each family is built from a small config with random weights; the batches are right-padded with
 an attention mask, so the position schemes (learned tables on broadcast ids, relative buckets,
-rotary, ALiBi, positions from the mask's cumulative sum) all meet the batch in their own way.
+rotary, ALiBi, positions from the mask's cumulative sum, BART's table looked up inside a layer
+called with the batch) all meet the batch in their own way.
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def _bloom() -> nn.Module:
     return transformers.BloomForSequenceClassification(cfg)
 
 
+def _bart() -> nn.Module:
+    cfg = transformers.BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                  decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                  max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0, bos_token_id=EOS, eos_token_id=EOS,
+                                  decoder_start_token_id=EOS, forced_eos_token_id=None, **_COMMON)
+    return transformers.BartForSequenceClassification(cfg)
+
+
 #: family -> (builder, LoRA target modules)
 FAMILIES: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
     "gpt2": (_gpt2, ["c_attn"]),
@@ -66,6 +76,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
     "t5": (_t5, ["q", "v"]),
     "opt": (_opt, ["q_proj", "v_proj"]),
     "bloom": (_bloom, ["query_key_value"]),
+    "bart": (_bart, ["q_proj", "v_proj"]),
 }
 
 
