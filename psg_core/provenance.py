@@ -27,6 +27,7 @@ point.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
@@ -49,6 +50,7 @@ UNKNOWN = -1
 
 _TLS = threading.local()
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def active_tracker() -> BatchTracker | None:
@@ -80,6 +82,8 @@ _POINTWISE = {
 }
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm"}
 _CAT = {"cat", "concat", "concatenate"}
+_PERMUTING = {"transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis", "mT", "T", "flip",
+              "rot90", "roll", "__getitem__", "gather", "index_select", "take_along_dim", "sort", "argsort"}
 _VIEW = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "contiguous"}
 _REDUCE = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "prod", "std", "var",
            "nansum", "nanmean", "argmax", "argmin", "all", "any", "count_nonzero"}
@@ -94,33 +98,34 @@ class _TensorMap:
     compared on every lookup, so it never answers for another tensor.
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+        #: id(tensor) -> (weak reference, value); read directly on the per-op path.
+        self.entries: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
 
     def get(self, tensor: torch.Tensor, default: Any = None) -> Any:
-        entry = self._entries.get(id(tensor))
+        entry = self.entries.get(id(tensor))
         if entry is None or entry[0]() is not tensor:
             return default
         return entry[1]
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
-        entry = self._entries.get(id(tensor))
+        entry = self.entries.get(id(tensor))
         return entry is not None and entry[0]() is tensor
 
     def __getitem__(self, tensor: torch.Tensor) -> Any:
-        return self._entries[id(tensor)][1]
+        return self.entries[id(tensor)][1]
 
     def __setitem__(self, tensor: torch.Tensor, value: Any) -> None:
-        self._entries[id(tensor)] = (weakref.ref(tensor), value)
+        self.entries[id(tensor)] = (weakref.ref(tensor), value)
 
     def discard(self, tensor: torch.Tensor) -> None:
         if tensor in self:
-            del self._entries[id(tensor)]
+            del self.entries[id(tensor)]
 
     def clear(self) -> None:
-        self._entries.clear()
+        self.entries.clear()
 
 
 def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -272,11 +277,10 @@ class BatchTracker(TorchFunctionMode):
         self.num_samples = num_samples
         self.K = augmentation_multiplicity
         self._on_meeting = on_meeting
-        self._batched = _TensorMap()  # tensor -> batch axis (UNKNOWN when lost)
+        # tensor -> (batch axis or UNKNOWN, entries of that axis per batch row: more than 1 when a
+        # view merged the batch with the axes after it, (N, T, d) -> (N*T, d)).
+        self._batched = _TensorMap()
         self._origin = _TensorMap()  # batch-free tensor -> frozenset of param ids
-        # batched tensor -> entries of its batch axis per batch row, when a view merged the batch
-        # with the axes after it ((N, T, d) -> (N*T, d)); absent means 1.
-        self._merged = _TensorMap()
         self._params: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if p.requires_grad}
         self._frames: list[_Frame] = []
         self._handles: list[Any] = []
@@ -310,12 +314,11 @@ class BatchTracker(TorchFunctionMode):
         self.meetings.clear()
         self._batched.clear()
         self._origin.clear()
-        self._merged.clear()
 
     # ------------------------------------------------------------------------------ queries
     def mark(self, tensor: torch.Tensor, batch_dim: int) -> None:
         """Declares ``tensor`` a batch tensor with its batch on ``batch_dim``."""
-        self._batched[tensor] = batch_dim
+        self._batched[tensor] = (batch_dim, 1)
 
     def is_batched(self, value: Any) -> bool:
         """Whether ``value`` is a tensor that carries the batch (or a structure holding one)."""
@@ -324,12 +327,14 @@ class BatchTracker(TorchFunctionMode):
     def batch_dim(self, tensor: torch.Tensor) -> int | None:
         """The batch axis of a batched tensor (UNKNOWN when it could not be followed), None when
         the tensor is batch-free."""
-        return self._batched.get(tensor)
+        entry = self._batched.get(tensor)
+        return None if entry is None else entry[0]
 
     def merged(self, tensor: torch.Tensor) -> int:
         """How many entries of its batch axis each batch row spans (1 unless a view merged the batch
         with the following axes, as ``hidden.reshape(-1, d)`` does)."""
-        return int(self._merged.get(tensor, 1))
+        entry = self._batched.get(tensor)
+        return 1 if entry is None else int(entry[1])
 
     def current_module(self) -> str:
         """The innermost running module, for messages."""
@@ -351,7 +356,7 @@ class BatchTracker(TorchFunctionMode):
             state = args[1] if len(args) > 1 else kwargs.get("hx")
             for leaf in tree_flatten(state)[0]:
                 if isinstance(leaf, torch.Tensor):
-                    self._batched[leaf] = state_axis
+                    self._batched[leaf] = (state_axis, 1)
         covered = own_params if own_params and self.is_batched((args, kwargs)) else None
         self._frames.append(_Frame(layer, label, covered))
 
@@ -373,23 +378,33 @@ class BatchTracker(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if func in _METADATA:
             return func(*args, **kwargs)
+        leaves = _tensors(args, [])
+        if kwargs:
+            _tensors(kwargs, leaves)
         # The book-keeping reads tensor attributes; tensor subclasses (ExpandedWeights) must not
         # see those reads, only the op itself.
-        with _NO_SUBCLASS():
-            leaves = _tensors(kwargs, _tensors(args, []))
-            batched = [t for t in leaves if t in self._batched]
+        plain = all(type(t) in _PLAIN for t in leaves)
+        with contextlib.nullcontext() if plain else _NO_SUBCLASS():
+            entries = self._batched.entries
+            batched: list[tuple[torch.Tensor, tuple[int, int]]] = []
+            for t in leaves:
+                entry = entries.get(id(t))
+                if entry is not None and entry[0]() is t:
+                    batched.append((t, entry[1]))
             if not batched:
                 origin = frozenset().union(*(self._origin_of(t) for t in leaves)) if leaves else frozenset()
             else:
                 name = getattr(func, "__name__", "")
-                free = [t for t in leaves if t not in self._batched and t.requires_grad]
-                if free and torch.is_grad_enabled():
-                    args, kwargs = self._meet(func, name, args, kwargs, free, batched)
+                if torch.is_grad_enabled():
+                    free = [t for t in leaves if t.requires_grad and not any(t is b for b, _ in batched)]
+                    if free:
+                        args, kwargs = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
         out = func(*args, **kwargs)
-        with _NO_SUBCLASS():
+        with contextlib.nullcontext() if plain else _NO_SUBCLASS():
             if not batched:
                 if origin:
                     for t in _tensors(out, []):
@@ -434,7 +449,7 @@ class BatchTracker(TorchFunctionMode):
         elif name in _CAT:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             ref = batched[0]
-            bd = self._batched[ref]
+            bd = self._batched[ref][0]
             if bd == UNKNOWN or dim % ref.dim() == bd:
                 raise self._cannot(name, where, "it concatenates along the batch axis (or an unknown one)")
             shape, out_bd, merged = None, bd, self.merged(ref)
@@ -453,9 +468,7 @@ class BatchTracker(TorchFunctionMode):
                                  broadcast=padded[out_bd] == 1 and target[out_bd] != 1,
                                  params=[self._params[i] for i in sorted(origin)], where=where,
                                  merged=merged)
-            self._batched[expanded] = out_bd
-            if merged != 1:
-                self._merged[expanded] = merged
+            self._batched[expanded] = (out_bd, merged)
             self.meetings.append(point)
             self._on_meeting(point, expanded)
             return expanded
@@ -464,7 +477,7 @@ class BatchTracker(TorchFunctionMode):
 
     def _broadcast_axis(self, batched: list[torch.Tensor], ndim: int) -> tuple[int | None, int]:
         for t in batched:
-            bd = self._batched[t]
+            bd = self._batched[t][0]
             if bd != UNKNOWN:
                 return int(bd) + ndim - t.dim(), self.merged(t)
         return None, 1
@@ -477,26 +490,30 @@ class BatchTracker(TorchFunctionMode):
 
     # ------------------------------------------------------------------------------ batch axes
     def _follow(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                batched: list[torch.Tensor], out: Any) -> None:
-        outs = _tensors(out, [])
+                batched: list[tuple[torch.Tensor, tuple[int, int]]], out: Any) -> None:
+        outs = [out] if isinstance(out, torch.Tensor) else _tensors(out, [])
         if not outs:
             return
         # Follow an operand whose axis is known (another may be a batch-wide scalar like mask.all()).
-        first = next((t for t in batched if self._batched[t] != UNKNOWN), batched[0])
-        bd = int(self._batched[first])
-        merged = self.merged(first)
+        first, (bd, merged) = batched[0]
+        if bd == UNKNOWN:
+            for t, entry in batched:
+                if entry[0] != UNKNOWN:
+                    first, (bd, merged) = t, entry
+                    break
+        batched_tensors: list[torch.Tensor] | None = None
         for t in outs:
-            if t in self._batched and t is first:
+            if t is first:
                 continue  # in place: keeps its axis
-            if name in _VIEW and bd != UNKNOWN:
-                axis, t_merged = _batch_axis_after_view(first.shape, bd, merged, t.shape)
+            if bd == UNKNOWN:
+                self._batched[t] = (UNKNOWN, 1)
+            elif name in _VIEW:
+                self._batched[t] = _batch_axis_after_view(first.shape, bd, merged, t.shape)
             else:
-                axis, t_merged = self._axis(name, args, kwargs, first, bd, t, batched), merged
-            self._batched[t] = axis
-            if t_merged != 1 and axis != UNKNOWN:
-                self._merged[t] = t_merged
-            else:
-                self._merged.discard(t)
+                if batched_tensors is None:
+                    batched_tensors = [b for b, _ in batched]
+                axis = self._axis(name, args, kwargs, first, bd, t, batched_tensors)
+                self._batched[t] = (axis, merged if axis != UNKNOWN else 1)
 
     def _axis(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor, bd: int,
               out: torch.Tensor, batched: list[torch.Tensor]) -> int:
@@ -506,6 +523,8 @@ class BatchTracker(TorchFunctionMode):
         self_arg = args[0] if args else None
         if name in _POINTWISE and name not in _MATMUL:
             return bd + nd_out - nd_in
+        if name not in _PERMUTING and nd_out == nd_in and out.shape == x.shape:
+            return bd  # same shape, no axis moved: activations, norms, dropout, softmax, ...
         if name in ("transpose", "swapaxes", "swapdims") and self_arg is x and len(args) >= 3:
             d0, d1 = args[1] % nd_in, args[2] % nd_in
             return d1 if bd == d0 else d0 if bd == d1 else bd
