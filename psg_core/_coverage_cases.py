@@ -224,8 +224,6 @@ REFUSALS: tuple[Refusal, ...] = (
     # hooks (per_sample_gradients and GradSampleModule)
     Refusal(_HOOKS, "Embedding", "with scale_grad_by_freq=True",
             Example(_embedding(scale_grad_by_freq=True), _tokens(10, 5))),
-    Refusal(_HOOKS, "EmbeddingBag", "with include_last_offset=True (per_sample_gradients only)",
-            _bags(mode="sum", include_last_offset=True)),
     Refusal(_HOOKS, "nn.MultiheadAttention (fused)", _FUSED),
     Refusal(_HOOKS, "nn.RNN (fused)", _FUSED),
     Refusal(_HOOKS, "nn.GRU (fused)", _FUSED),
@@ -266,7 +264,6 @@ REFUSALS: tuple[Refusal, ...] = (
     # ghost
     Refusal(_GHOST, "Embedding", "with scale_grad_by_freq=True",
             Example(_embedding(scale_grad_by_freq=True), _tokens(10, 5))),
-    Refusal(_GHOST, "EmbeddingBag", "with include_last_offset=True", _bags(mode="sum", include_last_offset=True)),
     Refusal(_GHOST, "nn.MultiheadAttention (fused)", _FUSED),
     Refusal(_GHOST, "nn.RNN (fused)", _FUSED),
     Refusal(_GHOST, "nn.GRU (fused)", _FUSED),

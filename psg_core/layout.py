@@ -115,6 +115,14 @@ def _rows_of(value: Any, batch_dim: int) -> int | None:
     return None
 
 
+def _bag_offsets_with_last(value: torch.Tensor, rows: int) -> bool:
+    """An EmbeddingBag's offsets with ``include_last_offset=True`` for ``rows`` bags: 1-D integers,
+    ``rows + 1`` of them, starting at 0 and non-decreasing (checked by value)."""
+    if value.dim() != 1 or value.shape[0] != rows + 1 or value.is_floating_point() or value.dtype == torch.bool:
+        return False
+    return bool(value[0] == 0) and bool((value[1:] >= value[:-1]).all())
+
+
 @dataclass(frozen=True)
 class ModelInputs:
     """The model's arguments: ``module(*args, **kwargs)``.
@@ -156,8 +164,9 @@ class ModelInputs:
 
     def batch_tensors(self, layout: BatchLayout) -> list[tuple[torch.Tensor, int]]:
         """The tensors that carry the batch and their batch axis: those with the batch's rows on
-        the batch dimension (1-D ones on dimension 0), and every tensor of a PackedSequence
-        whose sequences are the batch (its axis is then not a plain dimension: -1)."""
+        the batch dimension (1-D ones on dimension 0); a PackedSequence whose sequences are the
+        batch, and an EmbeddingBag's offsets with the last offset included (their axis is then
+        not a plain dimension of rows: -1)."""
         found: list[tuple[torch.Tensor, int]] = []
 
         def visit(value: Any) -> None:
@@ -177,6 +186,8 @@ class ModelInputs:
                 dim = layout.batch_dim if value.dim() > layout.batch_dim else 0
                 if value.dim() > dim and value.shape[dim] == layout.rows:
                     found.append((value, dim))
+                elif _bag_offsets_with_last(value, layout.rows):
+                    found.append((value, -1))  # one offset per bag, plus the end: not an axis of rows
 
         visit(list(self.args))
         visit(self.kwargs)

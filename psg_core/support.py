@@ -3,6 +3,9 @@
 * **Sample-mixing layers**: a BatchNorm in training mode normalises with statistics of the whole
   batch, so one sample's gradient depends on the other samples and per-sample gradients are
   undefined (even when its own affine parameters are frozen). ``.eval()`` or GroupNorm fixes it.
+* **Embeddings with** ``scale_grad_by_freq=True`` scale gradients by token counts over the whole
+  batch, which a per-layer grad sampler (hooks, ghost) cannot undo; ``torch.func`` runs each
+  sample alone, where the counts are the sample's own (the oracle's definition), so it computes them.
 * **Fused layers** (``nn.RNN``/``nn.GRU``/``nn.LSTM``, ``nn.MultiheadAttention``): one kernel
   whose inside per-layer hooks cannot see; :func:`psg_core.fix_model` swaps them for psg's DP
   rewrites. ``torch.func`` runs attention per sample, but has no batching rule for the fused
@@ -15,7 +18,8 @@ from torch import nn
 
 from psg_core.errors import UnsupportedModuleError
 
-__all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused"]
+__all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
+           "frequency_scaled", "reject_frequency_scaling"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -45,6 +49,7 @@ def reject_batch_mixing(module: nn.Module, *, where: str) -> None:
                 "undefined; call .eval() on it or replace it with GroupNorm (psg_core.fix_model does)")
 
 
+
 def reject_fused(module: nn.Module, *, where: str, layer_types: tuple[type[nn.Module], ...] = FUSED,
                  why: str = "a fused layer whose kernel hooks cannot see into") -> None:
     """Raises :class:`UnsupportedModuleError` naming the first layer of ``layer_types`` with
@@ -60,3 +65,25 @@ def reject_fused(module: nn.Module, *, where: str, layer_types: tuple[type[nn.Mo
             raise UnsupportedModuleError(
                 f"{where}: module {_label(path, layer)} is {why}; swap it for its DP rewrite with "
                 "psg_core.fix_model")
+
+
+def frequency_scaled(layer: nn.Module) -> bool:
+    """A trainable embedding with ``scale_grad_by_freq=True`` (see the module docstring)."""
+    return (isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.scale_grad_by_freq
+            and layer.weight.requires_grad)
+
+
+def reject_frequency_scaling(module: nn.Module, *, where: str) -> None:
+    """Raises :class:`UnsupportedModuleError` naming the first :func:`frequency_scaled` layer.
+
+    >>> reject_frequency_scaling(nn.Sequential(nn.Embedding(5, 2, scale_grad_by_freq=True)), where="demo")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    psg_core.errors.UnsupportedModuleError: demo: module '0' (Embedding) has scale_grad_by_freq=True, ...
+    """
+    for path, layer in module.named_modules():
+        if frequency_scaled(layer):
+            raise UnsupportedModuleError(
+                f"{where}: module {_label(path, layer)} has scale_grad_by_freq=True, which scales gradients "
+                "by token frequencies over the whole batch, so a per-layer grad sampler cannot give each "
+                "sample its own; use mode='functorch' (each sample alone) or scale_grad_by_freq=False")

@@ -41,6 +41,11 @@ def check_functorch_support(module: nn.Module, *, where: str = _WHERE) -> None:
     reject_batch_mixing(module, where=where)
     reject_fused(module, where=where, layer_types=NOT_VMAPPABLE,
                  why="a fused recurrent layer, which torch.func cannot vmap")
+    for path, layer in module.named_modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.sparse and layer.weight.requires_grad:
+            raise UnsupportedModuleError(
+                f"{where}: module '{path or '<root>'}' ({type(layer).__qualname__}) has sparse=True; torch.func "
+                "computes no sparse gradients. Use mode='hooks' or 'ghost', or a dense embedding")
 
 
 def _split(flat: list[Any], dims: dict[int, int], layout: BatchLayout) -> tuple[list[Any], list[int | None]]:
@@ -95,8 +100,10 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
     params = trainable_parameters(module)
     batch = inputs.batch_tensors(layout)
     if any(dim < 0 for _, dim in batch):
-        raise UnsupportedModuleError(f"{_WHERE}: a PackedSequence cannot be split per sample inside vmap; "
-                                     "use mode='hooks' or 'ghost' (or pad the sequences)")
+        raise UnsupportedModuleError(
+            f"{_WHERE}: module '<root>' ({type(module).__qualname__}) takes a PackedSequence or an "
+            "EmbeddingBag's offsets, whose samples are not slices of one axis, so vmap cannot split "
+            "them per sample; use mode='hooks' or 'ghost' (or pad the sequences, or pass 2-D bags)")
     flat_targets, tgt_spec = tree_flatten(targets)
     tgt_dims = {id(t): layout.target_dim(t) for t in flat_targets
                 if isinstance(t, torch.Tensor) and t.dim() and t.shape[layout.target_dim(t)] == layout.rows}

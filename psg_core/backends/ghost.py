@@ -59,7 +59,7 @@ from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_los
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.precision import compute_dtype, no_autocast, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
-from psg_core.support import reject_batch_mixing, reject_fused
+from psg_core.support import reject_batch_mixing, reject_frequency_scaling, reject_fused
 
 __all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
 
@@ -327,6 +327,7 @@ class _GhostBookkeeping:
 # ------------------------------------------------------------------------------ entry point
 def _check_supported(module: nn.Module) -> None:
     reject_batch_mixing(module, where=_WHERE)
+    reject_frequency_scaling(module, where=_WHERE)
     reject_fused(module, where=_WHERE)
 
 

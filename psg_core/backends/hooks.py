@@ -23,7 +23,7 @@ from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import LossReduction
 from psg_core.precision import compute_dtype, no_autocast, to_compute
 from psg_core.provenance import BatchTracker, MeetingPoint
-from psg_core.support import FUSED, SAMPLE_MIXING
+from psg_core.support import FUSED, SAMPLE_MIXING, frequency_scaled
 
 __all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST", "hooks_per_sample"]
 
@@ -229,6 +229,11 @@ class GradSampleModule(AbstractGradSampleModule):
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} mixes samples of a batch, so per-sample "
                     "gradients are undefined; replace it with GroupNorm (psg_core.fix_model does)"))
+            elif frequency_scaled(layer) and not force_functorch:
+                errors.append(UnsupportedModuleError(
+                    f"GradSampleModule: module {where} has scale_grad_by_freq=True, which scales gradients "
+                    "by token frequencies over the whole batch, so its grad sampler cannot give each sample "
+                    "its own; use mode='functorch' (each sample alone) or scale_grad_by_freq=False"))
             elif isinstance(layer, FUSED) and _own_trainable(layer):
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} is a fused layer; swap it for its DP "

@@ -446,18 +446,8 @@ def test_coverage_states_each_refusal_once_on_an_existing_row() -> None:
         refusal_holds(next(r for r in REFUSALS if r.always))
 
 
-# Stated refusals whose message does not name the layer yet (psg_core defects, reported): the
-# refusal holds, the message is anonymous. strict: fixing one makes its entry fail here.
-_ANONYMOUS_REFUSALS = {
-    ("hooks", "Embedding", "with scale_grad_by_freq=True"),
-    ("ghost", "Embedding", "with scale_grad_by_freq=True"),
-    ("hooks", "EmbeddingBag", "with include_last_offset=True (per_sample_gradients only)"),
-    ("ghost", "EmbeddingBag", "with include_last_offset=True"),
-    ("functorch", "Embedding", "with sparse=True"),
-    ("functorch", "DPRNN", "with a PackedSequence input"),
-    ("functorch", "DPGRU", "with a PackedSequence input"),
-    ("functorch", "DPLSTM", "with a PackedSequence input"),
-}
+# Every stated refusal names the layer (a refusal that stopped doing so would fail here).
+_ANONYMOUS_REFUSALS: set[tuple[str, str, str]] = set()
 
 
 def _refusal_param(refusal: Refusal) -> Any:

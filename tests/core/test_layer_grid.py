@@ -40,8 +40,6 @@ _INSTANCE_NORMS = ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d")
 #: A refusal stated "always" covers every cell of its row and mode.
 STATED: dict[tuple[str, str, str], Predicate] = {
     ("hooks", "Embedding", "with scale_grad_by_freq=True"): _option("scale_grad_by_freq"),
-    ("hooks", "EmbeddingBag", "with include_last_offset=True (per_sample_gradients only)"):
-        lambda cell: cell.case.options["extra"] == "last_offset" and cell.mode != "gsm",
     ("functorch", "Embedding", "with max_norm"): lambda cell: "max_norm" in cell.case.options,
     ("functorch", "Embedding", "with sparse=True"): _option("sparse"),
     ("functorch", "EmbeddingBag", "with 1-D input and offsets"): _option("input", "offsets"),
@@ -60,21 +58,11 @@ STATED: dict[tuple[str, str, str], Predicate] = {
         lambda cell: not cell.batch_first and cell.case.options.get("affine", True),
     ("ew", "DPMultiheadAttention", "with add_bias_kv=True"): _option("add_bias_kv"),
     ("ghost", "Embedding", "with scale_grad_by_freq=True"): _option("scale_grad_by_freq"),
-    ("ghost", "EmbeddingBag", "with include_last_offset=True"): _option("extra", "last_offset"),
 }
 
 #: Cells that fail today through psg_core defects (reported with reproducers); strict, so a fix
 #: shows up as XPASS and its entry must go.
-KNOWN_DEFECTS: dict[str, Predicate] = {
-    "functorch refuses a PackedSequence without naming the layer":
-        lambda cell: cell.mode == "functorch" and cell.case.options.get("packed", False),
-    "include_last_offset=True: the functional entry points count offsets.numel() - 1 bags as no rows":
-        lambda cell: cell.case.options.get("extra") == "last_offset" and cell.mode != "gsm",
-    "scale_grad_by_freq=True: the hooks/ghost refusal names no layer":
-        lambda cell: cell.case.options.get("scale_grad_by_freq", False) and cell.mode in ("hooks", "gsm", "ghost"),
-    "functorch on a sparse Embedding: a raw torch message under '<root>'":
-        lambda cell: cell.mode == "functorch" and cell.case.options.get("sparse", False),
-}
+KNOWN_DEFECTS: dict[str, Predicate] = {}
 
 
 def _table_mode(cell: Cell) -> str:
