@@ -128,6 +128,8 @@ class GradientResult:
     epsilon_spent: float
     budget_left: float
     server_seconds: float = field(default=0.0, compare=False)
+    #: Samples whose gradient was not finite, which the server dropped from the sum.
+    num_dropped: int = 0
 
     def apply_to(self, model: nn.Module) -> None:
         """Fills ``p.grad`` of every trainable parameter, ready for ``optimizer.step()``."""

@@ -86,7 +86,7 @@ class ServerConfig:
     port: int = 50051
     #: gRPC max message size, both directions. Tensors travel in chunks well below it.
     max_message_bytes: int = 4 * _MIB
-    #: Chunk size of the tensors the server sends.
+    #: Chunk size of the tensors the server sends. What it accepts is :attr:`max_chunk_bytes`.
     chunk_bytes: int = 1 * _MIB
     #: Largest single tensor accepted.
     max_tensor_bytes: int = 2 * _GIB
@@ -98,8 +98,14 @@ class ServerConfig:
     max_model_bytes: int = 8 * _GIB
     #: Open sessions across all tokens.
     max_sessions: int = 256
+    #: Open sessions of one token (its label; every caller is one when the server has no tokens), so
+    #: that one trainer cannot take all of ``max_sessions`` for the idle period.
+    max_sessions_per_token: int = 64
     #: Sessions idle this long are closed.
     session_idle_seconds: float = 3600.0
+    #: A request stream (PushParameters, ComputeGradients) that sends no message for this long is
+    #: ended with DEADLINE_EXCEEDED (reason STREAM_IDLE), releasing what it held.
+    stream_idle_seconds: float = 60.0
     #: Parameter sets kept in memory across sessions; beyond it the least recently used sets are
     #: dropped (their sessions stay open, and clients push again on PARAMETERS_MISSING).
     parameter_memory_bytes: int = 16 * _GIB
@@ -148,14 +154,14 @@ class ServerConfig:
             raise ConfigError(f"ServerConfig: chunk_bytes must be in 1..max_message_bytes - "
                               f"{_FRAME_OVERHEAD}, got {self.chunk_bytes}")
         for name in ("max_tensor_bytes", "max_request_bytes", "max_batch_rows", "max_model_bytes",
-                     "max_sessions", "parameter_memory_bytes", "max_shard_samples", "num_workers",
-                     "cpus_per_worker"):
+                     "max_sessions", "max_sessions_per_token", "parameter_memory_bytes", "max_shard_samples",
+                     "num_workers", "cpus_per_worker"):
             value = getattr(self, name)
             if name == "num_workers" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ServerConfig: {name} must be an int >= 1, got {value!r}")
-        for name in ("session_idle_seconds", "step_timeout_seconds"):
+        for name in ("session_idle_seconds", "stream_idle_seconds", "step_timeout_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ServerConfig: {name} must be > 0, got {getattr(self, name)!r}")
         if self.executor not in ("inprocess", "ray"):
@@ -180,6 +186,12 @@ class ServerConfig:
     def tls(self) -> bool:
         """Whether the server listens with TLS."""
         return self.tls_cert is not None
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """The largest chunk the server accepts: what fits a message of ``max_message_bytes`` with
+        room for its framing (``Limits.max_chunk_bytes``)."""
+        return self.max_message_bytes - _FRAME_OVERHEAD
 
     @property
     def address(self) -> str:
@@ -218,9 +230,9 @@ class ServerConfig:
 
 
 _INT_FIELDS = {"port", "max_message_bytes", "chunk_bytes", "max_tensor_bytes", "max_request_bytes",
-               "max_batch_rows", "max_model_bytes", "max_sessions", "parameter_memory_bytes",
-               "max_shard_samples", "num_workers", "cpus_per_worker", "metrics_port"}
-_FLOAT_FIELDS = {"session_idle_seconds", "step_timeout_seconds"}
+               "max_batch_rows", "max_model_bytes", "max_sessions", "max_sessions_per_token",
+               "parameter_memory_bytes", "max_shard_samples", "num_workers", "cpus_per_worker", "metrics_port"}
+_FLOAT_FIELDS = {"session_idle_seconds", "stream_idle_seconds", "step_timeout_seconds"}
 _PATH_FIELDS = {"tls_cert", "tls_key", "tls_client_ca", "state_dir"}
 
 
@@ -283,7 +295,9 @@ def build_parser(defaults: Mapping[str, object] | None = None) -> argparse.Argum
         help="address to bind; a non-loopback address needs tokens or TLS, or --insecure")
     add("--port", type=int, metavar="PORT", help="port to bind; 0 = an ephemeral port")
     add("--max-message-bytes", type=int, metavar="BYTES", help="gRPC max message size, both directions")
-    add("--chunk-bytes", type=int, metavar="BYTES", help="chunk size of the tensors the server sends")
+    add("--chunk-bytes", type=int, metavar="BYTES",
+        help="chunk size of the tensors the server sends; it accepts chunks up to --max-message-bytes "
+             "less 64 KiB of framing")
     add("--max-tensor-bytes", type=int, metavar="BYTES", help="largest single tensor accepted")
     add("--max-request-bytes", type=int, metavar="BYTES",
         help="largest sum of tensor bytes in one request, a parameter set or a batch")
@@ -291,7 +305,12 @@ def build_parser(defaults: Mapping[str, object] | None = None) -> argparse.Argum
     add("--max-model-bytes", type=int, metavar="BYTES",
         help="largest parameter set of a model the server builds")
     add("--max-sessions", type=int, metavar="N", help="open sessions across all tokens")
+    add("--max-sessions-per-token", type=int, metavar="N",
+        help="open sessions of one token (its label; without tokens, of all callers together)")
     add("--session-idle-seconds", type=float, metavar="SECONDS", help="sessions idle this long are closed")
+    add("--stream-idle-seconds", type=float, metavar="SECONDS",
+        help="a request stream that sends no message this long ends with DEADLINE_EXCEEDED "
+             "(reason STREAM_IDLE)")
     add("--parameter-memory-bytes", type=int, metavar="BYTES",
         help="parameter sets kept in memory across sessions; beyond it the least recently used are "
              "dropped and their clients push them again")

@@ -3,11 +3,11 @@
 A shard goes to the actor its plan pinned it to while that actor is live, otherwise to the fastest
 idle actor; each shard is put into the object store right before its first call, so the first
 actor computes while the next shard is put. A shard whose actor died (actor killed, process or
-node gone) is sent again to another live actor after the supervisor evicted the dead one, waiting
-(at most ``worker_wait_s``) for a replacement when none is live; a shard or parameter set the
-object store lost is put again. Errors raised by the computation itself (bad model arguments...)
-are not retried. Cancelling :meth:`ShardDispatcher.run` (the step's deadline) cancels the shards
-in flight.
+node gone) is sent again, put into the object store afresh, to another live actor after the
+supervisor evicted the dead one, waiting (at most ``worker_wait_s``) for a replacement when none is
+live; a shard or parameter set the object store lost is put again. Errors raised by the
+computation itself (bad model arguments...) are not retried. Cancelling
+:meth:`ShardDispatcher.run` (the step's deadline) cancels the shards in flight.
 """
 
 from __future__ import annotations
@@ -103,6 +103,10 @@ class ShardDispatcher:
                         shard_refs[index] = None  # put again when it is sent again
                     elif isinstance(error, _WORKER_LOST):
                         self._supervisor.evict(actor, f"shard {index} failed: {type(error).__name__}")
+                        # Put again too: the object directory may still list the lost node's copy
+                        # of the shard, and the next actor would try to pull it from there first
+                        # (tens of seconds) before falling back to the frontend's.
+                        shard_refs[index] = None
                     else:
                         raise error
                     attempts[index] += 1

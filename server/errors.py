@@ -40,6 +40,7 @@ __all__ = [
     "StaleParametersError",
     "Status",
     "StepTimeoutError",
+    "StreamIdleError",
     "translate",
 ]
 
@@ -88,6 +89,10 @@ class StepTimeoutError(PsgError):
     """A step ran past its deadline; its shards were cancelled."""
 
 
+class StreamIdleError(PsgError):
+    """A request stream sent no message for the server's ``stream_idle_seconds``."""
+
+
 class AuthenticationError(PsgError):
     """Missing, malformed or unknown bearer token."""
 
@@ -106,6 +111,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.LIMIT_EXCEEDED),
     (NoWorkersError, grpc.StatusCode.UNAVAILABLE, Reason.NO_WORKERS),
     (StepTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.DEADLINE_EXCEEDED),
+    (StreamIdleError, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.STREAM_IDLE),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, Reason.DEADLINE_EXCEEDED),
     (CodecError, grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_TENSOR),
     (DecodeError, grpc.StatusCode.INVALID_ARGUMENT, Reason.BAD_MESSAGE),
@@ -116,10 +122,11 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT, Reason.INVALID_CONFIG),
 )
 
-#: Statuses by which the service fails a request it should have served: logged at ERROR, as are
-#: unexpected errors. Every other status refuses what the caller got wrong or a limit it hit: logged
-#: at WARNING, so the operator sees those too but never mistakes them for the server's own faults.
-_SERVER_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: Reasons by which the service fails a request it should have served: logged at ERROR, as are
+#: unexpected errors. Every other reason refuses what the caller got wrong or a limit it hit (an idle
+#: request stream too): logged at WARNING, so the operator sees those too but never mistakes them
+#: for the server's own faults.
+_SERVER_FAILURES = frozenset({Reason.NO_WORKERS, Reason.DEADLINE_EXCEEDED})
 
 # Messages of known errors are written for the caller; protobuf's own are not, so they get this.
 _PUBLIC_MESSAGES: dict[type[BaseException], str] = {
@@ -146,7 +153,7 @@ def translate(error: BaseException, *, method: str = "") -> Status:
     for error_type, code, reason in STATUS_TABLE:
         if isinstance(error, error_type):
             message = _PUBLIC_MESSAGES.get(error_type) or str(error) or error_type.__name__
-            level = logging.ERROR if code in _SERVER_FAILURES else logging.WARNING
+            level = logging.ERROR if reason in _SERVER_FAILURES else logging.WARNING
             logger.log(level, "%s: %s (%s): %s", method or "rpc", code.name, reason, error)
             return Status(code=code, message=message, reason=reason)
     reference = secrets.token_hex(6)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -191,9 +192,9 @@ class ShardRunner:
         result = dp_gradient(model, shard.model_inputs(inputs), targets, loss_fn=loss, config=spec.dp_config)
         if self.device.type == "cpu":
             return result
-        return DPGradient(grads={name: g.cpu() for name, g in result.grads.items()},
-                          per_sample_norms=result.per_sample_norms.cpu(), loss_sum=result.loss_sum,
-                          num_samples=result.num_samples, num_clipped=result.num_clipped)
+        # replace(), not a new DPGradient: every count (num_dropped too) comes along as it is.
+        return dataclasses.replace(result, grads={name: g.cpu() for name, g in result.grads.items()},
+                                   per_sample_norms=result.per_sample_norms.cpu())
 
     def release(self, session_id: str) -> None:
         """Forgets the session's model."""

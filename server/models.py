@@ -275,7 +275,9 @@ class ModelRegistry:
                                       f"more than {_MAX_KWARGS_JSON}")
         try:
             given = json.loads(kwargs_json) if kwargs_json.strip() else {}
-        except json.JSONDecodeError as err:
+        except RecursionError:  # json recurses once per nesting level
+            raise InvalidRequestError("CreateSession: model_kwargs_json is nested too deeply") from None
+        except ValueError as err:  # JSONDecodeError, and an integer of more digits than Python converts
             raise InvalidRequestError(f"CreateSession: model_kwargs_json is not valid JSON: {err}") from None
         if not isinstance(given, dict):
             raise InvalidRequestError("CreateSession: model_kwargs_json must be a JSON object")
@@ -349,6 +351,15 @@ class ModelRegistry:
                     logger.warning("models: %s at its defaults: %s", name, err)
             self._default_parameters[name] = params
         return list(self._default_parameters[name] or ())
+
+    def default_signature(self, name: str) -> ModelSignature | None:
+        """What the model takes per row at its default arguments (``ListModels`` shows it); None
+        when its entry states no signature, an argument is required, or the entry parses its own
+        arguments (a Hugging Face config: there is no default)."""
+        entry = self.entry(name)
+        if entry.signature is None or entry.parse is not None or any(a.required for a in entry.arguments):
+            return None
+        return entry.signature(**{a.name: a.default for a in entry.arguments})
 
     def signature(self, name: str, kwargs: Mapping[str, Any]) -> ModelSignature | None:
         """What the model takes per row, if its entry says."""

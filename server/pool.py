@@ -14,8 +14,9 @@ The pool is a facade over three parts:
 * :mod:`psg_server.dispatch` runs a step's shards: each on the actor the plan pinned it to (the
   frontend plans with :mod:`psg_server.scheduler`, by the :meth:`~WorkerPool.throughputs` measured
   here), a lost shard again on another live actor; cancelling :meth:`~WorkerPool.run` (the step's
-  deadline) cancels the shards in flight. With no live worker, :meth:`~WorkerPool.run` raises
-  :class:`NoWorkersError` (UNAVAILABLE).
+  deadline) cancels the shards in flight. With no live worker when a step starts,
+  :meth:`~WorkerPool.run` raises :class:`NoWorkersError` (UNAVAILABLE) at once; a step that loses its
+  last worker midway waits up to ``worker_wait_s`` for a replacement.
 * :mod:`psg_server.transport` moves the tensors: shards, parameters and results cross the object
   store as raw out-of-band bytes, one ``ray.put`` per (session, version) of the parameters; workers
   fetch a version only when their cached model lacks it and drop the model on
@@ -70,7 +71,8 @@ class WorkerPool:
             local Ray, shut down again by :meth:`close`. When this process is already connected
             to Ray (``ray.init`` was called), the pool uses that connection and leaves it open.
         use_gpus: None = when the cluster has GPUs; False forces CPU workers.
-        worker_wait_s: how long a step waits for a worker when none is live.
+        worker_wait_s: how long a step that lost its last live worker midway waits for a
+            replacement (a step that finds none live when it starts fails at once).
         start_timeout_s: how long :meth:`start` waits for the actors to come up; the pool keeps
             waiting for late ones in the background.
         probe_interval_s: seconds between liveness probes.
@@ -157,6 +159,12 @@ class WorkerPool:
             raise NoWorkersError("ComputeGradients: the worker pool is not running")
         if not shards:
             return []
+        if not self._supervisor.live():
+            # At once, not after worker_wait_s: a client whose deadline is shorter than that would
+            # see DEADLINE_EXCEEDED instead, and could not tell a dead pool from a slow step. (A
+            # step that loses its last worker midway still waits for the replacement.)
+            raise NoWorkersError("ComputeGradients: no live worker (replacements are starting); try again "
+                                 "later")
         return await self._dispatcher.run(spec, parameters, shards)
 
     def _connect(self) -> dict[str, float]:

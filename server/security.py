@@ -23,6 +23,7 @@ from grpc import aio
 from psg_core.errors import ConfigError
 from psg_server.config import ServerConfig
 from psg_server.errors import AuthenticationError
+from psg_wire.names import REASON_METADATA_KEY, Reason
 
 __all__ = ["ANONYMOUS", "AuthInterceptor", "TokenAuthenticator", "check_bind_allowed",
            "server_credentials"]
@@ -75,13 +76,18 @@ class TokenAuthenticator:
         return self.principal(context.invocation_metadata())
 
 
+#: The trailer every refusal carries, as every other psg error status does its reason.
+_UNAUTHENTICATED_TRAILER = ((REASON_METADATA_KEY, Reason.UNAUTHENTICATED),)
+
+
 def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as ``handler`` that aborts with UNAUTHENTICATED."""
+    """A handler of the same streaming kind as ``handler`` that aborts with UNAUTHENTICATED (reason
+    trailer included)."""
     async def deny(_request: Any, context: aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing_metadata=_UNAUTHENTICATED_TRAILER)
 
     async def deny_stream(_request: Any, context: aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing_metadata=_UNAUTHENTICATED_TRAILER)
         yield  # makes this an async generator, as response-streaming handlers are
 
     if handler.request_streaming and handler.response_streaming:

@@ -35,13 +35,13 @@ from grpc_reflection.v1alpha import reflection
 import psg_core
 from psg_core.modes import GradSampleMode
 from psg_server.config import ServerConfig
-from psg_server.errors import translate
+from psg_server.errors import StreamIdleError, translate
 from psg_server.executor import InProcessExecutor, ShardExecutor
 from psg_server.losses import LOSSES
 from psg_server.metrics import Metrics
-from psg_server.models import ModelEntry, ModelRegistry, ParameterInfo, default_registry
+from psg_server.models import ModelEntry, ModelRegistry, ModelSignature, ParameterInfo, default_registry
 from psg_server.security import AuthInterceptor, TokenAuthenticator, check_bind_allowed, server_credentials
-from psg_server.sessions import SessionStore, open_session, parameter_specs, restore_session
+from psg_server.sessions import SessionStore, open_session, parameter_specs, restore_session, signature_info
 from psg_server.state import SessionDatabase
 from psg_server.step import StepRunner
 from psg_server.streams import pushed_bytes, read_header, receive_parameters
@@ -68,7 +68,8 @@ class GradientServicer:
         self._metrics = metrics
         database = SessionDatabase(config.state_dir) if config.state_dir is not None else None
         self._store = SessionStore(max_sessions=config.max_sessions, idle_seconds=config.session_idle_seconds,
-                                   parameter_memory_bytes=config.parameter_memory_bytes, database=database)
+                                   parameter_memory_bytes=config.parameter_memory_bytes, database=database,
+                                   max_sessions_per_owner=config.max_sessions_per_token)
         if database is not None:
             restored = self._store.restore(functools.partial(restore_session, registry=registry, config=config))
             logger.info("psg-server: sessions kept in %s (%d reopened)", database.path, restored)
@@ -76,7 +77,7 @@ class GradientServicer:
         self._steps = StepRunner(config=config, store=self._store, executor=executor, metrics=metrics)
         self._parameter_limits = CodecLimits(max_tensor_bytes=config.max_tensor_bytes,
                                              max_total_bytes=config.max_request_bytes, max_tensors=1 << 16,
-                                             max_chunk_bytes=config.max_message_bytes)
+                                             max_chunk_bytes=config.max_chunk_bytes)
 
     @property
     def sessions(self) -> SessionStore:
@@ -90,18 +91,20 @@ class GradientServicer:
         limits = pb.Limits(max_batch_rows=config.max_batch_rows, max_message_bytes=config.max_message_bytes,
                            max_tensor_bytes=config.max_tensor_bytes,
                            max_request_bytes=config.max_request_bytes, chunk_bytes=config.chunk_bytes,
-                           max_model_bytes=config.max_model_bytes)
+                           max_model_bytes=config.max_model_bytes, max_chunk_bytes=config.max_chunk_bytes)
         workers = [pb.WorkerInfo(id=w.id, device=w.device, node=w.node or "")
                    for w in self._executor.workers()]
         return pb.ServerInfo(version=psg_core.__version__, backends=[m.value for m in GradSampleMode],
-                             workers=workers, limits=limits, losses=sorted(LOSSES))
+                             workers=workers, limits=limits, losses=sorted(LOSSES),
+                             default_accountant=config.default_accountant)
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: aio.ServicerContext) -> pb.ListModelsResponse:
         self._auth.principal_of(context)
         registry, max_bytes = self._registry, self._config.max_model_bytes
         return pb.ListModelsResponse(models=[
-            _model_info(entry, registry.default_parameters(entry.name, max_bytes=max_bytes))
+            _model_info(entry, registry.default_parameters(entry.name, max_bytes=max_bytes),
+                        registry.default_signature(entry.name))
             for entry in registry.entries()])
 
     async def CreateSession(self, request: pb.CreateSessionRequest,
@@ -119,7 +122,8 @@ class GradientServicer:
                     dp.loss_reduction.value, dp.mode.value, dp.augmentation_multiplicity, dp.clipping.value,
                     dp.max_grad_norm, dp.noise_multiplier)
         return pb.CreateSessionResponse(session_id=session.id, parameters=parameter_specs(session.parameter_info),
-                                        noise_multiplier=dp.noise_multiplier)
+                                        noise_multiplier=dp.noise_multiplier,
+                                        signature=signature_info(session.signature))
 
     async def PushParameters(self, requests: AsyncIterator[pb.PushParametersRequest],
                              context: aio.ServicerContext) -> pb.PushParametersResponse:
@@ -153,12 +157,13 @@ class GradientServicer:
             await self._executor.release(session.id)
 
 
-def _model_info(entry: ModelEntry, parameters: list[ParameterInfo]) -> pb.ModelInfo:
+def _model_info(entry: ModelEntry, parameters: list[ParameterInfo], signature: ModelSignature | None) -> pb.ModelInfo:
     arguments = [pb.ModelArgument(name=a.name, type=a.type_name, required=a.required,
                                   default_json="" if a.required else json.dumps(a.default))
                  for a in entry.arguments]
     return pb.ModelInfo(name=entry.name, description=entry.description, arguments=arguments,
-                        origin=entry.origin, parameters=parameter_specs(parameters))
+                        origin=entry.origin, parameters=parameter_specs(parameters),
+                        signature=signature_info(signature))
 
 
 # --------------------------------------------------------------------------------------- wiring
@@ -169,23 +174,42 @@ async def _abort(context: aio.ServicerContext, error: Exception, method: str, me
                         trailing_metadata=((REASON_METADATA_KEY, status.reason),))
 
 
-async def _parsed(raw_requests: AsyncIterator[bytes], parse: Callable[[bytes], Any]) -> AsyncIterator[Any]:
-    async for raw in raw_requests:
+async def _parsed(raw_requests: AsyncIterator[bytes], parse: Callable[[bytes], Any], *, rpc: str,
+                  idle_seconds: float) -> AsyncIterator[Any]:
+    """The parsed messages of a request stream; :class:`StreamIdleError` when the client sends
+    nothing (no message, no half-close) for ``idle_seconds``, so an abandoned upload does not hold
+    its buffers, session lock or slot for ever."""
+    iterator = raw_requests.__aiter__()
+    while True:
+        try:
+            raw = await asyncio.wait_for(_next(iterator), idle_seconds)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise StreamIdleError(f"{rpc}: the request stream sent nothing for {idle_seconds:g} s "
+                                  "(the server's stream_idle_seconds); send the next message sooner, or "
+                                  "half-close the stream when it is complete") from None
         yield parse(raw)
 
 
-def _method_handlers(servicer: GradientServicer, metrics: Metrics) -> dict[str, grpc.RpcMethodHandler]:
+async def _next(iterator: AsyncIterator[bytes]) -> bytes:
+    return await iterator.__anext__()
+
+
+def _method_handlers(servicer: GradientServicer, metrics: Metrics, *,
+                     stream_idle_seconds: float = 60.0) -> dict[str, grpc.RpcMethodHandler]:
     handlers = {}
     for method in _SERVICE.methods:
         name = method.name
         implementation = getattr(servicer, name)
         parse, serialize = _codecs(method)
+        messages = functools.partial(_parsed, parse=parse, rpc=name, idle_seconds=stream_idle_seconds)
         if method.client_streaming and method.server_streaming:
             handlers[name] = grpc.stream_stream_rpc_method_handler(
-                _stream_stream(name, implementation, parse, metrics), response_serializer=serialize)
+                _stream_stream(name, implementation, messages, metrics), response_serializer=serialize)
         elif method.client_streaming:
             handlers[name] = grpc.stream_unary_rpc_method_handler(
-                _stream_unary(name, implementation, parse, metrics), response_serializer=serialize)
+                _stream_unary(name, implementation, messages, metrics), response_serializer=serialize)
         elif not method.server_streaming:
             handlers[name] = grpc.unary_unary_rpc_method_handler(
                 _unary_unary(name, implementation, parse, metrics), response_serializer=serialize)
@@ -218,23 +242,25 @@ def _unary_unary(name: str, implementation: Callable[..., Any], parse: Callable[
     return handle
 
 
-def _stream_unary(name: str, implementation: Callable[..., Any], parse: Callable[[bytes], Any],
+def _stream_unary(name: str, implementation: Callable[..., Any],
+                  messages: Callable[[AsyncIterator[bytes]], AsyncIterator[Any]],
                   metrics: Metrics) -> Callable[..., Any]:
     async def handle(raw_requests: AsyncIterator[bytes], context: aio.ServicerContext) -> Any:
         metrics.requests.labels(method=name).inc()
         try:
-            return await implementation(_parsed(raw_requests, parse), context)
+            return await implementation(messages(raw_requests), context)
         except Exception as error:
             await _abort(context, error, name, metrics)
     return handle
 
 
-def _stream_stream(name: str, implementation: Callable[..., Any], parse: Callable[[bytes], Any],
+def _stream_stream(name: str, implementation: Callable[..., Any],
+                   messages: Callable[[AsyncIterator[bytes]], AsyncIterator[Any]],
                    metrics: Metrics) -> Callable[..., Any]:
     async def handle(raw_requests: AsyncIterator[bytes], context: aio.ServicerContext) -> AsyncIterator[Any]:
         metrics.requests.labels(method=name).inc()
         try:
-            async for response in implementation(_parsed(raw_requests, parse), context):
+            async for response in implementation(messages(raw_requests), context):
                 yield response
         except Exception as error:
             await _abort(context, error, name, metrics)
@@ -326,7 +352,7 @@ async def create_server(config: ServerConfig, *, executor: ShardExecutor | None 
     servicer = GradientServicer(config=config, registry=registry, executor=executor,
                                 authenticator=authenticator, metrics=metrics)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        SERVICE_NAME, _method_handlers(servicer, metrics)),))
+        SERVICE_NAME, _method_handlers(servicer, metrics, stream_idle_seconds=config.stream_idle_seconds)),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

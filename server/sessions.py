@@ -38,9 +38,11 @@ from psg_server.models import ModelRegistry, ModelSignature, ParameterInfo
 from psg_wire.convert import dp_config_from_proto, lora_from_proto, parameter_spec_to_proto, privacy_from_proto
 from psg_server.state import SessionDatabase, SessionRecord
 from psg_wire.convert import dp_config_to_proto
+from psg_wire.names import input_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 
-__all__ = ["PrivacyPlan", "Session", "SessionStore", "open_session", "restore_session"]
+__all__ = ["MAX_NOISE_MULTIPLIER", "MAX_NOISE_SCALE", "PrivacyPlan", "Session", "SessionStore", "open_session",
+           "parameter_specs", "restore_session", "signature_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +175,23 @@ def parameter_specs(parameters: list[ParameterInfo]) -> list[pb.ParameterSpec]:
     return [parameter_spec_to_proto(p.name, p.dtype, p.shape, requires_grad=p.requires_grad) for p in parameters]
 
 
+def signature_info(signature: ModelSignature | None) -> pb.ModelSignatureInfo | None:
+    """Wire form of a model's signature (None stays None: the field is left unset)."""
+    if signature is None:
+        return None
+    keys: list[int | str] = [*range(len(signature.inputs)), *sorted(signature.keyword_inputs)]
+    specs = [*signature.inputs, *(signature.keyword_inputs[k] for k in sorted(signature.keyword_inputs))]
+    inputs = [pb.InputSignature(
+        name=input_name(key), kind=spec.kind,
+        row_shape=[pb.DimRange(min=d, max=d) if isinstance(d, int) else pb.DimRange(min=d[0], max=d[1])
+                   for d in spec.sample_shape],
+        num_embeddings=spec.num_embeddings or 0, required=spec.required,
+        same_shape_as=input_name(spec.same_shape_as) if spec.same_shape_as else "")
+        for key, spec in zip(keys, specs)]
+    return pb.ModelSignatureInfo(inputs=inputs, num_outputs=signature.num_outputs,
+                                 targets_like=input_name(signature.targets_like) if signature.targets_like else "")
+
+
 def _privacy(request: pb.CreateSessionRequest, dp_config: DPConfig, default_accountant: str) -> PrivacyPlan:
     settings = privacy_from_proto(request.privacy)
     accountant = settings.accountant or default_accountant
@@ -217,6 +236,30 @@ def _calibrated(request: pb.CreateSessionRequest, dp_config: DPConfig, default_a
     return replace(dp_config, noise_multiplier=sigma)
 
 
+#: Largest noise multiplier a session may use: beyond it epsilon is 0 under both accountants for
+#: any sample rate, and far beyond it (sigma = 1e300) their arithmetic overflows.
+MAX_NOISE_MULTIPLIER = 1e4
+#: Largest clipping bound, and largest noise std sigma * C: gradients and noise are float32 (largest
+#: value 3.4e38), and a sum of 65 536 clipped gradients plus noise tens of stds out must stay finite.
+MAX_NOISE_SCALE = 1e30
+
+
+def _check_scales(dp_config: DPConfig) -> None:
+    """Refuses sigma, C and sigma * C the step could not compute with finite numbers."""
+    sigma, bound = dp_config.noise_multiplier, dp_config.max_grad_norm
+    if sigma > MAX_NOISE_MULTIPLIER:
+        raise InvalidRequestError(f"CreateSession: noise_multiplier {sigma:g} is above {MAX_NOISE_MULTIPLIER:g}, "
+                                  "the largest the privacy accountants handle (epsilon is 0 well before it)")
+    bounds = (bound, *(dp_config.per_layer_max_grad_norms or ()))
+    if max(bounds) > MAX_NOISE_SCALE:
+        raise InvalidRequestError(f"CreateSession: max_grad_norm {max(bounds):g} is above {MAX_NOISE_SCALE:g}; "
+                                  "clipped float32 gradients would overflow")
+    if sigma * max(bounds) > MAX_NOISE_SCALE:
+        raise InvalidRequestError(f"CreateSession: the noise std noise_multiplier * max_grad_norm = {sigma:g} * "
+                                  f"{max(bounds):g} = {sigma * max(bounds):g} is above {MAX_NOISE_SCALE:g}; "
+                                  "float32 noise would overflow")
+
+
 def _opened_request(request: pb.CreateSessionRequest, sigma: float, seed: int) -> pb.CreateSessionRequest:
     """The request that reopens a session as it is: its sigma and seed fixed, nothing to calibrate."""
     opened = pb.CreateSessionRequest()
@@ -252,6 +295,7 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
     if request.expected_batch_size < 1:
         raise InvalidRequestError("CreateSession: expected_batch_size must be >= 1 (samples per step)")
     dp_config = _calibrated(request, dp_config, config.default_accountant)
+    _check_scales(dp_config)
     privacy = _privacy(request, dp_config, config.default_accountant)
     parameters = registry.describe(request.model, kwargs, max_bytes=config.max_model_bytes, lora=lora)
     if not any(p.requires_grad for p in parameters):
@@ -278,6 +322,8 @@ class SessionStore:
 
     Args:
         max_sessions: open sessions at most.
+        max_sessions_per_owner: open sessions of one owner (principal) at most; None = no quota
+            but ``max_sessions``.
         idle_seconds: sessions unused this long are expired by :meth:`expire_idle`.
         parameter_memory_bytes: total bytes of parameter sets kept.
         clock: monotonic seconds (tests substitute their own).
@@ -285,9 +331,11 @@ class SessionStore:
     """
 
     def __init__(self, *, max_sessions: int, idle_seconds: float, parameter_memory_bytes: int,
-                 clock: Callable[[], float] = time.monotonic, database: SessionDatabase | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, database: SessionDatabase | None = None,
+                 max_sessions_per_owner: int | None = None) -> None:
         self._sessions: dict[str, Session] = {}
         self._max_sessions = max_sessions
+        self._max_per_owner = max_sessions_per_owner
         self._idle_seconds = idle_seconds
         self._memory = parameter_memory_bytes
         self._clock = clock
@@ -344,10 +392,17 @@ class SessionStore:
         return len(self._sessions)
 
     def add(self, session: Session) -> None:
-        """Stores a new session; :class:`LimitExceededError` when the server is full."""
+        """Stores a new session; :class:`LimitExceededError` when the server is full, or its owner
+        holds its quota of sessions already."""
         if len(self._sessions) >= self._max_sessions:
             raise LimitExceededError(f"CreateSession: the server already holds {len(self._sessions)} "
                                      "sessions, its maximum; close one or wait for idle ones to expire")
+        if self._max_per_owner is not None:
+            held = sum(1 for other in self._sessions.values() if other.owner == session.owner)
+            if held >= self._max_per_owner:
+                raise LimitExceededError(f"CreateSession: this caller already holds {held} open sessions, "
+                                         f"the server's maximum per token (max_sessions_per_token="
+                                         f"{self._max_per_owner}); close one or wait for idle ones to expire")
         session.last_used = self._clock()
         if self._database is not None:
             self._database.insert(session.record())

@@ -200,7 +200,7 @@ class StepRunner:
         self._metrics = metrics
         self._limits = CodecLimits(max_tensor_bytes=config.max_tensor_bytes,
                                    max_total_bytes=config.max_request_bytes, max_tensors=64,
-                                   max_chunk_bytes=config.max_message_bytes)
+                                   max_chunk_bytes=config.max_chunk_bytes)
 
     async def compute(self, requests: AsyncIterator[pb.ComputeGradientsRequest], *, owner: str,
                       time_remaining: Callable[[], float | None],
@@ -302,13 +302,16 @@ async def _off_loop(function: Callable[[], Any]) -> Any:
 def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
            seconds: float, pending: bool = False) -> pb.StepStats:
     norms = merged.per_sample_norms.detach().to(torch.float64).cpu()  # (N,)
+    # A dropped sample's norm is NaN or infinite (its gradient was not finite): the quantiles are
+    # those of the kept samples, as the sum and the loss are.
+    norms = norms[torch.isfinite(norms)]  # (N - dropped,)
     levels = torch.tensor(NORM_QUANTILES, dtype=torch.float64)  # (Q,)
     # An empty (Poisson) batch has no norms: report no quantiles rather than invent some.
     values = torch.quantile(norms, levels).tolist() if norms.numel() else []
-    samples = max(merged.num_samples, 1)
+    kept = merged.num_samples - merged.num_dropped
     return step_stats_to_proto(StepReport(
-        step=step, param_version=version, samples=merged.num_samples, mean_loss=merged.loss_sum / samples,
-        norm_quantiles=dict(zip(NORM_QUANTILES, values)), fraction_clipped=merged.num_clipped / samples,
-        epsilon_spent=session.epsilon_spent, budget_left=session.budget_left, server_seconds=seconds,
-        pending=pending))
+        step=step, param_version=version, samples=merged.num_samples,
+        mean_loss=merged.loss_sum / kept if kept else 0.0, norm_quantiles=dict(zip(NORM_QUANTILES, values)),
+        fraction_clipped=merged.num_clipped / max(merged.num_samples, 1), epsilon_spent=session.epsilon_spent,
+        budget_left=session.budget_left, server_seconds=seconds, pending=pending, num_dropped=merged.num_dropped))
 

@@ -115,12 +115,13 @@ class StepReport:
     #: 1-based index of the step in its session.
     step: int
     param_version: int
-    #: Samples (N, not rows) in the batch.
+    #: Samples (N, not rows) in the batch, dropped ones included.
     samples: int
-    #: Mean over samples of each sample's loss.
+    #: Mean over the kept samples (``samples - num_dropped``) of each sample's loss.
     mean_loss: float
-    #: Per-sample gradient norms before clipping, ``{quantile: norm}``.
+    #: Kept samples' gradient norms before clipping, ``{quantile: norm}``.
     norm_quantiles: Mapping[float, float]
+    #: Samples scaled down by clipping / ``samples``.
     fraction_clipped: float
     #: Epsilon after the step at the session's delta; +inf without noise.
     epsilon_spent: float
@@ -129,6 +130,8 @@ class StepReport:
     server_seconds: float
     #: The reply to a part of a logical batch that is not its last: that part's statistics only.
     pending: bool = False
+    #: Samples whose gradient was not finite, dropped from the sum (psg_core.clipping).
+    num_dropped: int = 0
 
 
 def step_stats_to_proto(report: StepReport) -> pb.StepStats:
@@ -139,7 +142,7 @@ def step_stats_to_proto(report: StepReport) -> pb.StepStats:
                                         for q, v in report.norm_quantiles.items()],
                         fraction_clipped=report.fraction_clipped, epsilon_spent=report.epsilon_spent,
                         budget_left=report.budget_left, server_seconds=report.server_seconds,
-                        pending=report.pending)
+                        pending=report.pending, num_dropped=report.num_dropped)
 
 
 def step_stats_from_proto(stats: pb.StepStats) -> StepReport:
@@ -149,7 +152,7 @@ def step_stats_from_proto(stats: pb.StepStats) -> StepReport:
                       norm_quantiles={q.quantile: q.value for q in stats.norm_quantiles},
                       fraction_clipped=stats.fraction_clipped, epsilon_spent=stats.epsilon_spent,
                       budget_left=stats.budget_left, server_seconds=stats.server_seconds,
-                      pending=stats.pending)
+                      pending=stats.pending, num_dropped=stats.num_dropped)
 
 
 # --------------------------------------------------------------------------------- ParameterSpec

@@ -97,6 +97,8 @@ class Reason:
     LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
     NO_WORKERS = "NO_WORKERS"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    #: A request stream sent nothing for the server's ``--stream-idle-seconds``: the call was ended.
+    STREAM_IDLE = "STREAM_IDLE"
     BAD_TENSOR = "BAD_TENSOR"
     BAD_MESSAGE = "BAD_MESSAGE"
     NON_FINITE_INPUT = "NON_FINITE_INPUT"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +17,8 @@ from psg_server.background import BackgroundServer
 from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from psg_wire.v1.tensor_pb2 import TensorHeader
-from tests.server.service_harness import MLP_KWARGS, TOKEN_ALICE, TOKEN_BOB, build, client_for, mlp_batch, serve
+from tests.server.service_harness import (MLP_KWARGS, TOKEN_ALICE, TOKEN_BOB, build, client_for, local_dp, mlp_batch,
+                                          serve)
 
 Code = grpc.StatusCode
 ALICE = (("authorization", f"Bearer {TOKEN_ALICE}"),)
@@ -120,6 +123,25 @@ def test_non_finite_inputs(session: Any, bad: float) -> None:
     assert (code, reason) == (Code.INVALID_ARGUMENT, "NON_FINITE_INPUT") and "NaN or infinity" in details
 
 
+def test_one_overflowing_record_is_dropped_not_summed(alice: GradientClient) -> None:
+    # 3e38 is a finite float32, so the batch passes the input check; its gradient is not finite
+    with alice.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4,
+                              config=DPConfig(max_grad_norm=1.0)) as session:
+        model = build()
+        session.push_parameters(model)
+        inputs, targets = mlp_batch(4)
+        inputs[1] = 3e38
+        result = session.compute_gradients(inputs, targets)
+        assert result.num_dropped == 1 and result.samples == 4
+        assert all(bool(torch.isfinite(grad).all()) for grad in result.grads.values())
+        assert math.isfinite(result.mean_loss) and all(map(math.isfinite, result.norm_quantiles.values()))
+        kept = [0, 2, 3]  # the step is the other three samples' (over the expected batch size)
+        expected = local_dp(model, inputs[kept], targets[kept], DPConfig(max_grad_norm=1.0))
+        for name, grad in result.grads.items():
+            torch.testing.assert_close(grad, expected.grads[name] / 4, rtol=1e-5, atol=1e-6)
+        assert result.mean_loss == pytest.approx(expected.loss_sum / 3, rel=1e-5)
+
+
 def test_batch_rows_not_divisible_by_K(session: Any) -> None:
     inputs, targets = mlp_batch(5)
     code, details, reason = status_of(lambda: session.compute_gradients(inputs, targets))
@@ -147,17 +169,17 @@ def test_another_tokens_session_is_not_found(server: BackgroundServer, session: 
 @pytest.mark.parametrize("token", [None, "wrong-token-0123456789abcd"])
 def test_missing_or_unknown_token(server: BackgroundServer, token: str | None) -> None:
     with client_for(server, token) as anonymous:
-        code, _, _ = status_of(anonymous.server_info)
-        assert code == Code.UNAUTHENTICATED
-        assert status_of(lambda: anonymous.create_session("mlp", loss="mse", expected_batch_size=1))[0] == \
-            Code.UNAUTHENTICATED
+        code, _, reason = status_of(anonymous.server_info)
+        assert (code, reason) == (Code.UNAUTHENTICATED, "UNAUTHENTICATED")  # the trailer, as on every error
+        assert status_of(lambda: anonymous.create_session("mlp", loss="mse", expected_batch_size=1))[::2] == \
+            (Code.UNAUTHENTICATED, "UNAUTHENTICATED")
 
 
 def test_missing_token_on_streaming_rpcs(stub: pb_grpc.GradientServiceStub, session: Any) -> None:
-    assert status_of(lambda: list(stub.ComputeGradients(compute_stream(session.id, 1, []), timeout=30)))[0] == \
-        Code.UNAUTHENTICATED
+    assert status_of(lambda: list(stub.ComputeGradients(compute_stream(session.id, 1, []), timeout=30)))[::2] == \
+        (Code.UNAUTHENTICATED, "UNAUTHENTICATED")
     push = iter([pb.PushParametersRequest(header=pb.PushParametersHeader(session_id=session.id, version=9))])
-    assert status_of(lambda: stub.PushParameters(push, timeout=30))[0] == Code.UNAUTHENTICATED
+    assert status_of(lambda: stub.PushParameters(push, timeout=30))[::2] == (Code.UNAUTHENTICATED, "UNAUTHENTICATED")
 
 
 def test_stale_parameter_version(session: Any) -> None:
@@ -274,3 +296,45 @@ def test_invalid_dp_settings_on_the_wire(stub: pb_grpc.GradientServiceStub) -> N
     assert (code, reason) == (Code.INVALID_ARGUMENT, "INVALID_CONFIG") and "'magic'" in details
     request.dp.mode, request.dp.max_grad_norm = "hooks", 0.0
     assert status_of(lambda: stub.CreateSession(request, metadata=ALICE, timeout=30))[0] == Code.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("kwargs_json, message", [
+    ("[" * 20_000 + "]" * 20_000, "nested too deeply"),  # json recurses once per level
+    ('{"in_features": ' + "9" * 5000 + "}", "not valid JSON"),  # more digits than int() converts
+])
+def test_malformed_model_kwargs_json(stub: pb_grpc.GradientServiceStub, kwargs_json: str, message: str) -> None:
+    request = pb.CreateSessionRequest(model="mlp", model_kwargs_json=kwargs_json, loss="mse", expected_batch_size=1,
+                                      dp=pb.DPSettings(max_grad_norm=1.0))
+    code, details, reason = status_of(lambda: stub.CreateSession(request, metadata=ALICE, timeout=30))
+    assert (code, reason) == (Code.INVALID_ARGUMENT, "INVALID_REQUEST") and message in details
+
+
+@pytest.mark.parametrize("config, message", [
+    (DPConfig(noise_multiplier=1e300), "noise_multiplier 1e+300 is above"),
+    (DPConfig(noise_multiplier=1.0, max_grad_norm=1e308), "max_grad_norm 1e+308 is above"),
+])
+def test_noise_that_would_overflow_is_refused_at_create_session(alice: GradientClient, config: DPConfig,
+                                                                message: str) -> None:
+    code, details, reason = status_of(lambda: alice.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy",
+                                                                   expected_batch_size=4, config=config, delta=1e-5))
+    assert (code, reason) == (Code.INVALID_ARGUMENT, "INVALID_REQUEST") and message in details
+
+
+def test_an_idle_request_stream_is_ended() -> None:
+    release = threading.Event()
+
+    def stalled(session_id: str) -> Iterator[pb.ComputeGradientsRequest]:
+        yield pb.ComputeGradientsRequest(header=pb.ComputeGradientsHeader(session_id=session_id, param_version=1))
+        release.wait(30)  # never half-closes: the server must not wait for ever
+
+    with serve(stream_idle_seconds=0.5) as idle_server, client_for(idle_server) as client, \
+            grpc.insecure_channel(idle_server.target) as channel:
+        session = client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4)
+        session.push_parameters(build())
+        stub = pb_grpc.GradientServiceStub(channel)
+        try:
+            code, details, reason = status_of(lambda: list(stub.ComputeGradients(stalled(session.id), timeout=30)))
+        finally:
+            release.set()
+        assert (code, reason) == (Code.DEADLINE_EXCEEDED, "STREAM_IDLE") and "sent nothing for 0.5 s" in details
+        session.compute_gradients(*mlp_batch(4))  # streams that keep sending are served as before

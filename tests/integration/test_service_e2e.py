@@ -3,6 +3,7 @@ answer equals psg_core's dp_gradient on the whole batch, for every backend and K
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 
@@ -13,6 +14,8 @@ import torch
 from psg_client import GradientClient, ServiceError
 from psg_core.config import DPConfig
 from psg_server.background import BackgroundServer
+from psg_wire.v1 import gradient_service_pb2 as pb
+from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from tests.server.service_harness import MLP_KWARGS, build, client_for, local_dp, mlp_batch, serve
 
 MODES = ("hooks", "functorch", "ew", "ghost")
@@ -180,6 +183,23 @@ def test_server_info_models_and_session_lifecycle(client: GradientClient, server
     assert [(p.name, list(p.shape), p.requires_grad) for p in models["mlp"].parameters] == [
         ("0.weight", [128, 784], True), ("0.bias", [128], True), ("2.weight", [10, 128], True), ("2.bias", [10], True)]
     assert not models["hf_causal_lm"].parameters and models["hf_causal_lm"].arguments[0].name == "model_type"
+    # the input signature at the default arguments: what a client builds its batches by
+    (image,) = models["mlp"].signature.inputs
+    assert (image.name, image.kind, [(d.min, d.max) for d in image.row_shape], image.required) == \
+        ("inputs/0", "float", [(784, 784)], True)
+    assert models["mlp"].signature.num_outputs == 10 and not models["mlp"].signature.targets_like
+    (tokens,) = models["transformer_classifier"].signature.inputs
+    assert tokens.kind == "index" and tokens.num_embeddings > 0 and tokens.row_shape[0].min == 1
+    assert not models["hf_causal_lm"].HasField("signature")  # no default config: CreateSession tells
+    assert info.default_accountant == "rdp"
+    assert info.limits.max_chunk_bytes == info.limits.max_message_bytes - (64 << 10) >= info.limits.chunk_bytes
+    with grpc.insecure_channel(server.target) as channel:
+        created = pb_grpc.GradientServiceStub(channel).CreateSession(pb.CreateSessionRequest(
+            model="mlp", model_kwargs_json=json.dumps(MLP_KWARGS), loss="cross_entropy", expected_batch_size=2,
+            dp=pb.DPSettings(max_grad_norm=1.0)), timeout=30)
+        assert [(d.min, d.max) for d in created.signature.inputs[0].row_shape] == [(6, 6)]
+        assert created.signature.num_outputs == 3
+        client.session(created.session_id).close()
     session = client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=2)
     assert list(session.parameter_specs) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     attached = client.session(session.id)

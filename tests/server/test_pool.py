@@ -366,7 +366,7 @@ def test_no_live_worker_is_unavailable_and_not_serving_until_one_returns(
     from psg_server.pool import WorkerPool
 
     # The server starts the pool on its own loop and closes it when it stops.
-    pool = WorkerPool(num_workers=1, worker_wait_s=0.5, probe_interval_s=0.2)
+    pool = WorkerPool(num_workers=1, probe_interval_s=0.2)  # the default worker_wait_s, 30 s
     supervisor = pool._supervisor
     spawn = supervisor._spawn
     try:
@@ -389,9 +389,12 @@ def test_no_live_worker_is_unavailable_and_not_serving_until_one_returns(
                 session.compute_gradients(inputs, targets)
                 ray_session.kill(worker_handles(pool)[0], no_restart=True)
                 wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
+                started = time.monotonic()
                 with pytest.raises(ServiceError) as failure:
                     session.compute_gradients(inputs, targets)
-                assert failure.value.code == grpc.StatusCode.UNAVAILABLE
+                # at once, not after worker_wait_s: a client with a shorter deadline must see UNAVAILABLE
+                assert failure.value.code == grpc.StatusCode.UNAVAILABLE and "no live worker" in failure.value.details
+                assert time.monotonic() - started < 10
                 assert not client.server_info().workers
                 monkeypatch.setattr(supervisor, "_spawn", spawn)
                 wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 90, "SERVING again")

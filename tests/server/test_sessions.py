@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from psg_core.errors import BudgetExhaustedError
 from psg_core.noise import add_noise
 from psg_core.privacy_step import PrivacyStep
 from psg_server.config import ServerConfig
-from psg_server.errors import (LimitExceededError, ParametersMissingError, SessionNotFoundError,
+from psg_server.errors import (InvalidRequestError, LimitExceededError, ParametersMissingError, SessionNotFoundError,
                                StaleParametersError)
 from psg_server.executor import ParameterSet
 from psg_server.models import default_registry
@@ -25,8 +26,9 @@ REGISTRY = default_registry()
 
 def make(owner: str = "alice", **dp: object) -> Session:
     kwargs = '{"in_features": 2, "hidden": [], "num_classes": 2}'
+    settings = pb.DPSettings(**{"max_grad_norm": 1.0, **dp})  # type: ignore[arg-type]
     request = pb.CreateSessionRequest(model="mlp", model_kwargs_json=kwargs, loss="cross_entropy",
-                                      expected_batch_size=4, dp=pb.DPSettings(max_grad_norm=1.0, **dp))  # type: ignore[arg-type]
+                                      expected_batch_size=4, dp=settings)
     return open_session(request, owner=owner, registry=REGISTRY, config=ServerConfig())
 
 
@@ -98,6 +100,27 @@ def test_idle_sessions_expire_and_the_store_has_a_limit() -> None:
         store.add(make())
     clock.now = 12
     assert store.expire_idle() == [old] and len(store) == 1
+
+
+def test_one_owner_cannot_take_every_session() -> None:
+    store = SessionStore(max_sessions=4, idle_seconds=10, parameter_memory_bytes=1 << 20, max_sessions_per_owner=2)
+    store.add(make("alice"))
+    store.add(make("alice"))
+    with pytest.raises(LimitExceededError, match=r"already holds 2 open sessions.*max_sessions_per_token=2"):
+        store.add(make("alice"))
+    store.add(make("bob"))  # the others still get theirs
+    assert len(store) == 3
+
+
+@pytest.mark.parametrize("dp, message", [
+    ({"noise_multiplier": 1e300}, "noise_multiplier 1e+300 is above 10000"),
+    ({"noise_multiplier": 1.0, "max_grad_norm": 1e308}, "max_grad_norm 1e+308 is above 1e+30"),
+    ({"noise_multiplier": 1e4, "max_grad_norm": 1e28}, "noise_multiplier * max_grad_norm = 10000 * 1e+28 = 1e+32"),
+])
+def test_sigma_and_bounds_that_would_overflow_are_refused(dp: dict[str, float], message: str) -> None:
+    # sigma = 1e300 used to fail every step in the accountants; C = 1e308 returned an all-inf gradient
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        make(**dp)
 
 
 def test_noise_seeds_depend_on_session_seed_and_step() -> None:

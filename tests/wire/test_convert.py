@@ -55,8 +55,9 @@ def test_a_part_s_stats_say_pending() -> None:
 def test_step_stats_round_trip() -> None:
     report = StepReport(step=3, param_version=7, samples=12, mean_loss=0.5,
                         norm_quantiles={0.0: 0.1, 0.5: 0.9, 1.0: 4.0}, fraction_clipped=0.25,
-                        epsilon_spent=math.inf, budget_left=math.inf, server_seconds=0.125)
+                        epsilon_spent=math.inf, budget_left=math.inf, server_seconds=0.125, num_dropped=2)
     stats = step_stats_to_proto(report)
+    assert stats.num_dropped == 2
     assert [q.quantile for q in stats.norm_quantiles] == [0.0, 0.5, 1.0]
     assert step_stats_from_proto(pb.StepStats.FromString(stats.SerializeToString())) == report
 

@@ -22,34 +22,38 @@ class WorkerInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., device: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_batch_rows", "max_message_bytes", "max_tensor_bytes", "max_request_bytes", "chunk_bytes", "max_model_bytes")
+    __slots__ = ("max_batch_rows", "max_message_bytes", "max_tensor_bytes", "max_request_bytes", "chunk_bytes", "max_model_bytes", "max_chunk_bytes")
     MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_batch_rows: int
     max_message_bytes: int
     max_tensor_bytes: int
     max_request_bytes: int
     chunk_bytes: int
     max_model_bytes: int
-    def __init__(self, max_batch_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_model_bytes: _Optional[int] = ...) -> None: ...
+    max_chunk_bytes: int
+    def __init__(self, max_batch_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_model_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "backends", "workers", "limits", "losses")
+    __slots__ = ("version", "backends", "workers", "limits", "losses", "default_accountant")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
     version: str
     backends: _containers.RepeatedScalarFieldContainer[str]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     limits: Limits
     losses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., losses: _Optional[_Iterable[str]] = ...) -> None: ...
+    default_accountant: str
+    def __init__(self, version: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., losses: _Optional[_Iterable[str]] = ..., default_accountant: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -67,19 +71,55 @@ class ModelArgument(_message.Message):
     required: bool
     def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., default_json: _Optional[str] = ..., required: _Optional[bool] = ...) -> None: ...
 
+class DimRange(_message.Message):
+    __slots__ = ("min", "max")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    min: int
+    max: int
+    def __init__(self, min: _Optional[int] = ..., max: _Optional[int] = ...) -> None: ...
+
+class InputSignature(_message.Message):
+    __slots__ = ("name", "kind", "row_shape", "num_embeddings", "required", "same_shape_as")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROW_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SAME_SHAPE_AS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    row_shape: _containers.RepeatedCompositeFieldContainer[DimRange]
+    num_embeddings: int
+    required: bool
+    same_shape_as: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., row_shape: _Optional[_Iterable[_Union[DimRange, _Mapping]]] = ..., num_embeddings: _Optional[int] = ..., required: _Optional[bool] = ..., same_shape_as: _Optional[str] = ...) -> None: ...
+
+class ModelSignatureInfo(_message.Message):
+    __slots__ = ("inputs", "num_outputs", "targets_like")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_LIKE_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[InputSignature]
+    num_outputs: int
+    targets_like: str
+    def __init__(self, inputs: _Optional[_Iterable[_Union[InputSignature, _Mapping]]] = ..., num_outputs: _Optional[int] = ..., targets_like: _Optional[str] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "description", "arguments", "origin", "parameters")
+    __slots__ = ("name", "description", "arguments", "origin", "parameters", "signature")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     arguments: _containers.RepeatedCompositeFieldContainer[ModelArgument]
     origin: str
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., arguments: _Optional[_Iterable[_Union[ModelArgument, _Mapping]]] = ..., origin: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ...) -> None: ...
+    signature: ModelSignatureInfo
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., arguments: _Optional[_Iterable[_Union[ModelArgument, _Mapping]]] = ..., origin: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., signature: _Optional[_Union[ModelSignatureInfo, _Mapping]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -168,14 +208,16 @@ class ParameterSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
-    __slots__ = ("session_id", "parameters", "noise_multiplier")
+    __slots__ = ("session_id", "parameters", "noise_multiplier", "signature")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
     noise_multiplier: float
-    def __init__(self, session_id: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., noise_multiplier: _Optional[float] = ...) -> None: ...
+    signature: ModelSignatureInfo
+    def __init__(self, session_id: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., noise_multiplier: _Optional[float] = ..., signature: _Optional[_Union[ModelSignatureInfo, _Mapping]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -280,7 +322,7 @@ class NormQuantile(_message.Message):
     def __init__(self, quantile: _Optional[float] = ..., value: _Optional[float] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("step", "param_version", "samples", "mean_loss", "norm_quantiles", "fraction_clipped", "epsilon_spent", "budget_left", "server_seconds", "pending")
+    __slots__ = ("step", "param_version", "samples", "mean_loss", "norm_quantiles", "fraction_clipped", "epsilon_spent", "budget_left", "server_seconds", "pending", "num_dropped")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +333,7 @@ class StepStats(_message.Message):
     BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
     SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
     step: int
     param_version: int
     samples: int
@@ -301,7 +344,8 @@ class StepStats(_message.Message):
     budget_left: float
     server_seconds: float
     pending: bool
-    def __init__(self, step: _Optional[int] = ..., param_version: _Optional[int] = ..., samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., norm_quantiles: _Optional[_Iterable[_Union[NormQuantile, _Mapping]]] = ..., fraction_clipped: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., server_seconds: _Optional[float] = ..., pending: _Optional[bool] = ...) -> None: ...
+    num_dropped: int
+    def __init__(self, step: _Optional[int] = ..., param_version: _Optional[int] = ..., samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., norm_quantiles: _Optional[_Iterable[_Union[NormQuantile, _Mapping]]] = ..., fraction_clipped: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., server_seconds: _Optional[float] = ..., pending: _Optional[bool] = ..., num_dropped: _Optional[int] = ...) -> None: ...
 
 class ComputeGradientsResponse(_message.Message):
     __slots__ = ("stats", "tensor", "chunk")
