@@ -26,7 +26,7 @@ import torch
 from psg_core.errors import ConfigError
 from psg_core.modes import Clipping, parse_enum
 
-__all__ = ["ClipResult", "clip_and_sum", "clip_factors", "dropped_samples", "zero_dropped", "FLAT_EPSILON",
+__all__ = ["ClipResult", "clip_and_sum", "clip_factors", "dropped_samples", "zero_dropped", "count_dropped", "FLAT_EPSILON",
            "AUTOMATIC_STABILITY"]
 
 #: Added to the norm in the flat and per-layer factors so that a zero gradient gives factor 1.
@@ -130,18 +130,25 @@ def clip_factors(layer_norms: torch.Tensor, names: Sequence[str], *, max_grad_no
     return torch.where(finite, factors, 0.0), norms, (factors < 1.0) & finite
 
 
-def dropped_samples(norms: torch.Tensor) -> torch.Tensor:
+def dropped_samples(norms: torch.Tensor) -> torch.Tensor | None:
     """``(N,)`` bool: the samples whose gradient is not finite, which clipping drops (factor 0,
-    rows zeroed before the sum) and the results count in ``num_dropped``."""
-    return ~torch.isfinite(norms)
+    rows zeroed before the sum) and the results count in ``num_dropped``; None when there is
+    none (the common case, decided with one device-to-host read per step)."""
+    dropped = ~torch.isfinite(norms)
+    return dropped if bool(dropped.any()) else None
 
 
-def zero_dropped(grad: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+def zero_dropped(grad: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:
     """``grad`` ``(N, ...)`` with the rows of dropped samples set to 0 (``0 * inf`` is NaN)."""
-    if not bool(dropped.any()):
+    if dropped is None:
         return grad
     return torch.where(dropped.view(-1, *[1] * (grad.dim() - 1)), torch.zeros((), dtype=grad.dtype, device=grad.device),
                        grad)
+
+
+def count_dropped(dropped: torch.Tensor | None) -> int:
+    """How many samples :func:`dropped_samples` dropped."""
+    return 0 if dropped is None else int(dropped.sum().item())
 
 
 def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float,
@@ -194,4 +201,4 @@ def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float
         grads = {name: _weighted_sum(factors, zero_dropped(per_sample[name], dropped)) for name in names}
     return ClipResult(grads=grads, per_sample_norms=norms.to(torch.float32),
                       num_clipped=int(clipped.sum().item()), clip_factors=factors.to(torch.float32),
-                      num_dropped=int(dropped.sum().item()))
+                      num_dropped=count_dropped(dropped))

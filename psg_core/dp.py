@@ -120,7 +120,8 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
     with no_autocast():  # norms in fp32, sums in the parameters' precision (psg_core.precision)
         clipped = clip_and_sum(out.grads, max_grad_norm=config.max_grad_norm, clipping=config.clipping,
                                per_layer_max_grad_norms=config.per_layer_max_grad_norms)
-    losses = out.per_sample_losses[~dropped_samples(clipped.per_sample_norms)]  # a dropped sample's loss may be NaN
+    dropped = dropped_samples(clipped.per_sample_norms)
+    losses = out.per_sample_losses if dropped is None else out.per_sample_losses[~dropped]  # theirs may be NaN
     return DPGradient(grads={name: g.to(params[name].dtype) for name, g in clipped.grads.items()},
                       per_sample_norms=clipped.per_sample_norms,
                       loss_sum=float(losses.sum().item()), num_samples=out.num_samples,

@@ -50,7 +50,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from psg_core.backends.base import AbstractGradSampleModule, earliest_edges, on_output_grads, trainable_parameters
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
-from psg_core.clipping import clip_factors, dropped_samples, zero_dropped
+from psg_core.clipping import clip_factors, count_dropped, dropped_samples, zero_dropped
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.grad_sample.ghost_norm import GHOST_NORMS, GhostFactors, GhostNormEntry
@@ -291,7 +291,7 @@ class _GhostBookkeeping:
             self._in_backward = False
 
     # ---------------------------------------------------------------------------- clipped sums
-    def clipped_sums(self, factors: dict[torch.Tensor, torch.Tensor], dropped: torch.Tensor
+    def clipped_sums(self, factors: dict[torch.Tensor, torch.Tensor], dropped: torch.Tensor | None
                      ) -> dict[torch.Tensor, torch.Tensor]:
         """``sum_n factors[p][n] * grad_n(p)`` for every parameter, from what the pass kept.
 
@@ -312,10 +312,10 @@ class _GhostBookkeeping:
             if not state.kept or norm is None or weight is None:
                 continue
             row_factors = factors[weight].repeat_interleave(self.K)  # (N*K,)
-            row_dropped = dropped.repeat_interleave(self.K)  # (N*K,)
+            row_dropped = None if dropped is None else dropped.repeat_interleave(self.K)  # (N*K,)
             for a, g in state.kept:
                 scaled = zero_dropped(g, row_dropped) * row_factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
-                if a.is_floating_point():
+                if row_dropped is not None and a.is_floating_point():
                     a = zero_dropped(a, row_dropped)  # an overflowing input row: inf * 0 would be NaN
                 total = norm.weight_sum(layer, a, scaled)
                 current = sums.get(weight)
@@ -426,8 +426,8 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
         grad = torch.zeros_like(p) if grad is None else (grad.to_dense() if grad.is_sparse else grad)
         grads[name] = grad.detach().to(p.dtype)
     return DPGradient(grads=grads, per_sample_norms=norms.detach().to(torch.float32),
-                      loss_sum=float(losses.detach()[~dropped].sum()), num_samples=num_samples,
-                      num_clipped=num_clipped, num_dropped=int(dropped.sum()))
+                      loss_sum=float((losses if dropped is None else losses[~dropped]).detach().sum()),
+                      num_samples=num_samples, num_clipped=num_clipped, num_dropped=count_dropped(dropped))
 
 
 class GhostClippingModule(AbstractGradSampleModule):
