@@ -45,9 +45,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
-from ray import exceptions as ray_errors
 
 from psg_core.config import DPGradient
+from psg_server.cluster import connect
 from psg_server.dispatch import ShardDispatcher
 from psg_server.errors import NoWorkersError
 from psg_server.executor import ParameterSet, SessionSpec, Shard, WorkerDescription
@@ -168,14 +168,11 @@ class WorkerPool:
         return await self._dispatcher.run(spec, parameters, shards)
 
     def _connect(self) -> dict[str, float]:
-        """Blocking: joins or starts Ray; returns the cluster's resources."""
+        """Blocking: joins or starts Ray (:func:`psg_server.cluster.connect`: token authentication,
+        failures explained); returns the cluster's resources."""
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, **self._ray_init_kwargs}
-            try:
-                ray.init(address=self._ray_address or "local", **kwargs)
-            except (ConnectionError, RuntimeError, ValueError, ray_errors.RayError) as error:
-                what = f"join Ray at {self._ray_address}" if self._ray_address else "start a local Ray"
-                raise NoWorkersError(f"WorkerPool.start: cannot {what}: {error}") from None
+            connect(self._ray_address, kwargs)
             self._owns_ray = True
             logger.info("pool: %s Ray at %s", "joined" if self._ray_address else "started an embedded",
                         self._ray_address or ray.get_runtime_context().gcs_address)

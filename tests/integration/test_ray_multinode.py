@@ -3,6 +3,12 @@
 rather than 127.0.0.1), ``psg-server --ray-address`` on top, a client running steps.
 Shards run on both nodes; SIGKILL of the second node's raylet mid-step costs latency, not the step.
 
+The cluster runs with Ray's default authentication, as a user gets it: a token in ``~/.ray/auth_token``
+(here a private ``HOME``), so ``ray start --head`` turns token authentication on; the second node is
+told ``RAY_AUTH_MODE=token`` (as Ray's documentation says for every other node), and psg-server is
+told nothing: it finds the token itself. A psg-server without the token exits with one line naming
+the cause and the fix.
+
 Everything is started and stopped inside the test, with timeouts everywhere. Teardown kills only
 the processes this test started (the trees of its ``ray start --block`` and server processes, and
 any stray process whose command line names this test's private Ray temp dir); ``ray stop`` is
@@ -109,10 +115,10 @@ class Processes:
         self.env = env
         self.started: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
-                                   start_new_session=True)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
+                                   cwd=self.root, start_new_session=True)
         log.close()
         self.started[name] = process
         return process
@@ -161,9 +167,12 @@ def processes() -> Iterator[Processes]:
     # A short private root: Ray's socket paths live under it and must stay short.
     root = Path(tempfile.mkdtemp(prefix="psgray-", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    # A loopback-only throwaway cluster: no token auth (a worker node started with `ray start
-    # --address` would not pick the head's token mode up by itself).
-    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    # Ray's default authentication: a token in ~/.ray/auth_token of a HOME of the test's own.
+    (root / "home").mkdir()
+    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", HOME=str(root / "home"))
+    subprocess.run([str(RAY), "get-auth-token", "--generate"], env=env, cwd=root, capture_output=True, timeout=120,
+                   check=True)
+    assert (root / "home" / ".ray" / "auth_token").is_file()
     started = Processes(root, env)
     try:
         yield started
@@ -172,12 +181,17 @@ def processes() -> Iterator[Processes]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def ray_node(processes: Processes, name: str, *extra: str) -> None:
+#: What a node joining a token-authenticated cluster, or a script connecting to it, is told (Ray
+#: turns the mode on by itself only on the head, and for drivers of address="auto").
+TOKEN_MODE = {"RAY_AUTH_MODE": "token"}
+
+
+def ray_node(processes: Processes, name: str, *extra: str, env: dict[str, str] | None = None) -> None:
     processes.start(name, [str(RAY), "start", "--block", "--num-cpus=1", "--num-gpus=0",
                            f"--object-store-memory={100 << 20}", f"--temp-dir={processes.root / name}",
                            f"--dashboard-agent-listen-port={free_port()}",
                            f"--metrics-export-port={free_port()}",
-                           "--disable-usage-stats", *extra])
+                           "--disable-usage-stats", *extra], env=env)
     processes.wait_log(name, r"Ray runtime started", timeout=90)
 
 
@@ -186,7 +200,7 @@ def node_ids_by_resource(processes: Processes, address: str) -> dict[str, str]:
     script = ("import json, ray; ray.init(address=%r, log_to_driver=False); "
               "print('NODES ' + json.dumps({r: n['NodeID'] for n in ray.nodes() if n['Alive'] "
               "for r in n['Resources'] if r.startswith('psg_')}))" % address)
-    output = subprocess.run([sys.executable, "-c", script], env=processes.env, cwd=processes.root,
+    output = subprocess.run([sys.executable, "-c", script], env={**processes.env, **TOKEN_MODE}, cwd=processes.root,
                             capture_output=True, text=True, timeout=90, check=True).stdout
     return json.loads(output.split("NODES ", 1)[1].splitlines()[0])
 
@@ -201,9 +215,20 @@ def test_shards_run_on_both_nodes_and_survive_losing_one(processes: Processes) -
     ray_node(processes, "head", "--head", f"--port={port}", "--include-dashboard=false",
              f"--ray-client-server-port={free_port()}", "--resources={\"psg_head\": 1}",
              f"--system-config={FAST_HEALTH_CHECKS}")
-    ray_node(processes, "node2", f"--address={address}", "--resources={\"psg_node2\": 1}")
+    assert "Token authentication is enabled" in processes.log("head")  # Ray's default with a token at hand
+    ray_node(processes, "node2", f"--address={address}", "--resources={\"psg_node2\": 1}", env=TOKEN_MODE)
     nodes = node_ids_by_resource(processes, address)
     assert set(nodes) == {"psg_head", "psg_node2"}
+
+    # Without the token, psg-server cannot join: one line says why and what to do, and it exits.
+    (processes.root / "tokenless").mkdir()
+    tokenless = processes.start("tokenless", [sys.executable, "-m", "psg_server", "--port", "0", "--ray-address",
+                                              address], env={"HOME": str(processes.root / "tokenless")})
+    assert tokenless.wait(timeout=180) == 2
+    refusal = [line for line in processes.log("tokenless").splitlines() if "psg_server" in line and "ERROR" in line]
+    assert len(refusal) == 1 and "requires token authentication and this host has no Ray token" in refusal[0], \
+        processes.log("tokenless")[-3000:]
+    assert "Traceback" not in processes.log("tokenless")
 
     processes.start("server", [sys.executable, "-m", "psg_server", "--port", "0", "--ray-address", address,
                                "--cpus-per-worker", "1", "--model-plugin", PLUGIN])
