@@ -217,9 +217,11 @@ def embedding_cases() -> Iterator[Case]:
         yield Case("Embedding", options, _seeded(factory), batch, layouts=(True, False) if shape else (True,))
 
 
-def _offsets_batch(rows: int, *, empty: bool, weights: bool, last_offset: bool) -> Batch:
-    """1-D tokens cut into ``rows`` bags by offsets: sample n owns bags n*K .. n*K+K-1."""
-    lengths = [int(v) for v in torch.randint(0 if empty else 1, 5, (rows,), generator=_generator(3))]
+def _offsets_batch(rows: int, *, empty: bool, weights: bool, last_offset: bool, single: bool) -> Batch:
+    """1-D tokens cut into ``rows`` bags by offsets: sample n owns bags n*K .. n*K+K-1. ``single``:
+    one token per bag, so that the tokens are as many as the rows."""
+    lengths = [1] * rows if single else \
+        [int(v) for v in torch.randint(0 if empty else 1, 5, (rows,), generator=_generator(3))]
     total = sum(lengths)
     ids = torch.randint(0, 10, (total,), generator=_generator(4))
     starts = [0, *itertools.accumulate(lengths)]  # rows + 1 boundaries
@@ -246,13 +248,13 @@ class Bag(nn.Module):
 
 
 def embedding_bag_cases() -> Iterator[Case]:
-    extras = ["-", "weights", "padding_idx", "empty", "last_offset"]
+    extras = ["-", "weights", "padding_idx", "empty", "last_offset", "one_token"]
     for bag_mode, layout, extra in itertools.product(["sum", "mean", "max"], ["2d", "offsets"], extras):
         if extra == "weights" and bag_mode != "sum":
             continue  # torch: per_sample_weights only with mode='sum'
-        if extra in ("empty", "last_offset") and layout == "2d":
+        if extra in ("empty", "last_offset", "one_token") and layout == "2d":
             continue
-        if bag_mode == "max" and extra != "-":
+        if bag_mode == "max" and extra != "-" or extra == "one_token" and bag_mode != "mean":
             continue
         config: dict[str, Any] = dict(mode=bag_mode)
         if extra == "padding_idx":
@@ -266,7 +268,7 @@ def embedding_bag_cases() -> Iterator[Case]:
         def batch(rows: int, batch_first: bool, layout: str = layout, extra: str = extra) -> Batch:
             if layout == "offsets":
                 return _offsets_batch(rows, empty=extra == "empty", weights=extra == "weights",
-                                      last_offset=extra == "last_offset")
+                                      last_offset=extra == "last_offset", single=extra == "one_token")
             ids = tokens(rows, 10, 4)
             if extra != "weights":
                 return dense(ids)
@@ -328,7 +330,7 @@ def attention_cases() -> Iterator[Case]:
     for bias, add_bias_kv, add_zero_attn, kv_dims, masked, steps in grid:
         if masked and (kv_dims is not None or not bias):
             continue
-        if steps == ROWS and (masked or kv_dims is not None or add_zero_attn):
+        if steps == ROWS and (kv_dims is not None or add_zero_attn):
             continue
         kdim, vdim = kv_dims or (None, None)
 
@@ -345,8 +347,9 @@ def attention_cases() -> Iterator[Case]:
             value = floats(rows, steps, vdim or 4, batch_first=batch_first, seed=8)
             if not masked:
                 return dense(query, key, value, batch_dim=dim)
-            lengths = torch.randint(2, 6, (rows,), generator=_generator(9))
-            mask = torch.arange(5)[None, :] >= lengths[:, None]  # (rows, S): batch-first in either layout
+            keys = key.shape[1 - dim]
+            lengths = torch.randint(2, keys + 1, (rows,), generator=_generator(9))
+            mask = torch.arange(keys)[None, :] >= lengths[:, None]  # (rows, S): batch-first in either layout
 
             def sample(n: int, K: int) -> Args:
                 return (*(t.narrow(dim, n * K, K) for t in (query, key, value)), mask[n * K:(n + 1) * K])
@@ -524,9 +527,10 @@ def prepare(cell: Cell) -> tuple[nn.Module, Batch, torch.Tensor, dict[str, torch
 
 
 def names_layer(err: BaseException, model: nn.Module) -> bool:
-    """A refusal must say which layer: a module type of the model, or a module path, in its message."""
+    """A refusal must say which layer: a module type of the model (the root's too: the module
+    that takes a PackedSequence is the model), or a module path, in its message."""
     text = str(err)
-    types = {type(m).__name__ for m in model.modules() if m is not model}
+    types = {type(m).__name__ for m in model.modules()}
     paths = {f"'{name}'" for name, _ in model.named_modules() if name}
     return any(t in text for t in types) or any(p in text for p in paths)
 
