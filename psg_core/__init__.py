@@ -29,6 +29,7 @@ from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError
 from psg_core.fix_model import fix_model
 from psg_core.grad_sample import (GHOST_NORMS, GRAD_SAMPLERS, GhostFactors, GradSamplerRegistry,
                                   register_ghost_norm, register_grad_sampler)
+from psg_core.grad_sample.conv_strategy import ConvStrategy, conv_strategy, set_conv_strategy
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.noise import add_noise, secure_generator
@@ -48,9 +49,11 @@ __all__ = [
     "add_noise",
     "calibrate_noise_multiplier",
     "clip_and_sum",
+    "conv_strategy",
     "dp_gradient",
     "l2_sensitivity",
     "secure_generator",
+    "set_conv_strategy",
     "split_batch",
     "steps_for_epochs",
     "wrap_model",
@@ -62,6 +65,7 @@ __all__ = [
     "BudgetExhaustedError",
     "Clipping",
     "ConfigError",
+    "ConvStrategy",
     "DPConfig",
     "DPGradient",
     "GHOST_NORMS",

@@ -203,18 +203,32 @@ class _GhostBookkeeping:
         self._handles.append(on_output_grads([view], on_grads))
 
     # ---------------------------------------------------------------------------- backward: norms
-    def _plan_ghost(self, layer: nn.Module, state: _LayerState) -> bool:
+    def _plan_ghost(self, layer: nn.Module, state: _LayerState, call: _Call, grad: torch.Tensor | None) -> bool:
         """Gram factors for this layer's weight, or its materialised per-sample gradient?"""
         norm = state.calls[0].norm if state.calls else None
         weight = norm.weight(layer) if norm is not None else None
-        if any(c.norm is None for c in state.calls) or not isinstance(weight, nn.Parameter) \
+        if norm is None or any(c.norm is None for c in state.calls) or not isinstance(weight, nn.Parameter) \
                 or not weight.requires_grad or self._owners.get(weight, 0) != 1 or weight in self._via_meetings:
             return False  # no ghost norm, or a weight shared with another module
-        positions = self.K * sum(c.positions or 0 for c in state.calls)
-        if not _ghost_is_cheaper(layer, positions):
+        # A layer called once may choose with its tensors in hand (the convolutions measure).
+        chosen = norm.choose(layer, *self._ghost_inputs(call, grad), self.K) \
+            if len(state.calls) == 1 and grad is not None else None
+        if chosen is None:
+            chosen = _ghost_is_cheaper(layer, self.K * sum(c.positions or 0 for c in state.calls))
+        if not chosen:
             return False
         state.norm = norm
         return True
+
+    @staticmethod
+    def _ghost_inputs(call: _Call, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ghost call's batch-first ``(N*K, ...)`` input and output gradient, in the parameters'
+        precision (autocast leaves half-precision gradients: see psg_core.precision)."""
+        bd = call.captured.batch_dim
+        dtype = compute_dtype(call.layer.parameters(recurse=False))
+        a = to_compute(call.captured.args[0].movedim(bd, 0), dtype)  # (N*K, ...)
+        g = to_compute(cast(torch.Tensor, call.captured.unmerge(grad)).movedim(bd, 0), dtype)  # (N*K, ...)
+        return a, g
 
     def _norm_contribution(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
         layer, state = call.layer, self._layers[call.layer]
@@ -223,14 +237,9 @@ class _GhostBookkeeping:
                               "norms were computed; the model must be backpropagated once per pass")
         state.arrived += 1
         if state.ghost is None:
-            state.ghost = self._plan_ghost(layer, state)
+            state.ghost = self._plan_ghost(layer, state, call, grads[0])
         if state.ghost and state.norm is not None and grads[0] is not None:
-            bd = call.captured.batch_dim
-            # In the parameters' precision (autocast leaves half-precision gradients): see
-            # psg_core.precision.
-            dtype = compute_dtype(layer.parameters(recurse=False))
-            a = to_compute(call.captured.args[0].movedim(bd, 0), dtype)  # (N*K, ...)
-            g = to_compute(cast(torch.Tensor, call.captured.unmerge(grads[0])).movedim(bd, 0), dtype)  # (N*K, ...)
+            a, g = self._ghost_inputs(call, grads[0])  # (N*K, ...) each
             with no_autocast():
                 factors, others = state.norm.fn(layer, a, g, self.K)
             for param, grad_sample in others.items():  # e.g. a bias, small: materialised

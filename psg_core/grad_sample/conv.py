@@ -18,15 +18,20 @@ the L positions (the copies are folded next to the positions while the patches a
 the contraction is a single batched matmul). The ghost norm of the family (registered below)
 reuses the same factors to get per-sample norms from Gram matrices over L, one pair per group.
 
-An ``nn.ConvNd`` weight needs no unfolded patches: stacking the samples along channels turns the
+A weight gradient also needs no unfolded patches: stacking the samples along channels turns the
 per-sample gradients into the weight gradient of one grouped convolution (``groups = N * G``)
 whose batch is the K copies, which torch's convolution backward computes directly, with the sum
-over copies built in and without im2col's ``prod(kernel_size)``-fold copy of the input.
+over copies built in and without im2col's ``prod(kernel_size)``-fold copy of the input (for a
+transposed convolution, of its adjoint convolution). Which of the two ways is faster depends on
+the shape, dtype and device: :mod:`psg_core.grad_sample.conv_strategy` chooses, by a rule or by
+measuring once per shape, and so it does for the ghost norm (Gram pair or materialised gradient).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -36,15 +41,19 @@ from torch import nn
 
 from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.grad_sample._utils import wants_grad
+from psg_core.grad_sample.conv_strategy import (PER_SAMPLE_STRATEGIES, ConvStrategy, admissible, choose_measured,
+                                                current_conv_strategy, rule_per_sample, seed_cache)
 from psg_core.grad_sample.ghost_norm import GhostFactors, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 from psg_core.layout import fold_rows
 
 __all__ = ["ConvFactors", "conv_unfold", "conv_weight_factors", "conv_weight_per_sample", "conv_weight_sum",
-           "conv_grad_sample", "conv_transpose_grad_sample", "conv_ghost_factors"]
+           "conv_grad_sample", "conv_transpose_grad_sample", "conv_ghost_factors", "conv_per_sample_strategy"]
 
 _ConvLayer = nn.Conv1d | nn.Conv2d | nn.Conv3d
 _ConvTransposeLayer = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
+_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_TRANSPOSE_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
 class ConvFactors(NamedTuple):
@@ -228,38 +237,73 @@ def conv_weight_factors(layer: _ConvLayer | _ConvTransposeLayer, activation: tor
     (torch.Size([2, 2, 9, 10]), torch.Size([2, 2, 2, 10]))
     """
     K = augmentation_multiplicity
-    if isinstance(K, bool) or not isinstance(K, int) or K < 1 or activation.shape[0] % K:
-        raise BatchLayoutError(f"conv_weight_factors: augmentation_multiplicity must be an int >= 1 that "
-                               f"divides the {activation.shape[0]} rows, got {K!r}")
+    _check_multiplicity("conv_weight_factors", activation, K)
     windows, other = _factor_views(layer, activation, backprop)  # (B, C_w, *k, *L), (B, C_o, *L)
     return ConvFactors(_fold_windows(windows, groups=layer.groups, K=K),  # (N, G, I, K*L)
                        _fold_other(other, groups=layer.groups, K=K))  # (N, G, O, K*L)
 
 
+def _check_multiplicity(where: str, activation: torch.Tensor, K: int) -> None:
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1 or activation.shape[0] % K:
+        raise BatchLayoutError(f"{where}: augmentation_multiplicity must be an int >= 1 that divides the "
+                               f"{activation.shape[0]} rows, got {K!r}")
+
+
 def conv_weight_per_sample(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
-                           backprop: torch.Tensor, augmentation_multiplicity: int = 1) -> torch.Tensor:
+                           backprop: torch.Tensor, augmentation_multiplicity: int = 1,
+                           strategy: ConvStrategy | str | None = None) -> torch.Tensor:
     """``(N, *weight.shape)``: each sample's weight gradient, summed over its K rows.
 
-    The fastest route per layer type: a grouped-convolution weight gradient for ``nn.ConvNd``
-    (no unfolded patches), one batched matmul of the folded factors for transposed convolutions.
-    What the conv grad samplers use, and what a backend that materialises a conv layer's
-    per-sample gradients (e.g. ghost clipping, when that is cheaper than Gram matrices) can call.
+    Either the weight gradient of one grouped convolution over the samples (``grouped_conv``,
+    no unfolded patches) or the unfolded patches contracted with the output gradients in one
+    batched matmul (``unfold``); ``strategy=None`` takes the one
+    :func:`conv_per_sample_strategy` chooses (see :mod:`psg_core.grad_sample.conv_strategy`).
+    What the conv grad samplers use, and what ghost clipping calls when it materialises a conv
+    layer's per-sample gradients.
 
     >>> conv = nn.Conv2d(2, 4, 3, padding=1)
-    >>> conv_weight_per_sample(conv, torch.randn(6, 2, 5, 5), torch.randn(6, 4, 5, 5), 3).shape
+    >>> x, g = torch.randn(6, 2, 5, 5), torch.randn(6, 4, 5, 5)
+    >>> conv_weight_per_sample(conv, x, g, 3).shape
     torch.Size([2, 4, 2, 3, 3])
+    >>> torch.allclose(conv_weight_per_sample(conv, x, g, 3, strategy="unfold"),
+    ...                conv_weight_per_sample(conv, x, g, 3, strategy="grouped_conv"), atol=1e-5)
+    True
     """
     K = augmentation_multiplicity
-    if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        if isinstance(K, bool) or not isinstance(K, int) or K < 1 or activation.shape[0] % K:
-            raise BatchLayoutError(f"conv_weight_per_sample: augmentation_multiplicity must be an int >= 1 "
-                                   f"that divides the {activation.shape[0]} rows, got {K!r}")
-        _check_batched("conv_weight_per_sample", layer, activation, _spatial_dims(layer), "input")
-        _check_batched("conv_weight_per_sample", layer, backprop, _spatial_dims(layer), "output gradient")
-        return _conv_weight_by_grouped_conv(layer, activation, backprop, K)  # (N, *weight)
+    where = "conv_weight_per_sample"
+    _check_multiplicity(where, activation, K)
+    if not isinstance(layer, (*_CONV_TYPES, *_CONV_TRANSPOSE_TYPES)):
+        raise ConfigError(f"{where}: expected a convolution layer, got {type(layer).__qualname__}")
+    _check_batched(where, layer, activation, _spatial_dims(layer), "input")
+    _check_batched(where, layer, backprop, _spatial_dims(layer), "output gradient")
+    if strategy is None:
+        chosen = conv_per_sample_strategy(layer, activation, backprop, K)
+    else:
+        chosen = ConvStrategy(strategy)
+        if chosen not in PER_SAMPLE_STRATEGIES:
+            raise ConfigError(f"{where}: strategy must be one of {[s.value for s in PER_SAMPLE_STRATEGIES]} "
+                              f"(or None), got {strategy!r}")
+    return _PER_SAMPLE[chosen](layer, activation, backprop, K)  # (N, *weight)
+
+
+def _per_sample_by_unfold(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                          backprop: torch.Tensor, K: int) -> torch.Tensor:
+    """``(N, *weight)`` from the folded factors: one batched matmul over copies and positions."""
     patches, other = conv_weight_factors(layer, activation, backprop, K)  # (N, G, I, K*L), (N, G, O, K*L)
     grad = contract("ngoj,ngij->ngoi", other, patches)  # (N, G, O, I)
     return grad.reshape(grad.shape[0], *layer.weight.shape)  # (N, *weight)
+
+
+def _per_sample_by_grouped_conv(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                                backprop: torch.Tensor, K: int) -> torch.Tensor:
+    if isinstance(layer, _CONV_TYPES):
+        return _conv_weight_by_grouped_conv(layer, activation, backprop, K)
+    return _conv_transpose_weight_by_grouped_conv(layer, activation, backprop, K)
+
+
+_PerSampleFn = Callable[[Any, torch.Tensor, torch.Tensor, int], torch.Tensor]
+_PER_SAMPLE: dict[ConvStrategy, _PerSampleFn] = {ConvStrategy.GROUPED_CONV: _per_sample_by_grouped_conv,
+                                                 ConvStrategy.UNFOLD: _per_sample_by_unfold}
 
 
 def conv_weight_sum(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
@@ -276,12 +320,13 @@ def conv_weight_sum(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.T
     >>> torch.allclose(conv_weight_sum(conv, x, g), conv_weight_per_sample(conv, x, g).sum(0), atol=1e-5)
     True
     """
-    if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+    if isinstance(layer, _CONV_TYPES):
         dims = _spatial_dims(layer)
         _check_batched("conv_weight_sum", layer, activation, dims, "input")
         _check_batched("conv_weight_sum", layer, backprop, dims, "output gradient")
-        padded = _pad(activation, _padding_pairs(layer), layer.padding_mode)  # (B, C_in, *P)
-        return _conv_weight_grad(layer, padded, backprop, tuple(layer.weight.shape), layer.groups)
+        source, padding = _kernel_input(layer, activation)  # (B, C_in, *S), kernel's own padding
+        return _conv_weight_grad(layer, source, backprop, tuple(layer.weight.shape), layer.groups,
+                                 padding=padding)
     patches, other = conv_weight_factors(layer, activation, backprop)  # (B, G, I, L), (B, G, O, L)
     grad = contract("bgol,bgil->goi", other, patches)  # (G, O, I)
     return grad.reshape(layer.weight.shape)
@@ -294,7 +339,7 @@ def _factor_views(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Ten
     dims = _spatial_dims(layer)
     _check_batched("conv_weight_factors", layer, activation, dims, "input")
     _check_batched("conv_weight_factors", layer, backprop, dims, "output gradient")
-    if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+    if isinstance(layer, _CONV_TYPES):
         padded = _pad(activation, _padding_pairs(layer), layer.padding_mode)  # (B, C_in, *P)
         out_spatial = _conv_out_spatial(layer, list(padded.shape[2:]))
         if math.prod(out_spatial) != math.prod(backprop.shape[2:]):
@@ -305,18 +350,43 @@ def _factor_views(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Ten
                            dilation=layer.dilation, out_spatial=out_spatial,
                            where="conv_weight_factors")  # (B, C_in, *k, *L_out)
         return windows, backprop
-    if isinstance(layer, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
-        if layer.padding_mode != "zeros":
-            raise ConfigError(f"conv_weight_factors: {type(layer).__name__} only supports "
-                              f"padding_mode='zeros', got {layer.padding_mode!r}")
-        pairs = [(int(p), int(p)) for p in layer.padding]  # type: ignore[union-attr]
-        padded = _pad(backprop, pairs, "zeros")  # (B, C_out, *P)
+    if isinstance(layer, _CONV_TRANSPOSE_TYPES):
+        padded = _transpose_padded_backprop(layer, backprop, "conv_weight_factors")  # (B, C_out, *P)
         windows = _windows(padded, kernel_size=layer.kernel_size, stride=layer.stride,
                            dilation=layer.dilation, out_spatial=tuple(activation.shape[2:]),
                            where="conv_weight_factors")  # (B, C_out, *k, *L_in)
         return windows, activation
     raise ConfigError(f"conv_weight_factors: expected a convolution layer, got "
                       f"{type(layer).__qualname__}")
+
+
+def _transpose_padded_backprop(layer: _ConvTransposeLayer, backprop: torch.Tensor, where: str) -> torch.Tensor:
+    """A transposed convolution's output gradient padded by ``layer.padding``: the input of its
+    adjoint convolution (output space -> input space)."""
+    if layer.padding_mode != "zeros":
+        raise ConfigError(f"{where}: {type(layer).__name__} only supports padding_mode='zeros', got "
+                          f"{layer.padding_mode!r}")
+    pairs = [(int(p), int(p)) for p in layer.padding]  # type: ignore[union-attr]
+    return _pad(backprop, pairs, "zeros")  # (B, C_out, *P)
+
+
+def _kernel_input(layer: _ConvLayer, activation: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The input to hand torch's weight-gradient kernel and the padding it should apply itself.
+
+    Symmetric zero padding is the kernel's own job (no padded copy of the input); any other
+    padding (reflect, replicate, circular, an uneven ``"same"``) is applied here first.
+    """
+    pairs = _padding_pairs(layer)
+    if layer.padding_mode == "zeros" and all(before == after for before, after in pairs):
+        return activation, [before for before, _ in pairs]
+    return _pad(activation, pairs, layer.padding_mode), [0] * len(pairs)  # (B, C_in, *P)
+
+
+def _stack_samples(rows: torch.Tensor, K: int) -> torch.Tensor:
+    """``(N*K, C, *S)`` -> ``(K, N*C, *S)``: copies become the batch, samples channel groups."""
+    n_samples, channels = rows.shape[0] // K, rows.shape[1]
+    return rows.reshape(n_samples, K, channels, *rows.shape[2:]).transpose(0, 1).reshape(
+        K, n_samples * channels, *rows.shape[2:])
 
 
 def _conv_weight_by_grouped_conv(layer: _ConvLayer, activation: torch.Tensor, backprop: torch.Tensor,
@@ -331,32 +401,134 @@ def _conv_weight_by_grouped_conv(layer: _ConvLayer, activation: torch.Tensor, ba
     computes it, without unfolding patches (im2col would hold ``prod(kernel_size)`` copies of the
     input).
     """
-    rows, channels_in = activation.shape[:2]
-    n_samples = rows // K
-    padded = _pad(activation, _padding_pairs(layer), layer.padding_mode)  # (N*K, C_in, *P)
-    spatial_in, spatial_out = padded.shape[2:], backprop.shape[2:]
-    # (N*K, C, *S) -> (K, N*C, *S): copies become the batch, samples become channel groups.
-    stacked_in = padded.reshape(n_samples, K, channels_in, *spatial_in).transpose(0, 1).reshape(
-        K, n_samples * channels_in, *spatial_in)  # (K, N*C_in, *P)
-    channels_out = backprop.shape[1]
-    stacked_out = backprop.reshape(n_samples, K, channels_out, *spatial_out).transpose(0, 1).reshape(
-        K, n_samples * channels_out, *spatial_out)  # (K, N*C_out, *L)
-    weight_shape = (n_samples * channels_out, *layer.weight.shape[1:])
-    grad = _conv_weight_grad(layer, stacked_in, stacked_out, weight_shape,
-                             n_samples * layer.groups)  # (N*C_out, C_in/G, *k)
+    n_samples = activation.shape[0] // K
+    source, padding = _kernel_input(layer, activation)  # (N*K, C_in, *S)
+    weight_shape = (n_samples * layer.weight.shape[0], *layer.weight.shape[1:])
+    grad = _conv_weight_grad(layer, _stack_samples(source, K), _stack_samples(backprop, K), weight_shape,
+                             n_samples * layer.groups, padding=padding)  # (N*C_out, C_in/G, *k)
     return grad.view(n_samples, *layer.weight.shape)  # (N, *weight)
 
 
-def _conv_weight_grad(layer: _ConvLayer, padded: torch.Tensor, backprop: torch.Tensor,
-                      weight_shape: tuple[int, ...], groups: int) -> torch.Tensor:
-    """torch's convolution weight-gradient kernel alone, for an input already padded."""
+def _conv_transpose_weight_by_grouped_conv(layer: _ConvTransposeLayer, activation: torch.Tensor,
+                                           backprop: torch.Tensor, K: int) -> torch.Tensor:
+    """``(N, *weight.shape)`` for a transposed convolution, by the same grouped-convolution trick.
+
+    The weight ``(C_in, C_out/G, *k)`` of a transposed convolution is the weight of its adjoint
+    convolution, which maps the (padded) output space to the input space: its input is the
+    output gradient and its output gradient is the layer's input. Output positions that meet no
+    input (``output_padding``) are cut off so that the adjoint's output has the input's size.
+    """
+    n_samples = activation.shape[0] // K
+    where = "conv_weight_per_sample"
+    padded = _transpose_padded_backprop(layer, backprop, where)  # (N*K, C_out, *P)
+    needed = [(size - 1) * s + d * (k - 1) + 1 for size, k, s, d in
+              zip(activation.shape[2:], layer.kernel_size, layer.stride, layer.dilation)]
+    for axis, (have, need) in enumerate(zip(padded.shape[2:], needed)):
+        if need > have:
+            raise BatchLayoutError(
+                f"{where}: {type(layer).__name__}'s padded output gradient has {have} positions on spatial "
+                f"axis {axis}, fewer than the {need} its input of shape {tuple(activation.shape[2:])} needs")
+    cropped = padded
+    for axis, need in enumerate(needed):
+        cropped = cropped.narrow(2 + axis, 0, need)  # (N*K, C_out, *needed) in the end, a view
+    weight_shape = (n_samples * layer.weight.shape[0], *layer.weight.shape[1:])
+    grad = _conv_weight_grad(layer, _stack_samples(cropped, K), _stack_samples(activation, K), weight_shape,
+                             n_samples * layer.groups, padding=[0] * len(needed))  # (N*C_in, C_out/G, *k)
+    return grad.view(n_samples, *layer.weight.shape)  # (N, *weight)
+
+
+def _conv_weight_grad(layer: _ConvLayer | _ConvTransposeLayer, source: torch.Tensor, backprop: torch.Tensor,
+                      weight_shape: tuple[int, ...], groups: int, *, padding: list[int]) -> torch.Tensor:
+    """torch's convolution weight-gradient kernel alone: the gradient of a (non-transposed)
+    convolution of ``source`` with ``padding`` whose output gradient is ``backprop``."""
     dims = _spatial_dims(layer)
     # Only the weight's shape is read (no input gradient is asked for): a broadcast scalar will do.
-    weight = padded.new_empty(()).expand(weight_shape)
+    weight = source.new_empty(()).expand(weight_shape)
     _, grad, _ = torch.ops.aten.convolution_backward(
-        backprop, padded, weight, None, list(layer.stride), [0] * dims, list(layer.dilation),
+        backprop, source, weight, None, list(layer.stride), padding, list(layer.dilation),
         False, [0] * dims, groups, [False, True, False])  # weight_shape
     return grad
+
+
+# ------------------------------------------------------------------------------ strategy choice
+
+
+class _Sizes(NamedTuple):
+    """The sizes the strategies' costs depend on (elements, per call)."""
+
+    samples: int  # N
+    groups: int  # G
+    out_per_group: int  # O: weight rows per group
+    patch: int  # I: unfolded patch length per group
+    positions: int  # T = K * L: positions each sample sums over
+    weight: int  # weight.numel()
+    activations: int  # elements of the input and the output gradient: alive anyway
+
+    @classmethod
+    def of(cls, layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor, backprop: torch.Tensor,
+           K: int) -> _Sizes:
+        groups = layer.groups
+        kernel = math.prod(layer.kernel_size)
+        if isinstance(layer, _CONV_TYPES):
+            out_per_group, patch = layer.out_channels // groups, layer.in_channels // groups * kernel
+            positions = K * math.prod(backprop.shape[2:])
+        else:
+            out_per_group, patch = layer.in_channels // groups, layer.out_channels // groups * kernel
+            positions = K * math.prod(activation.shape[2:])
+        return cls(activation.shape[0] // K, groups, out_per_group, patch, positions, layer.weight.numel(),
+                   activation.numel() + backprop.numel())
+
+    def factors(self) -> int:
+        """Elements of the unfolded patches (the other factor is copied only when K > 1, and
+        then it is at most the output gradient's size)."""
+        return self.samples * self.groups * self.patch * self.positions
+
+    def per_sample_footprints(self) -> dict[ConvStrategy, int]:
+        """Extra elements each way holds: the gradients, plus unfold's patches."""
+        materialised = self.samples * self.weight
+        return {ConvStrategy.GROUPED_CONV: materialised, ConvStrategy.UNFOLD: materialised + self.factors()}
+
+    def ghost_footprints(self) -> dict[ConvStrategy, int]:
+        """As :meth:`per_sample_footprints`, and the Gram pair: the patches, two ``(T, T)`` Grams
+        per sample and group, and the activations kept for the clipped sum."""
+        grams = 2 * self.samples * self.groups * self.positions * self.positions
+        return {**self.per_sample_footprints(), ConvStrategy.GRAM: self.factors() + grams + self.activations}
+
+
+def _signature(purpose: str, layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+               backprop: torch.Tensor, K: int) -> tuple[Any, ...]:
+    """What a measured choice is cached under: the layer's hyper-parameters, per-row shapes, N
+    rounded up to a power of two (Poisson-sampled batches vary in size every step), K, dtypes and
+    device."""
+    n_samples = activation.shape[0] // K
+    bucket = 1 << max(0, n_samples - 1).bit_length()
+    hyper = (type(layer).__qualname__, layer.in_channels, layer.out_channels, tuple(layer.kernel_size),
+             tuple(layer.stride), layer.padding, tuple(layer.dilation), layer.groups, layer.padding_mode,
+             tuple(layer.output_padding))
+    return (purpose, hyper, tuple(activation.shape[1:]), tuple(backprop.shape[1:]), bucket, K,
+            activation.dtype, backprop.dtype, backprop.device)
+
+
+def conv_per_sample_strategy(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                             backprop: torch.Tensor, K: int) -> ConvStrategy:
+    """``grouped_conv`` or ``unfold`` for this call: forced, by rule, or measured once per
+    signature (see :mod:`psg_core.grad_sample.conv_strategy`).
+
+    >>> conv = nn.Conv2d(3, 8, 3)
+    >>> conv_per_sample_strategy(conv, torch.randn(4, 3, 8, 8), torch.randn(4, 8, 6, 6), 1)  # CPU rule
+    <ConvStrategy.UNFOLD: 'unfold'>
+    """
+    device = backprop.device
+    mode = current_conv_strategy(device)
+    if mode in PER_SAMPLE_STRATEGIES:
+        return mode
+    sizes = _Sizes.of(layer, activation, backprop, K)
+    allowed = admissible(sizes.per_sample_footprints(), sizes.activations)
+    if mode is ConvStrategy.AUTO:
+        candidates = {s: functools.partial(_PER_SAMPLE[s], layer, activation, backprop, K) for s in allowed}
+        return choose_measured(_signature("per_sample", layer, activation, backprop, K), candidates, device)
+    return rule_per_sample(device=device, groups=sizes.groups, out_per_group=sizes.out_per_group,
+                           patch=sizes.patch, positions=sizes.positions, fits=ConvStrategy.UNFOLD in allowed)
 
 
 def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
@@ -365,8 +537,7 @@ def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.
     if wants_grad(layer.weight):
         out[layer.weight] = conv_weight_per_sample(layer, activation, backprops, K)  # (N, *weight)
     if wants_grad(layer.bias):
-        g = fold_rows(backprops.flatten(2), K)  # (N, K, C_out, L_out)
-        out[layer.bias] = contract("nkol->no", g)  # (N, C_out)
+        out[layer.bias] = fold_rows(backprops.flatten(2), K).sum((1, 3))  # (N, C_out)
     return out
 
 
@@ -428,9 +599,48 @@ def _conv_gram_is_cheaper(layer: _ConvLayer | _ConvTransposeLayer, positions: in
     return 2 * layer.groups * positions * positions <= layer.weight.numel()
 
 
+def _conv_prefers_gram(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                       backprop: torch.Tensor, K: int) -> bool | None:
+    """Ghost clipping's choice for one call: the Gram pair (True) or the materialised per-sample
+    gradient (False); None leaves it to :func:`_conv_gram_is_cheaper` (strategy ``rule``).
+
+    ``auto`` times the three ways on the call's tensors, each with what it costs later in the
+    step: the Gram pair's norms plus the weight-gradient kernel of its clipped sum, or a
+    materialised gradient (``grouped_conv`` or ``unfold``) and its norm.
+    """
+    device = backprop.device
+    mode = current_conv_strategy(device)
+    if mode is ConvStrategy.GRAM:
+        return True
+    if mode in PER_SAMPLE_STRATEGIES:
+        return False
+    if mode is not ConvStrategy.AUTO:
+        return None
+    sizes = _Sizes.of(layer, activation, backprop, K)
+    allowed = admissible(sizes.ghost_footprints(), sizes.activations)
+    candidates = {s: functools.partial(_ghost_candidate, s, layer, activation, backprop, K) for s in allowed}
+    choice = choose_measured(_signature("ghost", layer, activation, backprop, K), candidates, device)
+    if choice is not ConvStrategy.GRAM and all(s in allowed for s in PER_SAMPLE_STRATEGIES):
+        # The materialised gradient will come from the grad sampler: it need not measure again.
+        seed_cache(_signature("per_sample", layer, activation, backprop, K), choice)
+    return choice is ConvStrategy.GRAM
+
+
+def _ghost_candidate(strategy: ConvStrategy, layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
+                     backprop: torch.Tensor, K: int) -> None:
+    """One way of getting ghost's per-sample norms of a conv weight (for timing only)."""
+    if strategy is ConvStrategy.GRAM:
+        factors, _ = conv_ghost_factors(layer, activation, backprop, K)
+        factors.sq_norms(torch.float32)  # (N,)
+        _conv_weight_sum(layer, activation, backprop)  # the clipped sum's kernel, later in the step
+        return
+    grad = _PER_SAMPLE[strategy](layer, activation, backprop, K)  # (N, *weight)
+    torch.linalg.vector_norm(grad.flatten(1), dim=1)  # (N,)
+
+
 @register_ghost_norm(nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                      nn.ConvTranspose3d, weight_sum=_conv_weight_sum, positions=_conv_positions,
-                     is_cheaper=_conv_gram_is_cheaper)
+                     is_cheaper=_conv_gram_is_cheaper, choose=_conv_prefers_gram)
 def conv_ghost_factors(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
                        backprop: torch.Tensor, K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """The unfolded factors of :func:`conv_weight_factors`, one Gram pair per group.

@@ -14,7 +14,10 @@ family says how its gradient factors, beside its grad sampler, with :func:`regis
 * ``positions(layer, activation, output, batch_dim)``: the factor rows one input row
   contributes (sequence length, convolution positions), known at the forward call;
 * ``is_cheaper(layer, positions)``: whether the Gram pair beats materialising the per-sample
-  weight gradient (default: ``2 * T^2 <= weight.numel()``).
+  weight gradient (default: ``2 * T^2 <= weight.numel()``);
+* optionally ``choose(layer, activation, backprop, K)``: the same question asked with a
+  single-call layer's tensors in hand (the convolutions measure, see
+  :mod:`psg_core.grad_sample.conv_strategy`); None defers to ``is_cheaper``.
 
 ``activation``, ``backprop`` are batch-first with ``N*K`` rows, sample-major.
 """
@@ -109,6 +112,9 @@ WeightSumFn = Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
 PositionsFn = Callable[[Any, torch.Tensor, Any, int], int | None]
 #: ``is_cheaper(layer, positions) -> bool`` with ``positions = K * sum over calls``.
 CostRule = Callable[[Any, int], bool]
+#: ``choose(layer, activation, backprop, K) -> bool | None``: Gram factors (True) or the
+#: materialised gradient (False) for one call's tensors; None defers to the cost rule.
+ChooseFn = Callable[[Any, torch.Tensor, torch.Tensor, int], bool | None]
 
 _Factors = TypeVar("_Factors", bound=FactorFn)
 
@@ -124,6 +130,7 @@ class GhostNormEntry:
     cost_rule: CostRule | None = None
     #: the attribute holding the parameter the factors describe.
     parameter: str = "weight"
+    chooser: ChooseFn | None = None
 
     def weight(self, layer: nn.Module) -> torch.Tensor | None:
         """The parameter whose norm the factors give (None if the layer has none)."""
@@ -138,6 +145,12 @@ class GhostNormEntry:
         weight = self.weight(layer)
         return weight is not None and 2 * positions * positions <= weight.numel()
 
+    def choose(self, layer: nn.Module, activation: torch.Tensor, backprop: torch.Tensor, K: int) -> bool | None:
+        """Gram factors (True) or the materialised gradient (False) for a layer called once with
+        these batch-first tensors; None when the family has no such choice (ask
+        :meth:`is_cheaper`)."""
+        return None if self.chooser is None else self.chooser(layer, activation, backprop, K)
+
 
 class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
     """Maps layer types to ghost norms; lookup walks the class MRO (a subclass that overrides
@@ -148,21 +161,22 @@ class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
 
     def register(self, *layer_types: LayerKey, weight_sum: WeightSumFn, positions: PositionsFn,
                  is_cheaper: CostRule | None = None, parameter: str = "weight",
-                 replace: bool = False) -> Callable[[_Factors], _Factors]:
+                 replace: bool = False, choose: ChooseFn | None = None) -> Callable[[_Factors], _Factors]:
         """Decorator registering a factor function; see :func:`register_ghost_norm`."""
         self.check_keys(layer_types)
         for name, piece in (("weight_sum", weight_sum), ("positions", positions)):
             if not callable(piece):
                 raise ConfigError(f"register_ghost_norm: {name} must be callable, got {piece!r}")
-        if is_cheaper is not None and not callable(is_cheaper):
-            raise ConfigError(f"register_ghost_norm: is_cheaper must be callable or None, got {is_cheaper!r}")
+        for name, optional in (("is_cheaper", is_cheaper), ("choose", choose)):
+            if optional is not None and not callable(optional):
+                raise ConfigError(f"register_ghost_norm: {name} must be callable or None, got {optional!r}")
         if not (isinstance(parameter, str) and parameter.isidentifier()):
             raise ConfigError(f"register_ghost_norm: parameter must be an attribute name, got {parameter!r}")
 
         def decorator(fn: _Factors) -> _Factors:
             self.add(layer_types, lambda layer_type: GhostNormEntry(
                 fn, layer_type, weight_sum=weight_sum, positions=positions, cost_rule=is_cheaper,
-                parameter=parameter), replace=replace)
+                parameter=parameter, chooser=choose), replace=replace)
             return fn
 
         return decorator
@@ -174,7 +188,7 @@ GHOST_NORMS = GhostNormRegistry()
 
 def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positions: PositionsFn,
                         is_cheaper: CostRule | None = None, parameter: str = "weight",
-                        replace: bool = False) -> Callable[[_Factors], _Factors]:
+                        replace: bool = False, choose: ChooseFn | None = None) -> Callable[[_Factors], _Factors]:
     """Registers how the ghost backend gets per-sample norms of ``layer_types``' weight.
 
     The decorated function is ``factors(layer, activation, backprop, K)``: from the layer's
@@ -193,6 +207,9 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positio
         is_cheaper: ``(layer, positions) -> bool``; default ``2 * positions**2 <= weight.numel()``.
         parameter: the attribute holding the weight the factors describe.
         replace: override an existing registration instead of raising :class:`ConfigError`.
+        choose: ``(layer, activation, backprop, K) -> bool | None``, asked instead of
+            ``is_cheaper`` when the layer is called once per pass, with that call's tensors
+            (None: ask ``is_cheaper``).
 
     A layer ``y = x @ W`` (weight ``(d_in, d_out)``), with its grad sampler and its ghost norm:
 
@@ -226,4 +243,4 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positio
     >>> GHOST_NORMS.unregister(RightMatmul); psg_core.GRAD_SAMPLERS.unregister(RightMatmul)
     """
     return GHOST_NORMS.register(*layer_types, weight_sum=weight_sum, positions=positions,
-                                is_cheaper=is_cheaper, parameter=parameter, replace=replace)
+                                is_cheaper=is_cheaper, parameter=parameter, replace=replace, choose=choose)

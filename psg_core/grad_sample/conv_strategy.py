@@ -1,0 +1,283 @@
+"""How convolutions get their per-sample weight gradients (and ghost norms): the kernel choice.
+
+The same per-sample gradient can be computed several ways, and which one is fastest depends on
+the layer's shape, the dtype and the device (on one H100 cuDNN's grouped weight-gradient kernel is
+3x slower than unfold + bmm at a CIFAR CNN's shape; on a CPU the grouped kernel wins there and
+loses on wide layers with few positions):
+
+* ``grouped_conv``: stack the samples along channels and take the weight gradient of one grouped
+  convolution (``groups = N * G``) whose batch is the K copies: no unfolded patches;
+* ``unfold``: copy out the im2col patches and contract them with the output gradients (one
+  batched matmul per sample and group), as Opacus does;
+* ``gram`` (ghost clipping only): the per-sample *norm* from two ``(T, T)`` Gram matrices, never
+  the gradient; its clipped sum comes from one weight-gradient kernel over the batch.
+
+The choice is made per call signature (layer hyper-parameters, per-row shapes, the batch size
+rounded up to a power of two, K, dtype, device) in one of three ways:
+
+* ``auto``: the candidates are timed once on the call's own tensors and the fastest is cached
+  for the process, as ``torch.backends.cudnn.benchmark`` does (so the first step with a new
+  shape synchronises with the device while it measures; later steps do not). Candidates that
+  would need orders of magnitude more memory than the leanest one are not tried (see
+  :func:`admissible`).
+* ``rule``: a fixed rule of the shapes, no measurement (see :func:`rule_per_sample`).
+* a forced strategy: ``grouped_conv``, ``unfold`` or ``gram`` wherever it applies, the rule
+  elsewhere (``gram`` forces ghost's Gram norms; per-sample gradients then follow the rule).
+
+The default is ``auto`` on CUDA and ``rule`` on CPU. On CPU the kernels' relative costs follow
+the shapes closely enough for a rule, while a measurement of a few milliseconds is at the mercy
+of whatever else runs on the cores (on a shared 2-core host the same kernel's time varied 3-8x
+between runs), so an ``auto`` choice would be noisy and not reproducible from run to run; and it
+would cost several steps' worth of time per new shape. The environment variable
+``PSG_CONV_STRATEGY`` changes the default; :func:`set_conv_strategy` and the
+:func:`conv_strategy` context manager override both.
+
+>>> with conv_strategy("unfold"):
+...     current_conv_strategy(torch.device("cpu"))
+<ConvStrategy.UNFOLD: 'unfold'>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from psg_core.errors import ConfigError
+
+__all__ = ["ConvStrategy", "PER_SAMPLE_STRATEGIES", "ENVIRONMENT_VARIABLE", "set_conv_strategy",
+           "get_conv_strategy", "conv_strategy", "current_conv_strategy", "clear_conv_strategy_cache",
+           "conv_strategy_cache", "choose_measured", "admissible", "rule_per_sample"]
+
+logger = logging.getLogger(__name__)
+
+#: The environment variable that sets the default strategy (``auto``, ``rule``, ``grouped_conv``,
+#: ``unfold`` or ``gram``).
+ENVIRONMENT_VARIABLE = "PSG_CONV_STRATEGY"
+
+
+class ConvStrategy(str, enum.Enum):
+    """How a convolution's per-sample weight gradient (or ghost norm) is computed."""
+
+    #: measure the candidates once per call signature, keep the fastest for the process.
+    AUTO = "auto"
+    #: a fixed rule of the shapes (see :func:`rule_per_sample`), no measurement.
+    RULE = "rule"
+    #: the weight gradient of one grouped convolution over the samples.
+    GROUPED_CONV = "grouped_conv"
+    #: im2col patches contracted with the output gradients.
+    UNFOLD = "unfold"
+    #: ghost clipping only: per-sample norms from Gram matrices.
+    GRAM = "gram"
+
+
+#: The strategies that materialise per-sample gradients.
+PER_SAMPLE_STRATEGIES = (ConvStrategy.GROUPED_CONV, ConvStrategy.UNFOLD)
+
+_LOCK = threading.RLock()
+_forced: ConvStrategy | None = None
+#: signature -> chosen strategy (``auto`` only).
+_cache: dict[tuple[Any, ...], ConvStrategy] = {}
+#: timed rounds per candidate after one untimed call; the minimum is kept.
+_ROUNDS = 3
+
+
+def _parse(strategy: ConvStrategy | str, *, where: str) -> ConvStrategy:
+    try:
+        return ConvStrategy(strategy)
+    except ValueError:
+        raise ConfigError(f"{where}: unknown convolution strategy {strategy!r}; expected one of "
+                          f"{[s.value for s in ConvStrategy]}") from None
+
+
+def set_conv_strategy(strategy: ConvStrategy | str | None) -> None:
+    """Sets how convolutions compute per-sample gradients and ghost norms, for the process.
+
+    Args:
+        strategy: ``"auto"`` (measure once per shape, cache), ``"rule"`` (fixed rule),
+            ``"grouped_conv"``, ``"unfold"`` or ``"gram"`` (forced where it applies, the rule
+            elsewhere), or None to go back to the default (``PSG_CONV_STRATEGY``, else ``auto``
+            on CUDA and ``rule`` on CPU).
+
+    >>> set_conv_strategy("grouped_conv"); get_conv_strategy()
+    <ConvStrategy.GROUPED_CONV: 'grouped_conv'>
+    >>> set_conv_strategy(None); get_conv_strategy() is None
+    True
+    """
+    global _forced
+    _forced = None if strategy is None else _parse(strategy, where="set_conv_strategy")
+
+
+def get_conv_strategy() -> ConvStrategy | None:
+    """The strategy set by :func:`set_conv_strategy` (None: the default applies)."""
+    return _forced
+
+
+@contextlib.contextmanager
+def conv_strategy(strategy: ConvStrategy | str | None) -> Iterator[None]:
+    """:func:`set_conv_strategy` for the duration of a block, then the previous setting.
+
+    >>> with conv_strategy("rule"):
+    ...     get_conv_strategy()
+    <ConvStrategy.RULE: 'rule'>
+    """
+    previous = _forced
+    set_conv_strategy(strategy)
+    try:
+        yield
+    finally:
+        set_conv_strategy(previous)
+
+
+def current_conv_strategy(device: torch.device) -> ConvStrategy:
+    """The strategy in force for tensors on ``device``: the one set, else ``PSG_CONV_STRATEGY``,
+    else ``auto`` on CUDA and ``rule`` elsewhere (see the module docstring for why)."""
+    if _forced is not None:
+        return _forced
+    from_env = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
+    if from_env:
+        return _parse(from_env, where=f"environment variable {ENVIRONMENT_VARIABLE}")
+    return ConvStrategy.AUTO if device.type == "cuda" else ConvStrategy.RULE
+
+
+def clear_conv_strategy_cache() -> None:
+    """Forgets every measured choice (the next call of each signature measures again)."""
+    with _LOCK:
+        _cache.clear()
+
+
+def conv_strategy_cache() -> dict[tuple[Any, ...], ConvStrategy]:
+    """A copy of the measured choices: ``{signature: strategy}``."""
+    with _LOCK:
+        return dict(_cache)
+
+
+def seed_cache(key: tuple[Any, ...], strategy: ConvStrategy) -> None:
+    """Records ``strategy`` for ``key`` unless a choice is cached already."""
+    with _LOCK:
+        _cache.setdefault(key, strategy)
+
+
+# ------------------------------------------------------------------------------ measurement
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _out_of_memory(err: RuntimeError) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err)
+
+
+def _time(candidates: Mapping[ConvStrategy, Callable[[], Any]], device: torch.device) -> dict[ConvStrategy, float]:
+    """Seconds per candidate: one untimed call each, then rounds of one call of every candidate
+    (so load drifting during the measurement hits them alike); the minimum per candidate."""
+    alive: dict[ConvStrategy, Callable[[], Any]] = {}
+    for strategy, run in candidates.items():
+        try:
+            run()  # untimed: lazy initialisation, cuDNN's own algorithm search
+        except RuntimeError as err:
+            if not _out_of_memory(err):
+                raise
+            logger.debug("conv strategy %s ran out of memory; not a candidate", strategy.value)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        alive[strategy] = run
+    best = {strategy: math.inf for strategy in alive}
+    for _ in range(_ROUNDS):
+        for strategy, run in alive.items():
+            _synchronize(device)
+            start = time.perf_counter()
+            run()
+            _synchronize(device)
+            best[strategy] = min(best[strategy], time.perf_counter() - start)
+    return best
+
+
+def choose_measured(key: tuple[Any, ...], candidates: Mapping[ConvStrategy, Callable[[], Any]],
+                    device: torch.device) -> ConvStrategy:
+    """The cached choice for ``key``, or the fastest of ``candidates`` (timed now, then cached).
+
+    ``candidates`` maps each strategy to a call that runs it on the real tensors (its result is
+    dropped). One candidate is returned without timing.
+    """
+    with _LOCK:
+        hit = _cache.get(key)
+        if hit is not None:
+            return hit
+        if len(candidates) == 1:
+            choice = next(iter(candidates))
+        else:
+            with torch.no_grad():
+                seconds = _time(candidates, device)
+            if not seconds:
+                raise torch.OutOfMemoryError(f"conv strategy: every candidate of {key} ran out of memory")
+            choice = min(seconds, key=lambda s: seconds[s])
+            logger.debug("conv strategy for %s: %s (%s)", key, choice.value,
+                         ", ".join(f"{s.value} {t * 1e3:.3f} ms" for s, t in seconds.items()))
+        _cache[key] = choice
+        return choice
+
+
+def admissible(footprints: Mapping[ConvStrategy, int], baseline: int) -> list[ConvStrategy]:
+    """The strategies whose extra memory (elements) is at most twice the leanest one's plus eight
+    times ``baseline`` (the layer's own input and output gradient, alive anyway).
+
+    A faster way may use memory of the order of the layer's activations (unfolding a 3x3
+    convolution copies its input 9 times, about 4.5 times input and output gradient together,
+    as Opacus does), never orders of magnitude more: not ``(T, T)`` Gram matrices over a
+    thousand positions, nor a wide weight materialised for every sample of a layer with few
+    positions.
+
+    >>> admissible({ConvStrategy.GROUPED_CONV: 10, ConvStrategy.UNFOLD: 900}, baseline=100)
+    [<ConvStrategy.GROUPED_CONV: 'grouped_conv'>]
+    """
+    leanest = min(footprints.values())
+    return [s for s, size in footprints.items() if size <= 2 * leanest + 8 * baseline]
+
+
+# ------------------------------------------------------------------------------ rules
+def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, patch: int,
+                    positions: int, fits: bool) -> ConvStrategy:
+    """The fixed rule between ``grouped_conv`` and ``unfold`` for materialised gradients.
+
+    Args:
+        device: where the tensors are.
+        groups: G.
+        out_per_group: O, output channels of the weight per group (``C_out / G``; ``C_in / G``
+            for a transposed convolution).
+        patch: I, the unfolded patch length per group (``C_in / G * prod(kernel)``).
+        positions: T, positions per sample (``K * L``).
+        fits: whether unfolding stays within :func:`admissible`'s memory bound.
+
+    CPU (measured with one thread on a 2-core Xeon, torch 2.13): the grouped kernel wins by
+    1.2-4x wherever its per-group weight ``O * I`` is modest next to the positions it sums over;
+    unfold + bmm wins by 1.3-2.3x on wide layers with few positions (``O * I >= 512 * T``: 128
+    channels at 8x8, 256 at 4x4) and by ~1.5x on a first layer with few input channels
+    (``I <= 32``), where the grouped kernel's tiny channel groups are slow. Grouped and depthwise
+    convolutions keep the grouped kernel. CUDA (used only when measuring is off): unfold + bmm
+    whenever it fits and G = 1, since cuDNN's grouped weight gradient with ``N * G`` groups falls
+    back to a slow generic kernel (issue 23's H100 profile of the CIFAR CNN).
+
+    >>> rule_per_sample(device=torch.device("cpu"), groups=1, out_per_group=128, patch=1152,
+    ...                 positions=64, fits=True)
+    <ConvStrategy.UNFOLD: 'unfold'>
+    >>> rule_per_sample(device=torch.device("cpu"), groups=1, out_per_group=32, patch=288,
+    ...                 positions=1024, fits=True)
+    <ConvStrategy.GROUPED_CONV: 'grouped_conv'>
+    """
+    if groups != 1 or not fits:
+        return ConvStrategy.GROUPED_CONV
+    if device.type == "cuda":
+        return ConvStrategy.UNFOLD
+    if patch <= 32 or out_per_group * patch >= 512 * positions:
+        return ConvStrategy.UNFOLD
+    return ConvStrategy.GROUPED_CONV
