@@ -338,3 +338,26 @@ def test_an_idle_request_stream_is_ended() -> None:
             release.set()
         assert (code, reason) == (Code.DEADLINE_EXCEEDED, "STREAM_IDLE") and "sent nothing for 0.5 s" in details
         session.compute_gradients(*mlp_batch(4))  # streams that keep sending are served as before
+
+
+def test_the_first_failing_check_gives_the_reason(stub: pb_grpc.GradientServiceStub, alice: GradientClient,
+                                                  session: Any) -> None:
+    # proto/README.md, "Which reason wins": a request wrong in several ways always gets the same one
+    both = pb.CreateSessionRequest(model="gpt5", model_kwargs_json="[" * 20_000, loss="hinge", expected_batch_size=0,
+                                   dp=pb.DPSettings(mode="magic"))
+    assert status_of(lambda: stub.CreateSession(both, timeout=30))[::2] == (Code.UNAUTHENTICATED, "UNAUTHENTICATED")
+    assert status_of(lambda: stub.CreateSession(both, metadata=ALICE, timeout=30))[::2] == \
+        (Code.NOT_FOUND, "MODEL_NOT_FOUND")
+    garbage = [TensorHeader(name="inputs/0", dtype="float8", shape=[2, 6], num_bytes=1)]
+    assert status_of(lambda: run_compute(stub, session.id, 7, garbage))[::2] == \
+        (Code.FAILED_PRECONDITION, "PARAMETERS_MISSING")  # decided at the header, before any tensor
+    assert status_of(lambda: run_compute(stub, "no-such-session", 1, garbage))[::2] == \
+        (Code.NOT_FOUND, "SESSION_NOT_FOUND")
+
+
+def test_a_session_without_noise_and_a_second_close(alice: GradientClient) -> None:
+    created = alice.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4)
+    info = created.info()
+    assert info.delta == 0 and math.isinf(info.epsilon_spent) and math.isinf(info.budget_left)
+    created.close()
+    assert status_of(created.close)[::2] == (Code.NOT_FOUND, "SESSION_NOT_FOUND")
