@@ -6,9 +6,12 @@
 * Topology: every command parses with the real CLI it names (psg-server's parser, Ray's click
   commands, psg-health's parser), addresses and ports agree across services, the GPU worker reserves
   GPUs and can be scaled, secrets and the Ray token reach every node.
-* Dockerfiles, by rule: a pinned base tag, a non-root USER, a psg-health HEALTHCHECK, no secrets,
-  every COPY source present and let through .dockerignore, versions that agree across images.
+* Dockerfiles, by rule: a pinned base tag, a non-root USER, a HEALTHCHECK by role (psg-health in
+  the frontend, the raylet's health elsewhere), no secrets, every COPY source present and let
+  through .dockerignore, versions that agree across images.
 * k8s manifests parse and agree with the compose file on image, ports and commands.
+* make-secrets.sh writes what compose mounts, TLS files a psg-server serves with included; the
+  README tells a trainer how to get its token and the client, and lists the tools it uses.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import fnmatch
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import tomllib
 from collections.abc import Iterator
@@ -323,12 +327,10 @@ def test_dockerfile_rules(dockerfile: Path) -> None:
     users = [i for i in instructions if i.keyword == "USER"]
     assert users and users[-1].arguments.split(":")[0] not in ("root", "0")
     assert keywords.index("USER") < keywords.index("ENTRYPOINT") and keywords.index("USER") < keywords.index("CMD")
-    # A health check through psg-health, with flags psg-health accepts.
+    # A health check by role (healthcheck.sh, installed by COPY; its psg-health call is checked below).
     (health,) = [i for i in instructions if i.keyword == "HEALTHCHECK"]
     options, _, command = health.arguments.partition("CMD ")
-    probe = json.loads(command)
-    assert probe[0] == "psg-health"
-    health_parser(environ={}).parse_args(probe[1:])
+    assert json.loads(command) == ["psg-container-health"]
     assert re.search(r"--timeout=\d+s", options) and re.search(r"--start-period=\d+s", options)
     # Entry point: the join-then-exec script, installed by COPY; default command psg-server.
     assert instructions[keywords.index("ENTRYPOINT")].json_args() == ["psg-entrypoint"]
@@ -361,7 +363,7 @@ def test_dockerfile_copies_exist_and_pass_dockerignore(dockerfile: Path) -> None
             python_files = [f for f in files if f.endswith((".py", ".toml", ".md", ".txt", ".sh", ".typed"))]
             assert set(python_files) <= set(let_through), \
                 f"{dockerfile.name}: .dockerignore drops {sorted(set(python_files) - set(let_through))[:3]}"
-    assert "/usr/local/bin/psg-entrypoint" in destinations
+    assert {"/usr/local/bin/psg-entrypoint", "/usr/local/bin/psg-container-health"} <= set(destinations)
     # What must never reach a build context.
     for secret_like in (".venv/bin/python", ".git/config", "deploy/secrets/psg_tokens.txt",
                         "deploy/secrets/ray_auth_token", "tests/data/compose-spec.json", "server/tls.key"):
@@ -430,6 +432,47 @@ def test_entrypoint_script() -> None:
     assert subprocess.run(["sh", "-n", str(script)], check=False).returncode == 0
     text = script.read_text()
     assert text.startswith("#!/bin/sh\n") and "set -eu" in text and 'exec "$@"' in text
+
+
+def _container_health(tmp_path: Path, processes: list[list[str]], answers: int = 0) -> tuple[int, list[str]]:
+    """Runs the images' health check in a container whose processes run ``processes`` (a /proc of
+    its own) with psg-health and wget stubbed; returns its exit status and the probe it ran."""
+    proc, bin_dir, calls = tmp_path / "proc", tmp_path / "bin", tmp_path / "calls"
+    for pid, argv in enumerate(processes, start=1):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    bin_dir.mkdir()
+    for stub in ("psg-health", "wget"):
+        (bin_dir / stub).write_text(f'#!/bin/sh\nprintf "%s\\n" {stub} "$@" > "{calls}"\nexit {answers}\n')
+        (bin_dir / stub).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PSG_HEALTH_PROC": str(proc)}
+    result = subprocess.run(["sh", str(DEPLOY / "docker" / "healthcheck.sh")], env=env, capture_output=True,
+                            text=True, timeout=30, check=False)
+    return result.returncode, calls.read_text().splitlines() if calls.exists() else []
+
+
+@pytest.mark.parametrize("role", ["frontend", "ray-head", "gpu-worker", "other"])
+def test_the_image_health_check_follows_the_container_s_role(tmp_path: Path, role: str) -> None:
+    raylet = ["/opt/conda/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet", "--node_ip_address=10.0.0.2"]
+    processes = {
+        "frontend": [["tini", "--", "psg-entrypoint", "psg-server"], raylet,
+                     ["/opt/conda/bin/python", "/opt/conda/bin/psg-server", "--ray-address", "ray-head:6379"]],
+        "ray-head": [["/opt/conda/bin/python", "/opt/conda/bin/ray", "start", "--head", "--block"], raylet],
+        "gpu-worker": [["/opt/conda/bin/python", "/opt/conda/bin/ray", "start", "--address=10.0.0.1:6379"], raylet,
+                       ["ray::GradientWorker"]],
+        "other": [["python", "train.py"]],
+    }[role]
+    status, probe = _container_health(tmp_path, processes)
+    assert status == 0
+    if role == "frontend":  # a GPU worker host must not be probed as a frontend (issue: always unhealthy)
+        assert probe[0] == "psg-health"
+        health_parser(environ={}).parse_args(probe[1:])
+    elif role in ("ray-head", "gpu-worker"):
+        assert probe[0] == "wget" and probe[-1] == "http://127.0.0.1:52365/api/local_raylet_healthz"
+    else:
+        assert probe == []
+    if probe:  # a failing probe makes the container unhealthy
+        assert _container_health(tmp_path / "failing", processes, answers=1)[0] == 1
 
 
 # --------------------------------------------------------------------------------------- Kubernetes
@@ -551,3 +594,83 @@ def test_deploy_readme_names_files_and_commands_that_exist() -> None:
     # Used as a command with flags (not a container or Secret name given to --name / create secret).
     commands = set(re.findall(r"(?<!--name )(?<!generic )\b(psg-[a-z]+) --", text))
     assert {"psg-server", "psg-health"} <= commands <= set(scripts)
+
+
+# ----------------------------------------------------------------------------------- make-secrets.sh
+def _make_secrets(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs a copy of make-secrets.sh in ``tmp_path`` (it writes beside itself, never into deploy/)."""
+    script = tmp_path / "make-secrets.sh"
+    script.write_bytes((DEPLOY / "make-secrets.sh").read_bytes())
+    return subprocess.run(["sh", str(script), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_make_secrets_writes_what_compose_mounts(tmp_path: Path, gpu_model: dict[str, Any]) -> None:
+    result = _make_secrets(tmp_path)
+    assert result.returncode == 0, result.stderr
+    for secret in gpu_model["secrets"].values():  # "./secrets/..." beside the compose file, here beside the script
+        written = tmp_path / secret["file"]
+        assert written.is_file() and written.stat().st_mode & 0o077 == 0, written
+    label, token = (tmp_path / "secrets" / "psg_tokens.txt").read_text().split()
+    assert label == "trainer" and len(token) >= 16
+    assert "awk '$1 == \"trainer\" {print $2}' deploy/secrets/psg_tokens.txt" in result.stdout  # how to hand it out
+    assert _make_secrets(tmp_path, "--tls").returncode == 2  # a name is required
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="make-secrets.sh --tls needs openssl")
+def test_make_secrets_tls_files_serve_tls(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    from psg_client import GradientClient, TLSConfig
+    from tests.server.service_harness import serve
+
+    result = _make_secrets(tmp_path, "--tls", "psg.example.org")
+    assert result.returncode == 0, result.stderr
+    tls = tmp_path / "secrets" / "tls"
+    for name in ("ca.pem", "ca.key", "server.pem", "server.key"):  # what the TLS override mounts, and the CA key
+        assert (tls / name).is_file() and (tls / name).stat().st_mode & 0o077 == 0, name
+    override = load_yaml(COMPOSE_TLS)
+    assert {Path(s["file"]).name for s in override["secrets"].values()} <= {"ca.pem", "server.pem", "server.key"}
+    certificate = x509.load_pem_x509_certificate((tls / "server.pem").read_bytes())
+    names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"psg.example.org", "localhost"} <= set(names.get_values_for_type(x509.DNSName))
+    # A psg-server serves TLS with them, and a trainer holding ca.pem verifies it.
+    with serve(tls_cert=tls / "server.pem", tls_key=tls / "server.key") as server:
+        trust = TLSConfig(root_certificates=(tls / "ca.pem").read_bytes(), server_name_override="psg.example.org")
+        with GradientClient(server.target, tls=trust, timeout_s=30) as client:
+            assert client.server_info().version
+
+
+# ------------------------------------------------------------------------------------------- README
+def _section(text: str, number: int) -> str:
+    match = re.search(rf"^## {number}\. .*?(?=^## )", text, re.M | re.S)
+    assert match, f"deploy/README.md has no section {number}"
+    return match.group(0)
+
+
+def test_compose_header_agrees_with_the_readme() -> None:
+    header = "\n".join(line for line in COMPOSE.read_text().splitlines() if line.startswith("#"))
+    readme = (DEPLOY / "README.md").read_text()
+    secrets_command = re.search(r"^(sudo deploy/make-secrets\.sh 1000)$", _section(readme, 2), re.M)
+    assert secrets_command and secrets_command.group(1) in header
+    # GPU workers are not scaled on one host (README section 4); CPU workers are.
+    assert "Do not --scale gpu-worker" in header and "--scale cpu-worker=N" in header
+    assert "Do not run several GPU worker containers on one host with `--scale`" in _section(readme, 4)
+
+
+def test_the_readme_says_how_a_trainer_gets_its_token_and_the_client() -> None:
+    section = _section((DEPLOY / "README.md").read_text(), 3)
+    assert "sudo awk '$1 == \"trainer\" {print $2}' deploy/secrets/psg_tokens.txt" in section
+    assert 'pip install ".[client]"' in section and "[client]" in section
+    assert "client" in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert 'open("deploy/secrets/psg_tokens.txt")' not in section  # that file is on the deploy host only
+
+
+def test_the_readme_lists_the_kubernetes_tools_it_uses() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    requirements = readme.split("## 1.", 1)[0]
+    lines = [line for block in re.findall(r"```sh\n(.*?)```", _section(readme, 7), re.S)
+             for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    commands = {part.split()[0].strip("()") for line in lines for part in re.split(r"&&|;", line) if part.strip()}
+    assert {"helm", "kubectl", "kustomize"} <= commands
+    for tool in commands - {"cd"}:
+        assert f"`{tool}`" in requirements or tool == "docker", f"README requirements do not list {tool}"
