@@ -21,6 +21,7 @@ carries only the adapter, and only the adapter's gradients come back.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import random
@@ -329,8 +330,15 @@ class Session:
         header = pb.PushParametersRequest(header=pb.PushParametersHeader(session_id=self.id, version=version))
         chunk_bytes = self._client.chunk_bytes
 
+        # Two groups, the trainable parameters and the frozen ones (when sent): few messages, and
+        # the server keeps the trainable ones, which travel on to its workers every version, as
+        # the one flat buffer they arrived in.
+        trainable = [(name, tensor) for name, tensor in sent if self.trainable[name]]
+        frozen = [(name, tensor) for name, tensor in sent if not self.trainable[name]]
+
         def invoke(stub: Any, kw: dict[str, Any]) -> pb.PushParametersResponse:
-            frames = _PUSH_WIRE.messages(sent, chunk_bytes=chunk_bytes)
+            frames = itertools.chain.from_iterable(
+                _PUSH_WIRE.messages(group, chunk_bytes=chunk_bytes, group=True) for group in (trainable, frozen) if group)
             return stub.PushParameters(_prepend(header, frames), **kw)
 
         reply = self._client.call(invoke)
@@ -394,13 +402,13 @@ class Session:
         client = self._client
         for index, part in enumerate(parts):
             header = pb.ComputeGradientsHeader(session_id=self.id, param_version=self.param_version, part=index,
-                                               more_parts=index < len(parts) - 1)
+                                               more_parts=index < len(parts) - 1, grouped_reply=True)
             if step_seed is not None:
                 header.step_seed = step_seed
 
             def invoke(stub: Any, kw: dict[str, Any], header: pb.ComputeGradientsHeader = header,
                        part: list[tuple[str, torch.Tensor]] = part) -> GradientResult:
-                frames = _COMPUTE_WIRE.messages(part, chunk_bytes=client.chunk_bytes)
+                frames = _COMPUTE_WIRE.messages(part, chunk_bytes=client.chunk_bytes, group=True)
                 requests = _prepend(pb.ComputeGradientsRequest(header=header), frames)
                 return _read_result(stub.ComputeGradients(requests, **kw), client.limits)
 

@@ -269,7 +269,7 @@ class StepRunner:
         with metrics.phase("send"):
             yield pb.ComputeGradientsResponse(stats=stats)
             for message in tensor_messages(pb.ComputeGradientsResponse, grads.items(),
-                                           chunk_bytes=self._config.chunk_bytes):
+                                           chunk_bytes=self._config.chunk_bytes, group=header.grouped_reply):
                 yield message
 
     @staticmethod

@@ -16,6 +16,7 @@ from psg_server.errors import InvalidRequestError, ParametersMissingError, Stale
 from psg_server.executor import ParameterSet
 from psg_server.sessions import Session
 from psg_wire.codec import CodecLimits, FrameWire, TensorDecoder
+from psg_wire.flat import FlatTensors
 
 __all__ = ["all_finite", "pushed_bytes", "read_header", "read_tensors", "receive_parameters", "tensor_messages"]
 
@@ -112,9 +113,10 @@ def _some(names: list[str]) -> str:
     return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
 
 
-def tensor_messages(message_type: type[Message], named: Iterable[tuple[str, torch.Tensor]], *,
-                    chunk_bytes: int) -> Iterator[Message | bytes]:
+def tensor_messages(message_type: type[Message], named: Iterable[tuple[str, torch.Tensor]] | FlatTensors, *,
+                    chunk_bytes: int, group: bool = False) -> Iterator[Message | bytes]:
     """``message_type(tensor=...)`` for every tensor header of ``named`` and, for every chunk, the
     serialised ``message_type(chunk=...)`` as ``bytes`` (see :class:`~psg_wire.codec.FrameWire`;
-    the method's response serialiser passes them through)."""
-    return FrameWire(message_type).messages(named, chunk_bytes=chunk_bytes)
+    the method's response serialiser passes them through); with ``group`` (always for
+    :class:`~psg_wire.flat.FlatTensors`), one serialised group frame and its chunks."""
+    return FrameWire(message_type).messages(named, chunk_bytes=chunk_bytes, group=group)

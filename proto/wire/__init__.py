@@ -2,9 +2,10 @@
 
 Everything both ends must agree on, and nothing else: the generated protobuf and gRPC modules
 (:mod:`psg_wire.v1`, from ``proto/psg/v1``), the tensor codec and frame writer
-(:mod:`psg_wire.codec`), the names the ``.proto`` files cannot express (:mod:`psg_wire.names`),
-the conversions between psg's Python values and their messages (:mod:`psg_wire.convert`) and the
-LoRA adapter both ends must build alike (:mod:`psg_wire.adapters`).
+(:mod:`psg_wire.codec`), the flat-buffer layout of tensor groups (:mod:`psg_wire.flat`), the names
+the ``.proto`` files cannot express (:mod:`psg_wire.names`), the conversions between psg's Python
+values and their messages (:mod:`psg_wire.convert`) and the LoRA adapter both ends must build
+alike (:mod:`psg_wire.adapters`).
 ``psg_server`` and ``psg_client`` both import this package; neither imports the other.
 ``proto/README.md`` describes the protocol.
 
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 from psg_wire.adapters import LoraAdapter
 from psg_wire.codec import (DEFAULT_CHUNK_BYTES, DTYPES, ChunkFrame, CodecError, CodecLimits, FrameWire,
-                            TensorDecoder, TensorLimitError, dtype_name, encode_tensor, encode_tensors)
+                            GroupFrame, TensorDecoder, TensorLimitError, dtype_name, encode_group, encode_tensor,
+                            encode_tensors)
 from psg_wire.convert import (PrivacyRequest, StepReport, dp_config_from_proto, dp_config_to_proto,
                               lora_from_proto, lora_to_proto, parameter_spec_from_proto,
                               parameter_spec_to_proto, privacy_from_proto, privacy_to_proto,
                               step_stats_from_proto, step_stats_to_proto)
+from psg_wire.flat import FlatLayout, FlatTensors
 from psg_wire.names import (INPUT_PREFIX, REASON_METADATA_KEY, SERVICE_NAME, TARGETS, Reason, input_name,
                             parse_input_name)
 
@@ -38,7 +41,10 @@ __all__ = [
     "ChunkFrame",
     "CodecError",
     "CodecLimits",
+    "FlatLayout",
+    "FlatTensors",
     "FrameWire",
+    "GroupFrame",
     "LoraAdapter",
     "PrivacyRequest",
     "Reason",
@@ -48,6 +54,7 @@ __all__ = [
     "dp_config_from_proto",
     "dp_config_to_proto",
     "dtype_name",
+    "encode_group",
     "encode_tensor",
     "encode_tensors",
     "input_name",

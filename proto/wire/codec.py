@@ -6,10 +6,15 @@ most ``chunk_bytes``; decoding (:class:`TensorDecoder`) checks the dtype against
 ``num_bytes == prod(shape) * itemsize`` and the declared sizes against :class:`CodecLimits`
 *before* it allocates, then copies each chunk once into the tensor's buffer.
 
-The frames travel as the ``tensor`` and ``chunk`` members of a stream message's ``frame`` oneof.
-:class:`FrameWire` serialises and parses those messages with a fast path for chunk frames, which
-carry nearly all the bytes: the sender copies each payload once into the serialised message and
-the receiver reads the payload in place, instead of protobuf's extra copies on both sides.
+Several tensors can also travel as one *group* (``TensorGroup``): their headers, then their bytes
+laid out as :class:`~psg_wire.flat.FlatLayout` says (each tensor at a 64-byte aligned offset), so a
+whole parameter set or batch is a couple of messages and is decoded into one flat buffer.
+
+The frames travel as the ``tensor``, ``group`` and ``chunk`` members of a stream message's
+``frame`` oneof. :class:`FrameWire` serialises and parses those messages with a fast path for
+chunk and group frames, which carry nearly all the bytes: the sender copies each payload once into
+the serialised message and the receiver reads the payload in place, instead of protobuf's extra
+copies on both sides.
 
 >>> import torch
 >>> frames = list(encode_tensors([("w", torch.arange(6.0).reshape(2, 3))], chunk_bytes=8))
@@ -32,8 +37,9 @@ from typing import Any
 import torch
 from google.protobuf.descriptor import FieldDescriptor
 
-from psg_wire.v1.tensor_pb2 import TensorHeader
 from psg_core.errors import PsgError
+from psg_wire.flat import ALIGNMENT, FlatLayout, FlatTensors
+from psg_wire.v1.tensor_pb2 import TensorGroup, TensorHeader
 
 __all__ = [
     "DTYPES",
@@ -42,6 +48,7 @@ __all__ = [
     "ChunkFrame",
     "CodecLimits",
     "FrameWire",
+    "GroupFrame",
     "TensorLimitError",
     "TensorDecoder",
     "dtype_name",
@@ -163,6 +170,75 @@ def encode_tensors(named: Iterable[tuple[str, torch.Tensor]], *,
         yield from encode_tensor(name, tensor, chunk_bytes=chunk_bytes)
 
 
+def _header(name: str, tensor: torch.Tensor) -> TensorHeader:
+    return TensorHeader(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
+                        num_bytes=tensor.numel() * tensor.element_size())
+
+
+_GAP = bytes(ALIGNMENT)
+
+
+def _group_views(named: Iterable[tuple[str, torch.Tensor]] | FlatTensors
+                 ) -> tuple[list[TensorHeader], list[memoryview | bytes]]:
+    """The headers of a group and its bytes as pieces to concatenate (views of the tensors and
+    zero gaps; for :class:`FlatTensors` on the CPU, one view of the whole buffer)."""
+    if isinstance(named, FlatTensors):
+        headers = [TensorHeader(name=e.name, dtype=dtype_name(e.dtype), shape=list(e.shape), num_bytes=e.num_bytes)
+                   for e in named.layout.entries]
+        return headers, [_raw_bytes(named.buffer)]
+    pairs = list(named)
+    for name, tensor in pairs:
+        if not isinstance(tensor, torch.Tensor):
+            raise CodecError(f"encode_group: {name!r} is a {type(tensor).__name__}, not a tensor")
+    layout = FlatLayout.of((name, tensor.dtype, tensor.shape) for name, tensor in pairs)
+    pieces: list[memoryview | bytes] = []
+    end = 0
+    for entry, (name, tensor) in zip(layout.entries, pairs):
+        if entry.offset > end:
+            pieces.append(_GAP[:entry.offset - end])
+        pieces.append(_raw_bytes(tensor))
+        end = entry.offset + entry.num_bytes
+    return [_header(name, tensor) for name, tensor in pairs], pieces
+
+
+def _split(pieces: list[memoryview | bytes], chunk_bytes: int) -> Iterator[list[memoryview | bytes]]:
+    """``pieces`` regrouped into runs of exactly ``chunk_bytes`` (the last one shorter), as views."""
+    current: list[memoryview | bytes] = []
+    filled = 0
+    for piece in pieces:
+        view = memoryview(piece)
+        start = 0
+        while start < len(view):
+            take = min(chunk_bytes - filled, len(view) - start)
+            current.append(view[start:start + take])
+            filled += take
+            start += take
+            if filled == chunk_bytes:
+                yield current
+                current, filled = [], 0
+    if current:
+        yield current
+
+
+def encode_group(named: Iterable[tuple[str, torch.Tensor]] | FlatTensors, *,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[TensorGroup | bytes]:
+    """The tensors as one group: a :class:`TensorGroup` holding every header and the first
+    ``chunk_bytes`` of their bytes, then the rest in chunks of at most ``chunk_bytes``.
+
+    >>> frames = list(encode_group([("a", torch.ones(3)), ("b", torch.zeros(2))], chunk_bytes=64))
+    >>> [h.name for h in frames[0].tensors], len(frames[0].data), [len(f) for f in frames[1:]]
+    (['a', 'b'], 64, [8])
+    """
+    if chunk_bytes < 1:
+        raise CodecError(f"encode_group: chunk_bytes must be >= 1, got {chunk_bytes}")
+    headers, pieces = _group_views(named)
+    chunks = _split(pieces, chunk_bytes)
+    first = next(chunks, [])
+    yield TensorGroup(tensors=headers, data=b"".join(first))
+    for chunk in chunks:
+        yield b"".join(chunk)
+
+
 def _varint(value: int) -> bytes:
     """Protobuf's base-128 varint of a non-negative int."""
     out = bytearray()
@@ -205,6 +281,56 @@ class ChunkFrame:
         return "chunk" if oneof_group == "frame" else None
 
 
+class GroupFrame:
+    """A group frame read by :meth:`FrameWire.parse` without protobuf.
+
+    It stands in for the message and for its ``TensorGroup``: ``WhichOneof("frame")`` is
+    ``"group"``, :attr:`group` is the frame itself, :attr:`tensors` the headers and :attr:`data` a
+    view of the payload inside the received bytes (copied once, by the decoder, into the group's
+    buffer).
+    """
+
+    __slots__ = ("data", "tensors")
+
+    def __init__(self, tensors: list[TensorHeader], data: memoryview) -> None:
+        self.tensors = tensors
+        self.data = data
+
+    @property
+    def group(self) -> GroupFrame:
+        """The ``TensorGroup`` of the message: this frame."""
+        return self
+
+    def WhichOneof(self, oneof_group: str) -> str | None:  # noqa: N802 (protobuf's name)
+        """``"group"`` for the ``frame`` oneof, as the message it stands for would answer."""
+        return "group" if oneof_group == "frame" else None
+
+
+def _read_group(raw: memoryview, offset: int) -> GroupFrame | None:
+    """The ``TensorGroup`` whose length-prefixed bytes start at ``offset`` and end ``raw``, or None
+    when the bytes are anything else (protobuf then parses, or refuses, the message)."""
+    read = _read_varint(raw, offset)
+    if read is None or read[0] + read[1] != len(raw):
+        return None
+    position, end = read[1], len(raw)
+    headers: list[TensorHeader] = []
+    data = memoryview(b"")
+    while position < end:
+        key = _read_varint(raw, position)
+        if key is None or key[0] & 7 != 2:
+            return None  # only length-delimited fields here; anything else goes through protobuf
+        size = _read_varint(raw, key[1])
+        if size is None or size[1] + size[0] > end:
+            return None
+        field, value = key[0] >> 3, raw[size[1]:size[1] + size[0]]
+        if field == 1:
+            headers.append(TensorHeader.FromString(bytes(value)))
+        elif field == 2:
+            data = value  # the payload, in place
+        position = size[1] + size[0]
+    return GroupFrame(headers, data)
+
+
 class FrameWire:
     """Serialises and parses a stream message type whose ``frame`` oneof has a ``bytes chunk`` field
     (``PushParametersRequest``, ``ComputeGradientsRequest``, ``ComputeGradientsResponse``).
@@ -230,6 +356,9 @@ class FrameWire:
         self.message_type = message_type
         number = message_type.DESCRIPTOR.fields_by_name["chunk"].number
         self._tag = _varint((number << 3) | 2)  # wire type 2: length-delimited
+        group = message_type.DESCRIPTOR.fields_by_name.get("group")
+        self._group_tag = (_varint((group.number << 3) | 2) if group is not None
+                           and group.message_type.full_name == TensorGroup.DESCRIPTOR.full_name else None)
         self._from_string = message_type.FromString
 
     @staticmethod
@@ -244,10 +373,32 @@ class FrameWire:
         """The serialised ``message_type(chunk=payload)``."""
         return self._tag + _varint(len(payload)) + payload
 
-    def messages(self, named: Iterable[tuple[str, torch.Tensor]], *,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Any]:
+    def group(self, headers: list[TensorHeader], data: list[memoryview | bytes]) -> bytes:
+        """The serialised ``message_type(group=TensorGroup(tensors=headers, data=b"".join(data)))``,
+        the payload copied once."""
+        if self._group_tag is None:
+            raise TypeError(f"FrameWire: {self.message_type.DESCRIPTOR.full_name} has no 'TensorGroup group' field")
+        size = sum(len(piece) for piece in data)
+        fields = [part for header in headers
+                  for part in (_HEADER_TAG, _varint(header.ByteSize()), header.SerializeToString())]
+        fields += [_DATA_TAG, _varint(size)]
+        inner = sum(len(part) for part in fields) + size
+        return b"".join([self._group_tag, _varint(inner), *fields, *data])
+
+    def messages(self, named: Iterable[tuple[str, torch.Tensor]] | FlatTensors, *,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, group: bool = False) -> Iterator[Any]:
         """The frames of :func:`encode_tensors`: ``message_type(tensor=header)`` for each header and
-        serialised chunk messages (``bytes``, for :meth:`serialize`) for the chunks."""
+        serialised chunk messages (``bytes``, for :meth:`serialize`) for the chunks; with ``group``
+        (always for :class:`FlatTensors`), those of :func:`encode_group`, serialised."""
+        if group or isinstance(named, FlatTensors):
+            if chunk_bytes < 1:
+                raise CodecError(f"encode_group: chunk_bytes must be >= 1, got {chunk_bytes}")
+            headers, pieces = _group_views(named)
+            chunks = _split(pieces, chunk_bytes)
+            yield self.group(headers, next(chunks, []))
+            for chunk in chunks:
+                yield b"".join([self._tag, _varint(sum(len(piece) for piece in chunk)), *chunk])
+            return
         tensor_message = self.message_type
         for name, tensor in named:
             for frame in _tensor_views(name, tensor, chunk_bytes):
@@ -259,14 +410,24 @@ class FrameWire:
         return message if isinstance(message, bytes) else message.SerializeToString()
 
     def parse(self, raw: bytes) -> Any:
-        """gRPC deserializer: a :class:`ChunkFrame` for a message that is exactly one chunk field,
-        otherwise ``message_type.FromString(raw)``."""
+        """gRPC deserializer: a :class:`ChunkFrame` for a message that is exactly one chunk field, a
+        :class:`GroupFrame` for one that is exactly one group field, otherwise
+        ``message_type.FromString(raw)``."""
         tag = self._tag
         if raw.startswith(tag):
             read = _read_varint(raw, len(tag))
             if read is not None and read[0] + read[1] == len(raw):
                 return ChunkFrame(memoryview(raw)[read[1]:])
+        group_tag = self._group_tag
+        if group_tag is not None and raw.startswith(group_tag):
+            frame = _read_group(memoryview(raw), len(group_tag))
+            if frame is not None:
+                return frame
         return self._from_string(raw)
+
+
+_HEADER_TAG = _varint((TensorGroup.DESCRIPTOR.fields_by_name["tensors"].number << 3) | 2)
+_DATA_TAG = _varint((TensorGroup.DESCRIPTOR.fields_by_name["data"].number << 3) | 2)
 
 
 #: Called with (name, dtype, shape) after the codec's own checks and before allocation; raises to
@@ -275,15 +436,17 @@ HeaderCheck = Callable[[str, torch.dtype, tuple[int, ...]], None]
 
 
 class TensorDecoder:
-    """Reassembles a stream of frames (headers and chunks) into named tensors.
+    """Reassembles a stream of frames (headers, groups and chunks) into named tensors.
 
     Args:
         limits: sizes refused with :class:`TensorLimitError` before any allocation.
-        check_header: optional extra validation of each header, run before allocation.
+        check_header: optional extra validation of each header, run before allocation (for a group,
+            on every header of the group before its buffer is allocated).
 
-    Frames arrive through :meth:`add` (a header or chunk) or :meth:`add_message` (a proto message
-    whose ``frame`` oneof is ``tensor`` or ``chunk``); :meth:`finish` returns the tensors in
-    arrival order.
+    Frames arrive through :meth:`add` (a header, a group or a chunk) or :meth:`add_message` (a
+    proto message whose ``frame`` oneof is ``tensor``, ``group`` or ``chunk``); :meth:`finish`
+    returns the tensors in arrival order. The tensors of a group are views of one flat buffer
+    (:meth:`~psg_wire.flat.FlatTensors.pack` finds it again without a copy).
     """
 
     def __init__(self, limits: CodecLimits, *, check_header: HeaderCheck | None = None) -> None:
@@ -291,10 +454,8 @@ class TensorDecoder:
         self._check_header = check_header
         self._tensors: dict[str, torch.Tensor] = {}
         self._total_bytes = 0
-        # The tensor being filled: its header fields, its buffer and how much has arrived.
-        self._name = ""
-        self._dtype = torch.uint8
-        self._shape: tuple[int, ...] = ()
+        # The tensor or group being filled: its layout, its buffer and how much has arrived.
+        self._layout = FlatLayout(entries=(), num_bytes=0)
         self._buffer = torch.empty(0, dtype=torch.uint8)  # (num_bytes,)
         self._view = memoryview(b"")  # writable bytes of _buffer
         self._filled = 0
@@ -306,21 +467,26 @@ class TensorDecoder:
         return self._total_bytes
 
     def add_message(self, message: object) -> None:
-        """Feeds a message whose ``frame`` oneof holds ``tensor`` or ``chunk``."""
+        """Feeds a message whose ``frame`` oneof holds ``tensor``, ``group`` or ``chunk``."""
         kind = message.WhichOneof("frame")  # type: ignore[attr-defined]
         if kind == "tensor":
             self.add(message.tensor)  # type: ignore[attr-defined]
         elif kind == "chunk":
             self.add(message.chunk)  # type: ignore[attr-defined]
+        elif kind == "group":
+            group = message.group  # type: ignore[attr-defined]
+            self._start(list(group.tensors), group.data)
         else:
-            raise CodecError(f"TensorDecoder: expected a tensor header or chunk frame, got {kind!r}")
+            raise CodecError(f"TensorDecoder: expected a tensor header, group or chunk frame, got {kind!r}")
 
-    def add(self, frame: Frame) -> None:
-        """Feeds one header or one chunk."""
+    def add(self, frame: Frame | TensorGroup) -> None:
+        """Feeds one header, one group or one chunk."""
         if isinstance(frame, TensorHeader):
-            self._start(frame)
+            self._start([frame], b"")
         elif isinstance(frame, (bytes, bytearray, memoryview)):
             self._fill(frame)
+        elif isinstance(frame, (TensorGroup, GroupFrame)):
+            self._start(list(frame.tensors), frame.data)
         else:
             raise CodecError(f"TensorDecoder: unexpected frame of type {type(frame).__name__}")
 
@@ -330,13 +496,14 @@ class TensorDecoder:
         return self._tensors
 
     # ------------------------------------------------------------------------------- internals
-    def _start(self, header: TensorHeader) -> None:
-        self._close_current()
+    def _check(self, header: TensorHeader, earlier: list[tuple[str, torch.dtype, tuple[int, ...]]]
+               ) -> tuple[str, torch.dtype, tuple[int, ...]]:
+        """Every check of one header, before anything is allocated for it; counts its bytes."""
         name = header.name
         if not name or len(name) > _MAX_NAME_CHARS:
             raise CodecError(f"TensorDecoder: tensor name must have 1..{_MAX_NAME_CHARS} characters, "
                              f"got {len(name)}")
-        if name in self._tensors:
+        if name in self._tensors or any(name == other for other, _, _ in earlier):
             raise CodecError(f"TensorDecoder: tensor {name!r} appears twice")
         dtype = DTYPES.get(header.dtype)
         if dtype is None:
@@ -357,17 +524,26 @@ class TensorDecoder:
         if self._total_bytes + expected > limits.max_total_bytes:
             raise TensorLimitError(f"TensorDecoder: the tensors add up to more than the limit of "
                                    f"{limits.max_total_bytes} bytes (at {name!r})")
-        if len(self._tensors) + 1 > limits.max_tensors:
+        if len(self._tensors) + len(earlier) + 1 > limits.max_tensors:
             raise TensorLimitError(f"TensorDecoder: more than {limits.max_tensors} tensors")
         if self._check_header is not None:
             self._check_header(name, dtype, shape)
         self._total_bytes += expected
-        self._name, self._dtype, self._shape = name, dtype, shape
+        return name, dtype, shape
+
+    def _start(self, headers: list[TensorHeader], data: bytes | memoryview) -> None:
+        self._close_current()
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        for header in headers:
+            specs.append(self._check(header, specs))
+        self._layout = layout = FlatLayout.of(specs)
         # Uninitialised (no zero-filling pass): the chunks must write every byte before finish().
-        self._buffer = torch.empty(expected, dtype=torch.uint8)  # (num_bytes,)
-        self._view = self._buffer.numpy().data if expected else memoryview(bytearray())
+        self._buffer = torch.empty(layout.num_bytes, dtype=torch.uint8)  # (num_bytes,)
+        self._view = self._buffer.numpy().data if layout.num_bytes else memoryview(bytearray())
         self._filled = 0
         self._open = True
+        if len(data):
+            self._fill(data)
 
     def _fill(self, chunk: bytes | bytearray | memoryview) -> None:
         if not self._open:
@@ -381,28 +557,29 @@ class TensorDecoder:
         end = self._filled + size
         declared = len(self._view)
         if end > declared:
-            raise CodecError(f"TensorDecoder: tensor {self._name!r} received {end} bytes, more than "
+            raise CodecError(f"TensorDecoder: tensor {self._what()} received {end} bytes, more than "
                              f"the {declared} declared")
         self._view[self._filled:end] = chunk  # the one copy of these bytes on this side
         self._filled = end
+
+    def _what(self) -> str:
+        names = self._layout.names
+        return repr(names[0]) if len(names) == 1 else f"group {list(names)[:4]}"
 
     def _close_current(self) -> None:
         if not self._open:
             return
         declared = len(self._view)
         if self._filled != declared:
-            raise CodecError(f"TensorDecoder: tensor {self._name!r} is truncated: {self._filled} of "
+            raise CodecError(f"TensorDecoder: tensor {self._what()} is truncated: {self._filled} of "
                              f"{declared} bytes arrived")
         self._open = False
-        if not declared:
-            tensor = torch.empty(self._shape, dtype=self._dtype)
-        else:
-            buffer = self._buffer  # (num_bytes,)
-            if not _LITTLE_ENDIAN:
-                itemsize = declared // math.prod(self._shape)
-                swapped = _swap_bytes(bytearray(self._view), itemsize)
-                buffer = torch.frombuffer(swapped, dtype=torch.uint8)  # (num_bytes,)
-            tensor = buffer.view(self._dtype).reshape(self._shape)
-        self._tensors[self._name] = tensor
+        flat = FlatTensors(self._layout, self._buffer)
+        for entry in self._layout.entries:
+            tensor = flat.view(entry)
+            if not _LITTLE_ENDIAN and entry.num_bytes:
+                swapped = _swap_bytes(bytearray(tensor.view(torch.uint8).numpy().data), entry.dtype.itemsize)
+                tensor = torch.frombuffer(swapped, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape)
+            self._tensors[entry.name] = tensor
         self._buffer = torch.empty(0, dtype=torch.uint8)  # (0,)
         self._view = memoryview(b"")

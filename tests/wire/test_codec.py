@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 
 from google.protobuf.message import DecodeError
 
-from psg_wire.codec import (DTYPES, ChunkFrame, CodecError, CodecLimits, FrameWire, TensorDecoder, TensorLimitError,
-                            _swap_bytes, dtype_name, encode_tensor, encode_tensors)
+from psg_wire.codec import (DTYPES, ChunkFrame, CodecError, CodecLimits, FrameWire, GroupFrame, TensorDecoder,
+                            TensorLimitError, _swap_bytes, dtype_name, encode_group, encode_tensor, encode_tensors)
+from psg_wire.flat import FlatTensors
 from psg_wire.v1 import gradient_service_pb2 as pb
-from psg_wire.v1.tensor_pb2 import TensorHeader
+from psg_wire.v1.tensor_pb2 import TensorGroup, TensorHeader
 
 
 def roundtrip(named: list[tuple[str, torch.Tensor]], *, chunk_bytes: int = 7,
@@ -217,3 +218,111 @@ def test_fast_frames_round_trip_through_the_decoder(shape: list[int], chunk: int
         decoder.add_message(wire.parse(wire.serialize(message)))
     out = decoder.finish()
     assert list(out) == ["a", "b"] and all(torch.equal(out[name], tensor) for name, tensor in named)
+
+
+# ------------------------------------------------------------------------------------ groups
+def group_named(shape: list[int]) -> list[tuple[str, torch.Tensor]]:
+    return [("a", torch.randn(shape)), ("flags", torch.tensor([True, False, True])),
+            ("empty", torch.zeros(0, 3, dtype=torch.float16)), ("b", torch.arange(7, dtype=torch.int64))]
+
+
+@pytest.mark.parametrize("message_type", MESSAGE_TYPES, ids=lambda t: t.__name__)
+@settings(max_examples=15, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=3), chunk=st.integers(1, 200))
+def test_groups_round_trip_through_fast_frames(message_type: type, shape: list[int], chunk: int) -> None:
+    named = group_named(shape)
+    wire = FrameWire(message_type)
+    decoder = TensorDecoder(CodecLimits())
+    messages = list(wire.messages(named, chunk_bytes=chunk, group=True))
+    for message in messages:
+        decoder.add_message(wire.parse(wire.serialize(message)))
+    out = decoder.finish()
+    assert list(out) == [name for name, _ in named]
+    assert all(out[name].dtype == tensor.dtype and torch.equal(out[name], tensor) for name, tensor in named)
+    # One buffer for the whole group, laid out as FlatLayout says: packing it again copies nothing.
+    flat = FlatTensors.pack(out)
+    assert flat.buffer.data_ptr() == out["flags"].data_ptr() - flat.layout.entries[1].offset
+    # The serialised group is protobuf's own encoding of it, and the bytes add up to the layout's.
+    group = message_type.FromString(wire.serialize(messages[0])).group
+    assert [h.name for h in group.tensors] == list(out)
+    assert len(group.data) + sum(len(wire.parse(m).chunk) for m in messages[1:]) == flat.layout.num_bytes
+    assert all(len(wire.parse(m).chunk) <= chunk for m in messages[1:]) and len(group.data) <= chunk
+
+
+def test_group_frames_match_encode_group_and_protobuf() -> None:
+    named = group_named([2, 3])
+    frames = list(encode_group(named, chunk_bytes=40))
+    wire = FrameWire(pb.ComputeGradientsRequest)
+    messages = list(wire.messages(named, chunk_bytes=40, group=True))
+    assert messages[0] == pb.ComputeGradientsRequest(group=frames[0]).SerializeToString()
+    assert messages[1:] == [wire.chunk(frame) for frame in frames[1:]]
+    parsed = wire.parse(messages[0])
+    assert isinstance(parsed, GroupFrame) and parsed.WhichOneof("frame") == "group"
+    assert list(parsed.tensors) == list(frames[0].tensors) and bytes(parsed.data) == frames[0].data
+    # The gaps between tensors are zero bytes.
+    decoder = TensorDecoder(CodecLimits())
+    for frame in frames:
+        decoder.add(frame)
+    out = decoder.finish()
+    flat = FlatTensors.pack(out)
+    entries = flat.layout.entries
+    gap = flat.buffer[entries[0].offset + entries[0].num_bytes:entries[1].offset]
+    assert gap.numel() > 0 and not gap.any()
+
+
+def test_flat_tensors_encode_as_one_group_without_copying_per_tensor() -> None:
+    flat = FlatTensors.pack([("w", torch.randn(5, 3)), ("b", torch.randn(3))])
+    wire = FrameWire(pb.ComputeGradientsResponse)
+    decoder = TensorDecoder(CodecLimits())
+    for message in wire.messages(flat, chunk_bytes=1 << 20):
+        decoder.add_message(wire.parse(wire.serialize(message)))
+    out = decoder.finish()
+    assert all(torch.equal(out[name], tensor) for name, tensor in flat.views().items())
+
+
+def test_a_group_is_checked_header_by_header_before_its_buffer_is_allocated() -> None:
+    seen: list[str] = []
+
+    def check(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        seen.append(name)
+        if name == "second":
+            raise CodecError(f"no {name}")
+
+    huge = TensorHeader(name="first", dtype="float32", shape=[1 << 20, 1 << 10], num_bytes=4 << 30)
+    group = TensorGroup(tensors=[huge, TensorHeader(name="second", dtype="int8", shape=[1], num_bytes=1)])
+    decoder = TensorDecoder(CodecLimits(max_tensor_bytes=8 << 30, max_total_bytes=8 << 30), check_header=check)
+    with pytest.raises(CodecError, match="no second"):
+        decoder.add(group)  # 4 GiB declared first: refused before anything is allocated
+    assert seen == ["first", "second"]
+    limited = TensorDecoder(CodecLimits(max_total_bytes=100))
+    with pytest.raises(TensorLimitError, match="add up"):
+        limited.add(TensorGroup(tensors=[TensorHeader(name=f"t{i}", dtype="float32", shape=[10], num_bytes=40)
+                                         for i in range(3)]))
+    duplicate = TensorDecoder(CodecLimits())
+    with pytest.raises(CodecError, match="appears twice"):
+        duplicate.add(TensorGroup(tensors=[TensorHeader(name="x", dtype="int8", shape=[1], num_bytes=1)] * 2))
+
+
+def test_truncated_and_excess_group_bytes_are_refused() -> None:
+    headers = [TensorHeader(name="a", dtype="float32", shape=[2], num_bytes=8),
+               TensorHeader(name="b", dtype="float32", shape=[2], num_bytes=8)]  # b at offset 64: 72 bytes
+    short = TensorDecoder(CodecLimits())
+    short.add(TensorGroup(tensors=headers, data=bytes(70)))
+    with pytest.raises(CodecError, match="truncated"):
+        short.finish()
+    long = TensorDecoder(CodecLimits())
+    long.add(TensorGroup(tensors=headers, data=bytes(70)))
+    with pytest.raises(CodecError, match="more than"):
+        long.add(bytes(3))
+
+
+def test_group_messages_with_other_fields_go_through_protobuf() -> None:
+    wire = FrameWire(pb.PushParametersRequest)
+    group = pb.PushParametersRequest(group=TensorGroup(tensors=[TensorHeader(name="a", dtype="int8", shape=[1],
+                                                                               num_bytes=1)], data=b"\x07"))
+    raw = group.SerializeToString()
+    assert isinstance(wire.parse(raw), GroupFrame)
+    # A varint field inside the group (an unknown field of another wire type) is left to protobuf.
+    odd = raw[:1] + bytes([raw[1] + 2]) + raw[2:] + b"\x18\x01"
+    parsed = wire.parse(odd)
+    assert not isinstance(parsed, GroupFrame) and parsed.group.data == b"\x07"

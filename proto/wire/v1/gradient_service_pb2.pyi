@@ -174,7 +174,7 @@ class LoraSettings(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("model", "model_kwargs_json", "loss", "dp", "expected_batch_size", "privacy", "seed", "secure_rng", "lora")
+    __slots__ = ("model", "model_kwargs_json", "loss", "dp", "expected_batch_size", "privacy", "seed", "secure_rng", "lora", "wire")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class CreateSessionRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     SECURE_RNG_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_kwargs_json: str
     loss: str
@@ -193,7 +194,16 @@ class CreateSessionRequest(_message.Message):
     seed: int
     secure_rng: bool
     lora: LoraSettings
-    def __init__(self, model: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., expected_batch_size: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ..., seed: _Optional[int] = ..., secure_rng: _Optional[bool] = ..., lora: _Optional[_Union[LoraSettings, _Mapping]] = ...) -> None: ...
+    wire: WireSettings
+    def __init__(self, model: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., expected_batch_size: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ..., seed: _Optional[int] = ..., secure_rng: _Optional[bool] = ..., lora: _Optional[_Union[LoraSettings, _Mapping]] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ...) -> None: ...
+
+class WireSettings(_message.Message):
+    __slots__ = ("parameters_dtype", "gradients_dtype")
+    PARAMETERS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    parameters_dtype: str
+    gradients_dtype: str
+    def __init__(self, parameters_dtype: _Optional[str] = ..., gradients_dtype: _Optional[str] = ...) -> None: ...
 
 class ParameterSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "requires_grad")
@@ -226,7 +236,7 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters", "frozen_version", "dp", "latest_param_version")
+    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters", "frozen_version", "dp", "latest_param_version", "wire")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +248,7 @@ class SessionInfo(_message.Message):
     FROZEN_VERSION_FIELD_NUMBER: _ClassVar[int]
     DP_FIELD_NUMBER: _ClassVar[int]
     LATEST_PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     steps: int
@@ -249,7 +260,8 @@ class SessionInfo(_message.Message):
     frozen_version: int
     dp: DPSettings
     latest_param_version: int
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., frozen_version: _Optional[int] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., latest_param_version: _Optional[int] = ...) -> None: ...
+    wire: WireSettings
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., frozen_version: _Optional[int] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., latest_param_version: _Optional[int] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -270,14 +282,16 @@ class PushParametersHeader(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushParametersRequest(_message.Message):
-    __slots__ = ("header", "tensor", "chunk")
+    __slots__ = ("header", "tensor", "chunk", "group")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     header: PushParametersHeader
     tensor: _tensor_pb2.TensorHeader
     chunk: bytes
-    def __init__(self, header: _Optional[_Union[PushParametersHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    group: _tensor_pb2.TensorGroup
+    def __init__(self, header: _Optional[_Union[PushParametersHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., group: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ...) -> None: ...
 
 class PushParametersResponse(_message.Message):
     __slots__ = ("version", "num_bytes", "frozen_version")
@@ -290,28 +304,32 @@ class PushParametersResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., frozen_version: _Optional[int] = ...) -> None: ...
 
 class ComputeGradientsHeader(_message.Message):
-    __slots__ = ("session_id", "param_version", "step_seed", "part", "more_parts")
+    __slots__ = ("session_id", "param_version", "step_seed", "part", "more_parts", "grouped_reply")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_SEED_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     MORE_PARTS_FIELD_NUMBER: _ClassVar[int]
+    GROUPED_REPLY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     param_version: int
     step_seed: int
     part: int
     more_parts: bool
-    def __init__(self, session_id: _Optional[str] = ..., param_version: _Optional[int] = ..., step_seed: _Optional[int] = ..., part: _Optional[int] = ..., more_parts: _Optional[bool] = ...) -> None: ...
+    grouped_reply: bool
+    def __init__(self, session_id: _Optional[str] = ..., param_version: _Optional[int] = ..., step_seed: _Optional[int] = ..., part: _Optional[int] = ..., more_parts: _Optional[bool] = ..., grouped_reply: _Optional[bool] = ...) -> None: ...
 
 class ComputeGradientsRequest(_message.Message):
-    __slots__ = ("header", "tensor", "chunk")
+    __slots__ = ("header", "tensor", "chunk", "group")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     header: ComputeGradientsHeader
     tensor: _tensor_pb2.TensorHeader
     chunk: bytes
-    def __init__(self, header: _Optional[_Union[ComputeGradientsHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    group: _tensor_pb2.TensorGroup
+    def __init__(self, header: _Optional[_Union[ComputeGradientsHeader, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., group: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ...) -> None: ...
 
 class NormQuantile(_message.Message):
     __slots__ = ("quantile", "value")
@@ -348,11 +366,13 @@ class StepStats(_message.Message):
     def __init__(self, step: _Optional[int] = ..., param_version: _Optional[int] = ..., samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., norm_quantiles: _Optional[_Iterable[_Union[NormQuantile, _Mapping]]] = ..., fraction_clipped: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., server_seconds: _Optional[float] = ..., pending: _Optional[bool] = ..., num_dropped: _Optional[int] = ...) -> None: ...
 
 class ComputeGradientsResponse(_message.Message):
-    __slots__ = ("stats", "tensor", "chunk")
+    __slots__ = ("stats", "tensor", "chunk", "group")
     STATS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     stats: StepStats
     tensor: _tensor_pb2.TensorHeader
     chunk: bytes
-    def __init__(self, stats: _Optional[_Union[StepStats, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    group: _tensor_pb2.TensorGroup
+    def __init__(self, stats: _Optional[_Union[StepStats, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., group: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ...) -> None: ...

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13psg/v1/tensor.proto\x12\x06psg.v1\"M\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13psg/v1/tensor.proto\x12\x06psg.v1\"M\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"B\n\x0bTensorGroup\x12%\n\x07tensors\x18\x01 \x03(\x0b\x32\x14.psg.v1.TensorHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,4 +33,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORHEADER']._serialized_start=31
   _globals['_TENSORHEADER']._serialized_end=108
+  _globals['_TENSORGROUP']._serialized_start=110
+  _globals['_TENSORGROUP']._serialized_end=176
 # @@protoc_insertion_point(module_scope)

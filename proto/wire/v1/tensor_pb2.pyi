@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -17,3 +17,11 @@ class TensorHeader(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorGroup(_message.Message):
+    __slots__ = ("tensors", "data")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
+    data: bytes
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
