@@ -26,7 +26,7 @@ rounded up to a power of two, K, dtype, device) in one of three ways:
 
 The default is ``auto`` on CUDA and ``rule`` on CPU. On CPU the kernels' relative costs follow
 the shapes closely enough for a rule, while a measurement of a few milliseconds is at the mercy
-of whatever else runs on the cores (on a shared 2-core host the same kernel's time varied 3-8x
+of whatever else runs on the cores (on a shared 2-core host one kernel's best-of-15 time moved by up to 8x
 between runs), so an ``auto`` choice would be noisy and not reproducible from run to run; and it
 would cost several steps' worth of time per new shape. The environment variable
 ``PSG_CONV_STRATEGY`` changes the default; :func:`set_conv_strategy` and the
@@ -258,14 +258,17 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
         positions: T, positions per sample (``K * L``).
         fits: whether unfolding stays within :func:`admissible`'s memory bound.
 
-    CPU (measured with one thread on a 2-core Xeon, torch 2.13): the grouped kernel wins by
-    1.2-4x wherever its per-group weight ``O * I`` is modest next to the positions it sums over;
-    unfold + bmm wins by 1.3-2.3x on wide layers with few positions (``O * I >= 512 * T``: 128
-    channels at 8x8, 256 at 4x4) and by ~1.5x on a first layer with few input channels
-    (``I <= 32``), where the grouped kernel's tiny channel groups are slow. Grouped and depthwise
-    convolutions keep the grouped kernel. CUDA (used only when measuring is off): unfold + bmm
-    whenever it fits and G = 1, since cuDNN's grouped weight gradient with ``N * G`` groups falls
-    back to a slow generic kernel (issue 23's H100 profile of the CIFAR CNN).
+    CPU (171 shapes of 3x3 Conv2d timed with one thread on a 2-core Xeon, torch 2.13, N 16 and
+    64, K 1 and 4): the grouped kernel wins by 1.2-4x wherever its per-group weight ``O * I``
+    is modest next to the positions it sums over; unfold + bmm wins by up to 8x on wide layers
+    with few positions (``O * I >= 1024 * T``: 128 channels at 8x8, 256 at 4x4; around
+    ``512 * T`` the two are even) and by 1.1-1.7x on a first layer with few input channels
+    (``I <= 32``), where the grouped kernel's tiny channel groups are slow. The rule picks the
+    faster one on 157 of the 171 shapes, loses at most 1.55x on the others and 1.3% on average
+    (geometric mean). Grouped and depthwise convolutions keep the grouped kernel. CUDA (used only
+    when measuring is off): unfold + bmm whenever it fits and G = 1, since cuDNN's grouped weight
+    gradient with ``N * G`` groups falls back to a slow generic kernel (issue 23's H100 profile
+    of the CIFAR CNN).
 
     >>> rule_per_sample(device=torch.device("cpu"), groups=1, out_per_group=128, patch=1152,
     ...                 positions=64, fits=True)
@@ -278,6 +281,6 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
         return ConvStrategy.GROUPED_CONV
     if device.type == "cuda":
         return ConvStrategy.UNFOLD
-    if patch <= 32 or out_per_group * patch >= 512 * positions:
+    if patch <= 32 or out_per_group * patch >= 1024 * positions:
         return ConvStrategy.UNFOLD
     return ConvStrategy.GROUPED_CONV

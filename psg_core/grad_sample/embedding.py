@@ -153,18 +153,29 @@ def _bag_of_token(inputs: torch.Tensor, offsets: torch.Tensor | None, include_la
 def _max_grad_sample(layer: nn.EmbeddingBag, tokens: torch.Tensor, bag: torch.Tensor,
                      counted: torch.Tensor, backprops: torch.Tensor, bags: int,
                      K: int) -> torch.Tensor:
-    """mode="max": each (bag, feature) sends its gradient to the one table row that won the max."""
-    sizes = torch.bincount(bag[counted], minlength=bags)  # (B,)
-    kept = tokens[counted]  # (M',), still grouped by bag
-    offsets = torch.cumsum(sizes, 0) - sizes  # (B,)
+    """mode="max": each (bag, feature) sends its gradient to the one table row that won the max.
+
+    The winner is found as torch's forward finds it (the first of the bag's counted tokens that
+    holds the maximum), with fixed-shape reductions over all tokens: no compaction of the counted
+    ones, whose number only the device knows.
+    """
+    count, dim = tokens.shape[0], layer.embedding_dim
+    bag_index = bag.clamp(min=0)[:, None].expand(count, dim)  # (M, d)
     with torch.no_grad():
-        # torch.embedding_bag is what F.embedding_bag calls; its 4th output holds the argmax rows.
-        _, _, _, winners = torch.embedding_bag(layer.weight, kept, offsets, False, 2, False, None,
-                                               False, None)  # winners: (B, d)
-    n_samples, dim = bags // K, layer.embedding_dim
+        rows = layer.weight[torch.where(counted, tokens, 0)]  # (M, d)
+        lowest = torch.finfo(rows.dtype).min
+        rows = rows.masked_fill(~counted[:, None], lowest)
+        best = rows.new_full((bags, dim), lowest).scatter_reduce_(0, bag_index, rows, "amax")  # (B, d)
+        holds_max = (rows == best.gather(0, bag_index)) & counted[:, None]  # (M, d)
+        position = torch.arange(count, device=tokens.device)[:, None].expand(count, dim)  # (M, d)
+        first = torch.full((bags, dim), count, dtype=position.dtype, device=tokens.device).scatter_reduce_(
+            0, bag_index, torch.where(holds_max, position, count), "amin")  # (B, d); count: empty bag
+        empty = first == count  # (B, d)
+        winners = tokens[first.clamp(max=max(count - 1, 0))] if count else first  # (B, d)
+    n_samples = bags // K
     sample = (torch.arange(bags, device=tokens.device) // K)[:, None]  # (B, 1)
-    index = (sample * layer.num_embeddings + winners.clamp(min=0)).expand(bags, dim)  # (B, d)
-    values = backprops * (sizes > 0)[:, None]  # (B, d); empty bags have no winner
+    index = torch.where(empty, 0, sample * layer.num_embeddings + winners)  # (B, d)
+    values = torch.where(empty, 0, backprops)  # (B, d); empty bags have no winner
     out = backprops.new_zeros(n_samples * layer.num_embeddings, dim)  # (N*V, d)
     out.scatter_add_(0, index, values)
     return out.view(n_samples, layer.num_embeddings, dim)  # (N, V, d)
@@ -205,14 +216,16 @@ def embedding_bag_grad_sample(layer: nn.EmbeddingBag, activations: list[Any],
     weight = counted.to(backprops.dtype)  # (M,)
     if per_sample_weights is not None:
         weight = weight * per_sample_weights.reshape(-1).to(backprops.dtype)
+    # Every token takes part, the ones not counted (padding, past the last offset) with value 0:
+    # selecting the counted ones would need their number on the host (a device sync).
+    bag_index = bag.clamp(min=0)  # (M,)
     if layer.mode == "mean":
-        sizes = torch.bincount(bag[counted], minlength=bags).clamp(min=1)  # (B,)
-        weight = weight / sizes[bag.clamp(min=0)].to(backprops.dtype)
+        sizes = backprops.new_zeros(bags).index_add_(0, bag_index, counted.to(backprops.dtype))  # (B,)
+        weight = weight / sizes.clamp(min=1)[bag_index]
     elif layer.mode != "sum":
         raise UnsupportedModuleError(
             f"embedding_bag_grad_sample: unknown EmbeddingBag mode {layer.mode!r}")
-    keep = counted.nonzero().squeeze(1)  # (M',)
-    values = backprops[bag[keep]] * weight[keep, None]  # (M', d)
-    grad = _per_sample_scatter(tokens[keep], bag[keep] // K, values, bags // K,
+    values = torch.where(counted[:, None], backprops[bag_index] * weight[:, None], 0)  # (M, d)
+    grad = _per_sample_scatter(torch.where(counted, tokens, 0), bag_index // K, values, bags // K,
                                layer.num_embeddings)  # (N, V, d)
     return {layer.weight: grad}
