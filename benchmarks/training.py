@@ -11,8 +11,11 @@ so it runs the ``N*K`` rows as independent samples, its best option (De et al., 
 copies before clipping, which Opacus cannot express).
 
 The methods of one (model, K) are timed interleaved in one process, round after round, so that a
-drifting machine load hits them alike; each method's peak memory is measured alone, in a fresh
-process (see :mod:`benchmarks.harness`).
+drifting machine load hits them alike. Each method's peak memory is measured alone: on CPU in a
+fresh process (resident memory cannot be attributed to one configuration otherwise, see
+:mod:`benchmarks.harness`), on CUDA in the process that timed the group, one method after the
+other once the timed steps are freed (``torch.cuda.max_memory_allocated`` counts live tensors
+only, so a process per method would only add its ~15 s of CUDA start-up).
 
 >>> [m.name for m in METHODS.values()][:2]
 ['non-private', 'psg-hooks']
@@ -347,10 +350,12 @@ def run_case_in_child(payload: dict[str, Any]) -> dict[str, Any]:
 def run_group(payload: dict[str, Any]) -> dict[str, Any]:
     """Times several cases of one model and K *interleaved* (round after round, one step of each).
 
-    ``payload`` is ``{"cases": [case JSON, ...]}``; returns ``{"rows": [...]}``, one row per case
-    with its timing, per-sample gradient bytes and parameter count (no peak memory: that needs a
-    process per case, see :func:`run_case`). A case that fails to build or to step gets an
-    ``error`` and leaves the others running.
+    ``payload`` is ``{"cases": [case JSON, ...]}``, optionally with ``"memory": true``; returns
+    ``{"rows": [...]}``, one row per case with its timing, per-sample gradient bytes and parameter
+    count. With ``memory`` (CUDA only) each case's peak memory is then measured alone in this
+    process (see :func:`_measure_cuda_memory`); on CPU that needs a process per case (see
+    :func:`run_case`). A case that fails to build or to step gets an ``error`` and leaves the
+    others running.
     """
     cases = [Case(**case) for case in payload["cases"]]
     if cases and cases[0].threads:
@@ -376,7 +381,40 @@ def run_group(payload: dict[str, Any]) -> dict[str, Any]:
             per_sample = steps[name].per_sample_bytes()
             rows[name].update(_timing_fields(timing),
                               per_sample_grad_mib=None if per_sample is None else per_sample / _MIB)
+    if payload.get("memory"):
+        measured = [case for case in cases if case.method in steps]
+        steps.clear()  # each case's memory is measured with nothing else alive
+        for case in measured:
+            rows[case.method].update(_measure_cuda_memory(case))
     return {"rows": [rows[case.method] for case in cases]}
+
+
+def _measure_cuda_memory(case: Case) -> dict[str, Any]:
+    """``{"peak_memory_mib": ...}`` (or ``memory_error``) of one CUDA case, measured in-process.
+
+    The same measurement as :func:`run_case` in a fresh process: the baseline is what is
+    allocated before the model is built (nothing of the other cases is alive by then; the
+    runtime, cuBLAS workspaces and the conv strategy choices were set up by the timed steps),
+    then warm-up steps, then the peak of one step. What was allocated stays cached by torch's
+    allocator, which ``max_memory_allocated`` does not count.
+    """
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        probe = MemoryProbe(case.device, isolated=False)
+        step = prepare_step(case)
+        for _ in range(max(1, case.warmup)):
+            step()
+        probe.reset()
+        step()
+        peak = probe.peak_bytes()
+        del step
+    except Exception as err:  # noqa: BLE001 - recorded in the table, the run goes on
+        return {"peak_memory_mib": None, "memory_error": _error(case, err)}
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"peak_memory_mib": None if peak is None else peak / _MIB}
 
 
 # ------------------------------------------------------------------------------ the suite
@@ -399,7 +437,8 @@ def run_suite(options: RunOptions) -> list[dict[str, Any]]:
 
     Per (model, K): the methods are timed interleaved in one process (a fresh subprocess when
     ``options.isolate``), then, when ``options.measure_memory``, each method's peak memory is
-    measured alone in its own subprocess (in-process on CPU it cannot be, and is left out).
+    measured alone: on CUDA in that same process after the timing, on CPU in its own subprocess
+    (in-process on CPU it cannot be, and is left out).
     """
     if not opacus_available():
         logger.warning("training suite: opacus is not installed; the Opacus rows are skipped "
@@ -410,7 +449,9 @@ def run_suite(options: RunOptions) -> list[dict[str, Any]]:
         model, K = group[0].model, group[0].K
         logger.info("training suite [%d/%d] %s, K=%d: timing %d methods interleaved", index, len(groups),
                     model, K, len(group))
-        payload = {"cases": [case.to_json() for case in group]}
+        # CUDA memory is measured by the group's own process: no process start per method.
+        in_group_memory = options.measure_memory and options.device == "cuda"
+        payload = {"cases": [case.to_json() for case in group], "memory": in_group_memory}
         if options.isolate:
             timed = run_isolated("benchmarks.training:run_group", payload, timeout_s=options.timeout_s)
             group_rows = timed.get("rows") or [{**_row_header(case), "error": timed.get("error", "no result")}
@@ -418,15 +459,14 @@ def run_suite(options: RunOptions) -> list[dict[str, Any]]:
         else:
             group_rows = run_group(payload)["rows"]
         for case, row in zip(group, group_rows):
-            # In-process CPU runs cannot attribute resident memory to one case (see harness).
-            measurable = options.isolate or options.device == "cuda"
-            if options.measure_memory and measurable and "error" not in row:
+            # CPU: one process per case (in-process runs cannot attribute resident memory to one
+            # case, see harness); CUDA: measured by the group's process above.
+            if options.measure_memory and options.isolate and not in_group_memory and "error" not in row:
                 logger.info("training suite [%d/%d] %s, K=%d: peak memory of %s", index, len(groups), model,
                             K, case.method)
                 memory_case = dataclasses.replace(case, repeats=0).to_json()
-                measured = (run_isolated("benchmarks.training:run_case_in_child", memory_case,
-                                         timeout_s=options.timeout_s)
-                            if options.isolate else run_case(memory_case, isolated=False))
+                measured = run_isolated("benchmarks.training:run_case_in_child", memory_case,
+                                        timeout_s=options.timeout_s)
                 row["peak_memory_mib"] = measured.get("peak_memory_mib")
                 if "error" in measured:
                     row["memory_error"] = measured["error"]
