@@ -11,6 +11,7 @@ from psg_client.client import (GradientClient, GradientResult, RetryPolicy, Serv
                                TLSConfig)
 from psg_wire.adapters import LoraAdapter
 from psg_wire.codec import CodecError, CodecLimits, TensorLimitError
+from psg_wire.convert import WireDtypes
 
 __all__ = [
     "CodecError",
@@ -23,4 +24,5 @@ __all__ = [
     "Session",
     "TLSConfig",
     "TensorLimitError",
+    "WireDtypes",
 ]

@@ -41,10 +41,12 @@ from psg_core.config import DPConfig
 from psg_core.errors import PsgError
 from psg_wire.adapters import LoraAdapter
 from psg_wire.codec import DEFAULT_CHUNK_BYTES, CodecLimits, FrameWire, TensorDecoder
-from psg_wire.convert import (PrivacyRequest, dp_config_to_proto, lora_to_proto, parameter_spec_from_proto,
-                              privacy_to_proto, step_stats_from_proto)
+from psg_wire.convert import (PrivacyRequest, WireDtypes, dp_config_to_proto, lora_to_proto,
+                              parameter_spec_from_proto, privacy_to_proto, step_stats_from_proto,
+                              wire_dtypes_from_proto, wire_dtypes_to_proto)
 from psg_wire.convert import dp_config_from_proto
-from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME, Reason
+from psg_wire.flat import FlatTensors
+from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME, Reason, parameter_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 
@@ -214,7 +216,8 @@ class GradientClient:
                        sample_rate: float | None = None, delta: float | None = None,
                        target_epsilon: float | None = None, accountant: str | None = None,
                        seed: int | None = None, secure_rng: bool = False, steps: int | None = None,
-                       epochs: float | None = None, lora: LoraAdapter | None = None) -> Session:
+                       epochs: float | None = None, lora: LoraAdapter | None = None,
+                       wire: WireDtypes | None = None) -> Session:
         """Opens a session; see ``CreateSessionRequest`` in ``gradient_service.proto``.
 
         Args:
@@ -236,6 +239,10 @@ class GradientClient:
                 place of ``config.noise_multiplier`` (left at 0): the smallest that keeps epsilon at
                 ``delta`` within ``target_epsilon`` after the plan. :attr:`Session.noise_multiplier`
                 tells which.
+            wire: send parameters and/or receive gradients in bf16 (``WireDtypes(parameters=
+                torch.bfloat16, gradients=torch.bfloat16)``): half the bytes of float32, each value
+                rounded to 8 significant bits (README, "Reduced precision on the wire"); the session
+                casts both ways, so tensors keep their dtypes here.
         """
         privacy = PrivacyRequest(accountant=accountant, sample_rate=sample_rate, delta=delta,
                                  target_epsilon=target_epsilon, steps=steps, epochs=epochs)
@@ -247,9 +254,12 @@ class GradientClient:
             request.seed = seed
         if lora is not None:
             request.lora.CopyFrom(lora_to_proto(lora))
+        if wire is not None:
+            request.wire.CopyFrom(wire_dtypes_to_proto(wire))
         reply = self.call(lambda stub, kw: stub.CreateSession(request, **kw))
         return Session(self, reply.session_id, reply.parameters,
-                       config=dataclasses.replace(config, noise_multiplier=reply.noise_multiplier))
+                       config=dataclasses.replace(config, noise_multiplier=reply.noise_multiplier),
+                       wire=wire or WireDtypes())
 
     def session(self, session_id: str) -> Session:
         """Attaches to an existing session of this token (after a client or a server restart); push
@@ -258,7 +268,7 @@ class GradientClient:
         config = dp_config_from_proto(info.dp) if info.HasField("dp") else None
         return Session(self, session_id, info.parameters, config=config,
                        param_version=max(info.param_version, info.latest_param_version),
-                       frozen_held=info.frozen_version > 0)
+                       frozen_held=info.frozen_version > 0, wire=wire_dtypes_from_proto(info.wire))
 
 
 class Session:
@@ -271,7 +281,8 @@ class Session:
     """
 
     def __init__(self, client: GradientClient, session_id: str, parameters: Iterable[pb.ParameterSpec], *,
-                 param_version: int = 0, config: DPConfig | None = None, frozen_held: bool = False) -> None:
+                 param_version: int = 0, config: DPConfig | None = None, frozen_held: bool = False,
+                 wire: WireDtypes = WireDtypes()) -> None:
         self._client = client
         self.id = session_id
         specs = list(parameters)
@@ -287,6 +298,8 @@ class Session:
         #: The session's DP configuration, ``noise_multiplier`` the sigma of its steps (chosen by the
         #: server when the session was opened with a plan); None from a server that does not say.
         self.config = config
+        #: The dtypes parameters and gradients travel in (CreateSession's ``wire``).
+        self.wire = wire
         self._pushed: list[tuple[str, torch.Tensor]] | None = None
 
     @property
@@ -300,7 +313,8 @@ class Session:
 
         Every trainable parameter goes; the frozen ones (``requires_grad=False`` in the session's
         model, a LoRA run's base model) go with the session's first push, and then only with
-        ``frozen=True`` (their values changed) or when the server lost them.
+        ``frozen=True`` (their values changed) or when the server lost them. A trainer that pushes
+        before every step saves a round trip with ``compute_gradients(..., parameters=model)``.
 
         Args:
             model: the trainer's model (its ``requires_grad`` flags must be the session's) or
@@ -308,10 +322,7 @@ class Session:
             frozen: send the frozen parameters (True), keep the server's (False), or send them
                 when the server holds none (None).
         """
-        named = parameter_tensors(model) if isinstance(model, nn.Module) else list(model)
-        flags = ({name: p.requires_grad for name, p in model.named_parameters()} if isinstance(model, nn.Module)
-                 else None)
-        check_parameters(named, self.parameter_specs, requires_grad=flags, trainable=self.trainable)
+        named = self._checked_parameters(model)
         send_frozen = not self._frozen_held if frozen is None else frozen
         try:
             self._push(named, send_frozen=send_frozen)
@@ -324,22 +335,35 @@ class Session:
         self._pushed = named
         return self.param_version
 
-    def _push(self, named: list[tuple[str, torch.Tensor]], *, send_frozen: bool) -> None:
-        sent = [(name, tensor) for name, tensor in named if send_frozen or self.trainable[name]]
-        version = self.param_version + 1
-        header = pb.PushParametersRequest(header=pb.PushParametersHeader(session_id=self.id, version=version))
-        chunk_bytes = self._client.chunk_bytes
+    def _checked_parameters(self, model: nn.Module | Sequence[tuple[str, torch.Tensor]]
+                            ) -> list[tuple[str, torch.Tensor]]:
+        named = parameter_tensors(model) if isinstance(model, nn.Module) else list(model)
+        flags = ({name: p.requires_grad for name, p in model.named_parameters()} if isinstance(model, nn.Module)
+                 else None)
+        check_parameters(named, self.parameter_specs, requires_grad=flags, trainable=self.trainable)
+        return named
 
-        # Two groups, the trainable parameters and the frozen ones (when sent): few messages, and
-        # the server keeps the trainable ones, which travel on to its workers every version, as
-        # the one flat buffer they arrived in.
-        trainable = [(name, tensor) for name, tensor in sent if self.trainable[name]]
-        frozen = [(name, tensor) for name, tensor in sent if not self.trainable[name]]
+    def _parameter_groups(self, named: list[tuple[str, torch.Tensor]], *, send_frozen: bool,
+                          rename: Callable[[str], str] = str) -> list[Any]:
+        """The parameters as two groups, the trainable ones and the frozen ones (when sent): few
+        messages, and the server keeps the trainable ones, which travel on to its workers every
+        version, as the one flat buffer they arrived in. In the session's wire dtype, if it has one."""
+        dtype = self.wire.parameters
+        groups: list[Any] = []
+        for trainable in (True, False):
+            group = [(rename(name), tensor) for name, tensor in named
+                     if self.trainable[name] == trainable and (trainable or send_frozen)]
+            if group:
+                groups.append(group if dtype is None else FlatTensors.pack(group, dtype=dtype))
+        return groups
+
+    def _push(self, named: list[tuple[str, torch.Tensor]], *, send_frozen: bool) -> None:
+        version = self.param_version + 1
+        header = pb.PushParametersHeader(session_id=self.id, version=version)
 
         def invoke(stub: Any, kw: dict[str, Any]) -> pb.PushParametersResponse:
-            frames = itertools.chain.from_iterable(
-                _PUSH_WIRE.messages(group, chunk_bytes=chunk_bytes, group=True) for group in (trainable, frozen) if group)
-            return stub.PushParameters(_prepend(header, frames), **kw)
+            groups = self._parameter_groups(named, send_frozen=send_frozen)
+            return stub.PushParameters(_frames(_PUSH_WIRE, header, groups, self._client.chunk_bytes), **kw)
 
         reply = self._client.call(invoke)
         self.param_version = version
@@ -349,30 +373,41 @@ class Session:
     def compute_gradients(self, inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                           targets: torch.Tensor, *,
                           step_seed: int | None = None, max_rows: int | None = None,
-                          max_bytes: int | None = None) -> GradientResult:
+                          max_bytes: int | None = None,
+                          parameters: nn.Module | Sequence[tuple[str, torch.Tensor]] | None = None) -> GradientResult:
         """One DP step on the batch (``N * K`` rows, sample-major); see :class:`GradientResult`.
 
         ``inputs`` is a tensor, a sequence of tensors (the model's positional arguments) or a
         mapping of keyword arguments (``{"input_ids": ..., "attention_mask": ...}``).
+
+        With ``parameters`` (the model, or ``(name, tensor)`` pairs), the call first pushes them
+        under a new version, as :meth:`push_parameters` would, and computes at that version: a push
+        and a step in one round trip.
 
         With ``max_rows`` or ``max_bytes``, a batch larger than that goes as several requests of
         whole samples (gradient accumulation: the server adds noise and accounts once, after the
         last), and the result is that of the whole batch: use it for logical batches beyond the
         server's ``max_batch_rows`` or ``max_request_bytes`` (:meth:`GradientClient.server_info`).
         """
+        push = None if parameters is None else self._checked_parameters(parameters)
+        options = {"max_rows": max_rows, "max_bytes": max_bytes}
         try:
-            return self._compute(inputs, targets, step_seed, max_rows=max_rows, max_bytes=max_bytes)
+            return self._compute(inputs, targets, step_seed, push=push, **options)
         except ServiceError as error:
-            lost = error.reason == Reason.PARAMETERS_MISSING and self._pushed is not None
+            lost = error.reason == Reason.PARAMETERS_MISSING and (push is not None or self._pushed is not None)
             if not lost and error.reason != Reason.ACCUMULATION_LOST:
                 raise
+        if lost and push is not None:
+            logger.warning("psg client: the server holds no frozen parameters of session %s; sending them",
+                           self.id)
+            return self._compute(inputs, targets, step_seed, push=push, send_frozen=True, **options)
         if lost:
             logger.warning("psg client: the server lost the parameters of session %s; pushing them again",
                            self.id)
             self.push_parameters(self._pushed, frozen=True)  # type: ignore[arg-type]
         else:
             logger.warning("psg client: the server lost the first parts of this logical batch; sending it again")
-        return self._compute(inputs, targets, step_seed, max_rows=max_rows, max_bytes=max_bytes)
+        return self._compute(inputs, targets, step_seed, push=push, **options)
 
     def info(self) -> pb.SessionInfo:
         """Steps, epsilon spent and budget left."""
@@ -393,60 +428,110 @@ class Session:
 
     def _compute(self, inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                  targets: torch.Tensor, step_seed: int | None, *, max_rows: int | None = None,
-                 max_bytes: int | None = None) -> GradientResult:
+                 max_bytes: int | None = None, push: list[tuple[str, torch.Tensor]] | None = None,
+                 send_frozen: bool | None = None) -> GradientResult:
         named = batch_tensors(inputs, targets)
         config = self.config or DPConfig()
         parts = split_named_batch(named, max_rows=max_rows, max_bytes=max_bytes,
                                   augmentation_multiplicity=config.augmentation_multiplicity,
                                   batch_first=config.batch_first)
         client = self._client
+        frozen = not self._frozen_held if send_frozen is None else send_frozen
+        dtypes = ({name: dtype for name, (dtype, _) in self.parameter_specs.items()}
+                  if self.wire.gradients is not None else None)
         for index, part in enumerate(parts):
-            header = pb.ComputeGradientsHeader(session_id=self.id, param_version=self.param_version, part=index,
-                                               more_parts=index < len(parts) - 1, grouped_reply=True)
+            pushing = push is not None and index == 0
+            version = self.param_version + 1 if pushing else self.param_version
+            header = pb.ComputeGradientsHeader(session_id=self.id, param_version=version, part=index,
+                                               more_parts=index < len(parts) - 1, grouped_reply=True,
+                                               push_version=version if pushing else 0)
             if step_seed is not None:
                 header.step_seed = step_seed
 
             def invoke(stub: Any, kw: dict[str, Any], header: pb.ComputeGradientsHeader = header,
-                       part: list[tuple[str, torch.Tensor]] = part) -> GradientResult:
-                frames = _COMPUTE_WIRE.messages(part, chunk_bytes=client.chunk_bytes, group=True)
-                requests = _prepend(pb.ComputeGradientsRequest(header=header), frames)
-                return _read_result(stub.ComputeGradients(requests, **kw), client.limits)
+                       part: list[tuple[str, torch.Tensor]] = part, pushing: bool = pushing) -> GradientResult:
+                groups = self._parameter_groups(push, send_frozen=frozen, rename=parameter_name) \
+                    if pushing and push is not None else []
+                requests = _frames(_COMPUTE_WIRE, header, [*groups, part], client.chunk_bytes)
+                return _read_result(stub.ComputeGradients(requests, **kw), client.limits, dtypes)
 
             result = client.call(invoke)
+            if pushing:
+                self.param_version, self._frozen_held, self._pushed = version, True, push
         return result
 
 
 def _stub(channel: grpc.Channel) -> pb_grpc.GradientServiceStub:
-    """The generated stub, with the two tensor-streaming methods going through :class:`FrameWire`:
-    chunk frames are serialised and read without protobuf's extra copies of their payload."""
+    """The generated stub, with the two tensor-streaming methods going through :class:`FrameWire`
+    (chunk and group frames are serialised and read without protobuf's extra copies of their
+    payload) and :class:`_OneOrMore` (a request of one message goes without a streaming call)."""
     stub = pb_grpc.GradientServiceStub(channel)
-    stub.PushParameters = channel.stream_unary(  # type: ignore[method-assign]
-        f"/{SERVICE_NAME}/PushParameters", request_serializer=_PUSH_WIRE.serialize,
-        response_deserializer=pb.PushParametersResponse.FromString, _registered_method=True)
-    stub.ComputeGradients = channel.stream_stream(  # type: ignore[method-assign]
-        f"/{SERVICE_NAME}/ComputeGradients", request_serializer=_COMPUTE_WIRE.serialize,
-        response_deserializer=_REPLY_WIRE.parse, _registered_method=True)
+    push, compute = f"/{SERVICE_NAME}/PushParameters", f"/{SERVICE_NAME}/ComputeGradients"
+    push_reply, compute_reply = pb.PushParametersResponse.FromString, _REPLY_WIRE.parse
+    stub.PushParameters = _OneOrMore(  # type: ignore[method-assign]
+        channel.stream_unary(push, request_serializer=_PUSH_WIRE.serialize, response_deserializer=push_reply,
+                             _registered_method=True),
+        channel.unary_unary(push, request_serializer=_PUSH_WIRE.serialize, response_deserializer=push_reply,
+                            _registered_method=True))
+    stub.ComputeGradients = _OneOrMore(  # type: ignore[method-assign]
+        channel.stream_stream(compute, request_serializer=_COMPUTE_WIRE.serialize,
+                              response_deserializer=compute_reply, _registered_method=True),
+        channel.unary_stream(compute, request_serializer=_COMPUTE_WIRE.serialize,
+                             response_deserializer=compute_reply, _registered_method=True))
     return stub
 
 
-def _prepend(first: _T, rest: Iterator[_T]) -> Iterator[_T]:
-    yield first
-    yield from rest
+class _OneOrMore:
+    """A client-streaming method called with a request iterator: a request of one message goes as
+    a unary request (the same bytes on the wire: gRPC does not send a method's cardinality), which
+    spares the thread a streaming call starts to read the iterator, and most of a small step's
+    client-side cost; longer requests stream as usual."""
+
+    def __init__(self, streaming: Any, single: Any) -> None:
+        self._streaming = streaming
+        self._single = single
+
+    def __call__(self, requests: Iterator[Any], **kwargs: Any) -> Any:
+        first = list(itertools.islice(requests, 2))
+        if len(first) == 1:
+            return self._single(first[0], **kwargs)
+        return self._streaming(itertools.chain(first, requests), **kwargs)
 
 
-def _read_result(responses: Iterator[pb.ComputeGradientsResponse], limits: CodecLimits) -> GradientResult:
+def _frames(wire: FrameWire, header: Any, groups: list[Any], chunk_bytes: int) -> Iterator[Any]:
+    """A request stream: the header carrying the first group inline (a request whose tensors fit
+    in one chunk is one message), then the other groups."""
+    for index, group in enumerate(groups):
+        lead = ("header", header, "group") if index == 0 else None
+        yield from wire.messages(group, chunk_bytes=chunk_bytes, group=True, lead=lead)
+    if not groups:
+        yield wire.message_type(header=header)
+
+
+def _read_result(responses: Iterator[pb.ComputeGradientsResponse], limits: CodecLimits,
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> GradientResult:
     stats: pb.StepStats | None = None
     decoder = TensorDecoder(limits)
     for message in responses:
         if stats is None:
-            if message.WhichOneof("frame") != "stats":
+            kind = message.WhichOneof("frame")
+            if kind == "result":  # the stats and the first group of gradients in one message
+                stats = message.result.stats
+                if message.result.HasField("gradients"):
+                    decoder.add(message.result.gradients)
+            elif kind == "stats":
+                stats = message.stats
+            else:
                 raise PsgError("compute_gradients: the server's reply did not start with the step stats")
-            stats = message.stats
         else:
             decoder.add_message(message)
     if stats is None:
         raise PsgError("compute_gradients: the server's reply was empty")
-    report = dataclasses.asdict(step_stats_from_proto(stats))
-    report.pop("pending")  # a part's reply; compute_gradients returns the last part's, the step's
-    return GradientResult(grads=decoder.finish(), **report)
+    stats_report = step_stats_from_proto(stats)
+    # The last part's report is the step's (pending only marks the others).
+    report = {f.name: getattr(stats_report, f.name) for f in dataclasses.fields(stats_report) if f.name != "pending"}
+    grads = decoder.finish()
+    if dtypes is not None:  # sent in the session's wire dtype: back to each parameter's own
+        grads = {name: grad.to(dtypes.get(name, grad.dtype)) for name, grad in grads.items()}
+    return GradientResult(grads=grads, **report)
 

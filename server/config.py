@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from psg_core.errors import ConfigError
+from psg_server.resident import check_device_name
 
 __all__ = ["ServerConfig", "default_state_dir", "load_tokens"]
 
@@ -119,6 +120,10 @@ class ServerConfig:
     num_workers: int | None = None
     #: CPU cores Ray reserves for each worker, and its torch threads.
     cpus_per_worker: int = 1
+    #: Where shards compute: "auto" (a GPU when there is one: the in-process executor's current CUDA
+    #: device, one GPU per Ray worker when the cluster has GPUs), "cpu", "cuda" or "cuda:<i>" (Ray
+    #: workers: any "cuda" means one GPU each, whatever the index).
+    device: str = "auto"
     #: Ray cluster to join (``host:port``); None starts an embedded local Ray.
     ray_address: str | None = None
     #: Server-side cap on one step; a client deadline can only shorten it.
@@ -164,6 +169,10 @@ class ServerConfig:
         for name in ("session_idle_seconds", "stream_idle_seconds", "step_timeout_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ServerConfig: {name} must be > 0, got {getattr(self, name)!r}")
+        try:
+            check_device_name(self.device)
+        except ConfigError as error:
+            raise ConfigError(f"ServerConfig: {error}") from None
         if self.executor not in ("inprocess", "ray"):
             raise ConfigError(f"ServerConfig: executor must be 'inprocess' or 'ray', got {self.executor!r}")
         if self.default_accountant not in ("rdp", "pld"):
@@ -322,6 +331,10 @@ def build_parser(defaults: Mapping[str, object] | None = None) -> argparse.Argum
         help="workers: Ray actors or in-process threads",
         shown="one per GPU, else one per --cpus-per-worker CPUs with Ray; 1 in-process")
     add("--cpus-per-worker", type=int, metavar="N", help="CPU cores (and torch threads) of each Ray worker")
+    add("--device", metavar="auto|cpu|cuda[:i]",
+        help="where shards compute: auto = a GPU when there is one (in-process: the current CUDA device; Ray: "
+             "one GPU per worker when the cluster has GPUs), cpu, or cuda / cuda:<i> (in-process: that GPU; "
+             "Ray: one GPU per worker, whatever the index)")
     add("--ray-address", metavar="HOST:PORT", help="Ray cluster to join",
         shown="RAY_ADDRESS, else start an embedded local Ray")
     add("--step-timeout-seconds", type=float, metavar="SECONDS",

@@ -1,13 +1,13 @@
 """The dispatch loop of a pool step: each shard to a live actor, lost shards retried elsewhere.
 
 A shard goes to the actor its plan pinned it to while that actor is live, otherwise to the fastest
-idle actor; each shard is put into the object store right before its first call, so the first
-actor computes while the next shard is put. A shard whose actor died (actor killed, process or
-node gone) is sent again, put into the object store afresh, to another live actor after the
-supervisor evicted the dead one, waiting (at most ``worker_wait_s``) for a replacement when none is
-live; a shard or parameter set the object store lost is put again. Errors raised by the
-computation itself (bad model arguments...) are not retried. Cancelling
-:meth:`ShardDispatcher.run` (the step's deadline) cancels the shards in flight.
+idle actor; each shard rides inside its call when small, or is put into the object store right
+before its first call, so the first actor computes while the next shard is put. A shard whose
+actor died (actor killed, process or node gone) is sent again, put into the object store afresh,
+to another live actor after the supervisor evicted the dead one, waiting (at most
+``worker_wait_s``) for a replacement when none is live; a shard or parameter set the object store
+lost is put again. Errors raised by the computation itself (bad model arguments...) are not
+retried. Cancelling :meth:`ShardDispatcher.run` (the step's deadline) cancels the shards in flight.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from typing import Any
 import ray
 from ray import exceptions as ray_errors
 
-from psg_core.config import DPGradient
 from psg_server.errors import NoWorkersError
-from psg_server.executor import ParameterSet, SessionSpec, Shard
+from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardResult
 from psg_server.supervisor import ActorSupervisor, SupervisedActor
-from psg_server.transport import ParameterRefs, as_future, cancel, put
+from psg_server.transport import ParameterRefs, as_future, cancel, shard_argument
 
 __all__ = ["ShardDispatcher"]
 
@@ -53,15 +52,15 @@ class ShardDispatcher:
         self._max_attempts = max_attempts
         self._worker_wait_s = worker_wait_s
 
-    async def run(self, spec: SessionSpec, parameters: ParameterSet, shards: Sequence[Shard]) -> list[DPGradient]:
+    async def run(self, spec: SessionSpec, parameters: ParameterSet, shards: Sequence[Shard]) -> list[ShardResult]:
         """One result per shard, in shard order."""
         loop = asyncio.get_running_loop()
-        params_ref = await self._parameters.get(spec.session_id, parameters)
+        arguments = await self._parameters.arguments(spec.session_id, parameters)
         pinned = [None if shard.worker is None else self._supervisor.find(shard.worker) for shard in shards]
-        # Put lazily, right before each shard's first call: the first actor starts computing while
-        # the next shard is put.
-        shard_refs: list[ray.ObjectRef | None] = [None] * len(shards)
-        results: list[DPGradient | None] = [None] * len(shards)
+        # Made lazily, right before each shard's first call (a small shard rides inside the call, a
+        # large one is put): the first actor starts computing while the next shard is put.
+        shard_args: list[Any] = [None] * len(shards)
+        results: list[ShardResult | None] = [None] * len(shards)
         attempts = [0] * len(shards)
         queue = collections.deque(range(len(shards)))
         # future -> (shard, actor, object ref, submit time)
@@ -73,11 +72,10 @@ class ShardDispatcher:
                     if actor is None:
                         continue
                     queue.remove(index)
-                    shard_ref = shard_refs[index]
-                    if shard_ref is None:
-                        shard_ref = shard_refs[index] = await loop.run_in_executor(None, put, shards[index])
-                    ref = actor.handle.run_shard.remote(spec, parameters.version, (params_ref,), shard_ref,
-                                                        pack_result=True)
+                    shard_arg = shard_args[index]
+                    if shard_arg is None:
+                        shard_arg = shard_args[index] = await shard_argument(shards[index])
+                    ref = actor.handle.run_shard.remote(spec, arguments, shard_arg, pack_result=True)
                     running[as_future(ref)] = (index, actor, ref, loop.time())
                 if not running:
                     await self._supervisor.wait_for_live(self._worker_wait_s)
@@ -87,7 +85,7 @@ class ShardDispatcher:
                     index, actor, _, submitted = running.pop(future)
                     error = future.exception()
                     if error is None:
-                        result: DPGradient = future.result()
+                        result: ShardResult = future.result()
                         results[index] = result
                         actor.observe(result.num_samples, loop.time() - submitted)
                         continue
@@ -99,14 +97,14 @@ class ShardDispatcher:
                             raise cause if isinstance(cause, Exception) else error
                     if isinstance(error, ray_errors.ObjectLostError):
                         self._parameters.drop(spec.session_id)
-                        params_ref = await self._parameters.get(spec.session_id, parameters)
-                        shard_refs[index] = None  # put again when it is sent again
+                        arguments = await self._parameters.arguments(spec.session_id, parameters)
+                        shard_args[index] = None  # put again when it is sent again
                     elif isinstance(error, _WORKER_LOST):
                         self._supervisor.evict(actor, f"shard {index} failed: {type(error).__name__}")
                         # Put again too: the object directory may still list the lost node's copy
                         # of the shard, and the next actor would try to pull it from there first
                         # (tens of seconds) before falling back to the frontend's.
-                        shard_refs[index] = None
+                        shard_args[index] = None
                     else:
                         raise error
                     attempts[index] += 1

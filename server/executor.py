@@ -3,11 +3,13 @@
 The frontend hands an executor one step at a time: the session's :class:`SessionSpec` (enough to
 rebuild the model anywhere), the :class:`ParameterSet` of the requested version and the batch cut
 into :class:`Shard` objects (by :mod:`psg_server.scheduler`, from the executor's
-:meth:`~ShardExecutor.throughputs`). The executor returns one :class:`~psg_core.config.DPGradient` per
-shard, in shard order; the frontend merges, noises and accounts. :class:`ShardRunner` is the part
-every executor shares: it builds and caches one model per session, loads parameters on a version
-change (the frozen ones only when they changed) and calls :func:`psg_core.dp.dp_gradient`. The Ray
-pool wraps the same runner in actors.
+:meth:`~ShardExecutor.throughputs`). The executor returns one :class:`ShardResult` (a
+:class:`~psg_core.config.DPGradient` whose gradients are views of one flat buffer, with the worker's
+timings) per shard, in shard order; the frontend merges, noises and accounts. :class:`ShardRunner`
+is the part every executor shares: it keeps one model per session resident on its device
+(:mod:`psg_server.resident`), loads a new parameter version as one flat buffer (the frozen
+parameters only when they changed) and calls :func:`psg_core.dp.dp_gradient`. The Ray pool wraps
+the same runner in actors.
 
 >>> import asyncio
 >>> from psg_server.models import default_registry
@@ -21,25 +23,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
+import functools
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch import nn
 
 from psg_core.config import DPConfig, DPGradient
 from psg_core.layout import ModelInputs
 from psg_server.errors import NoWorkersError
 from psg_server.losses import get_loss
 from psg_server.models import ModelRegistry
+from psg_server.resident import ResidentModel, resolve_device
 from psg_wire.adapters import LoraAdapter
+from psg_wire.flat import FlatTensors
 
-__all__ = ["InProcessExecutor", "ParameterSet", "SessionSpec", "Shard", "ShardExecutor", "ShardRunner",
-           "WorkerDescription"]
+__all__ = ["InProcessExecutor", "ParameterSet", "SessionSpec", "Shard", "ShardExecutor", "ShardResult", "ShardRunner",
+           "ShardTimings", "WorkerDescription"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,18 +72,33 @@ class SessionSpec:
 
 @dataclass(frozen=True)
 class ParameterSet:
-    """One version of a session's parameters (CPU tensors, named as in named_parameters()).
+    """One version of a session's parameters (host tensors, named as in named_parameters()).
 
     A push that leaves out the frozen parameters (``requires_grad=False``) keeps those of the
     previous set: ``tensors`` then shares them with it, and ``frozen_version`` still names the
     version whose push carried them, so a worker whose model holds them already loads only the
-    trainable ones.
+    trainable ones. Workers receive the set as two flat buffers: :attr:`varying` (every parameter
+    not in ``frozen``) with each version, :attr:`fixed` (the ``frozen`` ones) once per frozen version.
     """
 
     version: int
     tensors: Mapping[str, torch.Tensor]
     #: The version whose push carried the frozen parameters; 0 = this one (or there are none).
     frozen_version: int = 0
+    #: Names of the frozen parameters in ``tensors`` (empty: every parameter travels with each version).
+    frozen: frozenset[str] = frozenset()
+
+    @functools.cached_property
+    def varying(self) -> FlatTensors:
+        """The parameters not in ``frozen``, as one flat buffer (a view, without a copy, when they
+        arrived as one group)."""
+        return FlatTensors.pack([(name, t) for name, t in self.tensors.items() if name not in self.frozen])
+
+    @functools.cached_property
+    def fixed(self) -> FlatTensors | None:
+        """The frozen parameters as one flat buffer; None when there are none."""
+        named = [(name, t) for name, t in self.tensors.items() if name in self.frozen]
+        return FlatTensors.pack(named) if named else None
 
     @property
     def frozen_from(self) -> int:
@@ -120,6 +139,30 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class ShardTimings:
+    """Where a worker spent a shard's seconds: parameters and inputs onto its device, the DP
+    computation, the result off it (on a GPU, each phase ends with a synchronisation)."""
+
+    copy_in: float = 0.0
+    compute: float = 0.0
+    copy_out: float = 0.0
+
+
+@dataclass
+class ShardResult(DPGradient):
+    """One shard's :class:`~psg_core.config.DPGradient`, its gradients views of the one flat buffer
+    ``flat`` (what crosses the object store and what the frontend sums in place), with the worker's
+    :class:`ShardTimings`. Built with empty ``grads`` and a ``flat``, it takes ``grads`` from it."""
+
+    timings: ShardTimings = field(default_factory=ShardTimings)
+    flat: FlatTensors | None = None
+
+    def __post_init__(self) -> None:
+        if self.flat is not None and not self.grads:
+            self.grads = self.flat.views()
+
+
+@dataclass(frozen=True)
 class WorkerDescription:
     """A worker as ``GetServerInfo`` lists it."""
 
@@ -155,12 +198,19 @@ class ShardExecutor(Protocol):
         worker id in the executor's order: what :func:`psg_server.scheduler.plan_shards` weighs."""
         ...
 
+    @property
+    def pinned_inputs(self) -> bool:
+        """Whether the frontend should decode parameters and batches into pinned host memory (the
+        executor copies them to a GPU of this process, asynchronously from pinned memory)."""
+        ...
+
     async def run(self, spec: SessionSpec, parameters: ParameterSet,
-                  shards: Sequence[Shard]) -> list[DPGradient]:
+                  shards: Sequence[Shard]) -> list[ShardResult]:
         """One result per shard, in shard order; cancelling the awaiting task cancels the shards.
 
         The shards are run as given (the frontend planned them), so :meth:`DPGradient.merge` of the
-        results is the step's result.
+        results is the step's result. A result's tensors are on the host, or on the device of this
+        process that computed them (the in-process executor on a GPU).
         """
         ...
 
@@ -170,7 +220,8 @@ class ShardExecutor(Protocol):
 
 
 class ShardRunner:
-    """Computes shards on one device, caching one model per session (not thread-safe: one per worker).
+    """Computes shards on one device, keeping one resident model per session (not thread-safe: one
+    per worker).
 
     Args:
         registry: builds models by name (plugins already loaded).
@@ -182,19 +233,33 @@ class ShardRunner:
         self.device = torch.device(device)
         self._cache: dict[str, _CachedModel] = {}
 
-    def run_shard(self, spec: SessionSpec, parameters: ParameterSet, shard: Shard) -> DPGradient:
-        """``dp_gradient`` of the session's model at ``parameters`` on one shard (results on CPU)."""
+    def run_shard(self, spec: SessionSpec, parameters: ParameterSet, shard: Shard, *,
+                  to_host: bool = True) -> ShardResult:
+        """``dp_gradient`` of the session's model at ``parameters`` on one shard.
+
+        The gradients come back as views of one flat buffer: on the host (``to_host``; from a GPU,
+        one copy into pinned memory) or left on the device.
+        """
         from psg_core.dp import dp_gradient  # the DP step lives in psg_core; imported when first used
 
-        model, loss = self._model(spec, parameters)
+        started = time.perf_counter()
+        resident = self._model(spec, parameters)
         inputs = tuple(t.to(self.device, non_blocking=True) for t in shard.inputs)
         targets = shard.targets.to(self.device, non_blocking=True)
-        result = dp_gradient(model, shard.model_inputs(inputs), targets, loss_fn=loss, config=spec.dp_config)
-        if self.device.type == "cpu":
-            return result
-        # replace(), not a new DPGradient: every count (num_dropped too) comes along as it is.
-        return dataclasses.replace(result, grads={name: g.cpu() for name, g in result.grads.items()},
-                                   per_sample_norms=result.per_sample_norms.cpu())
+        loaded = self._synchronize()
+        result = dp_gradient(resident.model, shard.model_inputs(inputs), targets, loss_fn=resident.loss,
+                             config=spec.dp_config)
+        flat = FlatTensors.pack(result.grads)  # one buffer for the sum, the transport and the reply
+        norms = result.per_sample_norms
+        computed = self._synchronize()
+        if to_host and self.device.type != "cpu":
+            flat = flat.to("cpu", non_blocking=True, pin_memory=True)
+            norms = norms.to("cpu", non_blocking=True)
+        done = self._synchronize()
+        timings = ShardTimings(copy_in=loaded - started, compute=computed - loaded, copy_out=done - computed)
+        return ShardResult(grads={}, per_sample_norms=norms, loss_sum=result.loss_sum,
+                           num_samples=result.num_samples, num_clipped=result.num_clipped,
+                           num_dropped=result.num_dropped, timings=timings, flat=flat)
 
     def release(self, session_id: str) -> None:
         """Forgets the session's model."""
@@ -208,43 +273,49 @@ class ShardRunner:
         """Whether the session's model is cached with parameter ``version`` loaded, so a caller
         that must fetch parameters from afar (a Ray worker) can skip fetching them."""
         cached = self._cache.get(spec.session_id)
-        return cached is not None and cached.spec == spec and cached.version == version
+        return cached is not None and cached.spec == spec and cached.resident.version == version
 
-    def _model(self, spec: SessionSpec, parameters: ParameterSet) -> tuple[nn.Module, nn.Module]:
+    def has_frozen(self, spec: SessionSpec, frozen_version: int) -> bool:
+        """Whether the session's model holds the frozen parameters pushed with ``frozen_version``."""
+        cached = self._cache.get(spec.session_id)
+        return cached is not None and cached.spec == spec and cached.resident.frozen_from == frozen_version
+
+    def _synchronize(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _model(self, spec: SessionSpec, parameters: ParameterSet) -> ResidentModel:
         cached = self._cache.get(spec.session_id)
         if cached is None or cached.spec != spec:
             model = self._registry.build(spec.model, spec.model_kwargs, device=self.device, lora=spec.lora)
             model.train()
-            cached = self._cache[spec.session_id] = _CachedModel(spec, model, get_loss(spec.loss).build())
-        if cached.version != parameters.version:
+            loss = get_loss(spec.loss).build()
+            cached = self._cache[spec.session_id] = _CachedModel(spec, ResidentModel(model, loss, self.device))
+        resident = cached.resident
+        if resident.version != parameters.version:
             # The frozen parameters (a LoRA run's whole base model) are copied only when they changed.
-            keep_frozen = cached.frozen_from == parameters.frozen_from
-            with torch.no_grad():
-                for name, param in cached.model.named_parameters():
-                    if param.requires_grad or not keep_frozen:
-                        param.copy_(parameters.tensors[name], non_blocking=True)
-            cached.version, cached.frozen_from = parameters.version, parameters.frozen_from
-        return cached.model, cached.loss
+            fixed = parameters.fixed
+            if fixed is not None and resident.frozen_from != parameters.frozen_from:
+                resident.load(fixed, slot="frozen")
+            resident.load(parameters.varying, slot="varying")
+            resident.version, resident.frozen_from = parameters.version, parameters.frozen_from
+        return resident
 
 
 @dataclass
 class _CachedModel:
-    """A session's model on one worker and the parameter versions it holds."""
+    """A session's resident model on one worker, and the spec it was built for."""
 
     spec: SessionSpec
-    model: nn.Module
-    loss: nn.Module
-    #: Version of the loaded parameters; -1 = none yet.
-    version: int = -1
-    #: Version whose push carried the loaded frozen parameters; -1 = none yet.
-    frozen_from: int = -1
+    resident: ResidentModel
 
 
 class _ThreadWorker:
     """A :class:`ShardRunner` on its own thread: one worker runs its shards one after another."""
 
-    def __init__(self, index: int, registry: ModelRegistry, device: str) -> None:
-        self.description = WorkerDescription(id=f"inprocess-{index}", device=device)
+    def __init__(self, index: int, registry: ModelRegistry, device: torch.device) -> None:
+        self.description = WorkerDescription(id=f"inprocess-{index}", device=str(device))
         self.runner = ShardRunner(registry, device)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                           thread_name_prefix=f"psg-worker-{index}")
@@ -255,24 +326,36 @@ class InProcessExecutor:
 
     Shard ``i`` goes to worker ``i % num_workers``. Torch releases the GIL in its kernels, so
     workers overlap on multi-core hosts; each worker keeps its own copy of every session's model.
+    On a GPU the results stay on it: the frontend sums and noises them there and copies the
+    step's gradient to the host once.
 
     Args:
         registry: the model registry.
         num_workers: worker threads.
-        device: device of every worker ("cpu", "cuda:0", ...).
+        device: device of every worker: "auto" (the current CUDA device when torch sees one, else
+            the CPU), "cpu", "cuda" or "cuda:<i>".
     """
 
-    def __init__(self, registry: ModelRegistry, *, num_workers: int = 1, device: str = "cpu") -> None:
+    def __init__(self, registry: ModelRegistry, *, num_workers: int = 1, device: str = "auto") -> None:
         if num_workers < 1:
             raise ValueError(f"InProcessExecutor: num_workers must be >= 1, got {num_workers}")
         self._registry = registry
         self._num_workers = num_workers
-        self._device = device
+        self._device = resolve_device(device)
         self._workers: list[_ThreadWorker] = []
 
     @property
     def ready(self) -> bool:
         return bool(self._workers)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the workers compute."""
+        return self._device
+
+    @property
+    def pinned_inputs(self) -> bool:
+        return self._device.type == "cuda"
 
     async def start(self) -> None:
         if not self._workers:
@@ -292,13 +375,14 @@ class InProcessExecutor:
         return {worker.description.id: None for worker in self._workers}
 
     async def run(self, spec: SessionSpec, parameters: ParameterSet,
-                  shards: Sequence[Shard]) -> list[DPGradient]:
+                  shards: Sequence[Shard]) -> list[ShardResult]:
         workers = self._workers
         if not workers:
             raise NoWorkersError("ComputeGradients: the executor has no workers (not started or closed)")
         loop = asyncio.get_running_loop()
         assigned = [(workers[i % len(workers)], shard) for i, shard in enumerate(shards)]
-        futures = [loop.run_in_executor(worker.pool, worker.runner.run_shard, spec, parameters, shard)
+        futures = [loop.run_in_executor(worker.pool, functools.partial(worker.runner.run_shard, to_host=False),
+                                        spec, parameters, shard)
                    for worker, shard in assigned]
         try:
             return list(await asyncio.gather(*futures))

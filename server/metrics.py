@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server: requests, failures, per-phase seconds, open sessions.
+"""Prometheus metrics of one server: requests, failures, per-phase seconds (the frontend's and the
+workers'), open sessions.
 
 Each server owns its own ``CollectorRegistry`` (several servers can live in one process, as in
 tests), served over HTTP by :meth:`Metrics.serve_http` when ``--metrics-port`` is set.
@@ -16,17 +17,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-__all__ = ["Metrics", "PHASES"]
+__all__ = ["Metrics", "PHASES", "WORKER_PHASES"]
 
 logger = logging.getLogger(__name__)
 
 #: Phases of a ComputeGradients step, in order.
 PHASES = ("receive", "validate", "compute", "noise", "account", "send")
+#: Phases of one shard on its worker (within the step's "compute"): parameters and inputs onto the
+#: worker's device, the DP computation, the result off it.
+WORKER_PHASES = ("copy_in", "compute", "copy_out")
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
             60.0, 120.0, 300.0)
 
@@ -45,6 +49,12 @@ class Metrics:
         self.sessions = Gauge("psg_open_sessions", "Open sessions.", registry=self.registry)
         self.samples = Counter("psg_samples", "Samples whose gradients were computed.",
                                registry=self.registry)
+        self.worker_seconds = Histogram("psg_worker_phase_seconds", "Seconds per phase of a shard on its "
+                                        "worker (copy_in, compute, copy_out).", ["phase"], buckets=_BUCKETS,
+                                        registry=self.registry)
+        # Bound children: a labels() lookup per observation costs more than the observation.
+        self._phases = {name: self.phase_seconds.labels(phase=name) for name in PHASES}
+        self._worker_phases = {name: self.worker_seconds.labels(phase=name) for name in WORKER_PHASES}
         self._http: Any = None
         self._http_thread: Any = None
 
@@ -52,10 +62,21 @@ class Metrics:
     def phase(self, name: str) -> Iterator[None]:
         """Times the enclosed block as phase ``name`` of a step."""
         start = time.perf_counter()
+        child = self._phases.get(name) or self.phase_seconds.labels(phase=name)
         try:
             yield
         finally:
-            self.phase_seconds.labels(phase=name).observe(time.perf_counter() - start)
+            child.observe(time.perf_counter() - start)
+
+    def observe_workers(self, results: Iterable[object]) -> None:
+        """Records the worker-side phases of each shard result that carries ``timings`` (a
+        :class:`~psg_server.executor.ShardResult`)."""
+        for result in results:
+            timings = getattr(result, "timings", None)
+            if timings is not None:
+                self._worker_phases["copy_in"].observe(timings.copy_in)
+                self._worker_phases["compute"].observe(timings.compute)
+                self._worker_phases["copy_out"].observe(timings.copy_out)
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""

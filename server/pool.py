@@ -17,10 +17,12 @@ The pool is a facade over three parts:
   deadline) cancels the shards in flight. With no live worker when a step starts,
   :meth:`~WorkerPool.run` raises :class:`NoWorkersError` (UNAVAILABLE) at once; a step that loses its
   last worker midway waits up to ``worker_wait_s`` for a replacement.
-* :mod:`psg_server.transport` moves the tensors: shards, parameters and results cross the object
-  store as raw out-of-band bytes, one ``ray.put`` per (session, version) of the parameters; workers
-  fetch a version only when their cached model lacks it and drop the model on
-  :meth:`~WorkerPool.release`.
+* :mod:`psg_server.transport` moves the tensors: shards, parameters and results as raw out-of-band
+  bytes, small ones inside the actor calls and large ones through the object store. A parameter
+  version is one flat buffer (put at most once per (session, version)), the frozen parameters
+  another, put once per (session, frozen version); workers keep each session's model resident on
+  their device, fetch a version only when it lacks it, and drop the model on
+  :meth:`~WorkerPool.release`. A result is one flat gradient buffer.
 
 Object references are awaited through asyncio futures; blocking Ray calls (``ray.init``,
 ``ray.put``, ``ray.shutdown``) run on a thread, never on the event loop.
@@ -46,11 +48,10 @@ from typing import Any
 
 import ray
 
-from psg_core.config import DPGradient
 from psg_server.cluster import connect
 from psg_server.dispatch import ShardDispatcher
 from psg_server.errors import NoWorkersError
-from psg_server.executor import ParameterSet, SessionSpec, Shard, WorkerDescription
+from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardResult, WorkerDescription
 from psg_server.supervisor import WORKER_ENV, ActorSupervisor
 from psg_server.transport import ParameterRefs, as_future
 
@@ -110,6 +111,11 @@ class WorkerPool:
         """True once started and while at least one worker is live."""
         return self._supervisor.ready
 
+    @property
+    def pinned_inputs(self) -> bool:
+        """False: the frontend hands its tensors to Ray, and GPU workers pin what they unpickle."""
+        return False
+
     async def start(self) -> None:
         """Connects to (or starts) Ray and starts the actors; returns when they are all up, or
         after ``start_timeout_s`` with whichever are up (the rest keep starting)."""
@@ -153,7 +159,7 @@ class WorkerPool:
                     logger.info("pool: release of %s failed on a worker: %s", session_id, future.exception())
 
     async def run(self, spec: SessionSpec, parameters: ParameterSet,
-                  shards: Sequence[Shard]) -> list[DPGradient]:
+                  shards: Sequence[Shard]) -> list[ShardResult]:
         """One result per shard, in shard order (see :mod:`psg_server.dispatch`)."""
         if not self._supervisor.running:
             raise NoWorkersError("ComputeGradients: the worker pool is not running")

@@ -130,7 +130,8 @@ class GradientServicer:
         owner = self._auth.principal_of(context)
         header = await read_header(requests, rpc="PushParameters")
         session = self._store.get(header.session_id, owner)
-        parameters = await receive_parameters(requests, session, header.version, self._parameter_limits)
+        parameters = await receive_parameters(requests, session, header, self._parameter_limits,
+                                              pin_memory=self._executor.pinned_inputs)
         self._store.store_parameters(session, parameters)
         return pb.PushParametersResponse(version=parameters.version, num_bytes=pushed_bytes(session, parameters),
                                          frozen_version=parameters.frozen_from)
@@ -387,6 +388,8 @@ def _default_executor(config: ServerConfig, registry: ModelRegistry) -> ShardExe
     if config.executor == "ray":
         from psg_server.pool import WorkerPool  # Ray is imported only when the pool is used
 
+        # "cuda:<i>" names a GPU of this process; Ray gives each worker one GPU of its own.
+        use_gpus = {"auto": None, "cpu": False}.get(config.device, True)
         return WorkerPool(plugins=registry.plugins, num_workers=config.num_workers,
-                          cpus_per_worker=config.cpus_per_worker, ray_address=config.ray_address)
-    return InProcessExecutor(registry, num_workers=config.num_workers or 1)
+                          cpus_per_worker=config.cpus_per_worker, ray_address=config.ray_address, use_gpus=use_gpus)
+    return InProcessExecutor(registry, num_workers=config.num_workers or 1, device=config.device)

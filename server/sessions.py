@@ -37,7 +37,7 @@ from psg_server.losses import LossEntry, get_loss
 from psg_server.models import ModelRegistry, ModelSignature, ParameterInfo
 from psg_wire.convert import dp_config_from_proto, lora_from_proto, parameter_spec_to_proto, privacy_from_proto
 from psg_server.state import SessionDatabase, SessionRecord
-from psg_wire.convert import dp_config_to_proto
+from psg_wire.convert import WireDtypes, dp_config_to_proto, wire_dtypes_from_proto, wire_dtypes_to_proto
 from psg_wire.names import input_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 
@@ -88,6 +88,8 @@ class Session:
         self.pending: PendingBatch | None = None
         #: The CreateSessionRequest as opened (sigma chosen, seed drawn): what rebuilds the session.
         self.request = pb.CreateSessionRequest()
+        #: Reduced-precision wire dtypes of its parameters and gradients (CreateSessionRequest.wire).
+        self.wire = WireDtypes()
         self.last_used = time.monotonic()
         self._accountant: PrivacyAccountant | None = None
         if spec.dp_config.noise_multiplier > 0:
@@ -153,7 +155,8 @@ class Session:
                               epsilon_spent=self.epsilon_spent, budget_left=self.budget_left,
                               delta=self.privacy.delta, parameters=parameter_specs(self.parameter_info),
                               dp=dp_config_to_proto(self.dp_config), latest_param_version=self.latest_version,
-                              frozen_version=self.parameters.frozen_from if self.parameters else 0)
+                              frozen_version=self.parameters.frozen_from if self.parameters else 0,
+                              wire=wire_dtypes_to_proto(self.wire))
 
     def record(self) -> SessionRecord:
         """The session as the database keeps it."""
@@ -314,6 +317,7 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
                       expected_batch_size=request.expected_batch_size, privacy=privacy,
                       seed=request.seed if request.HasField("seed") else None, secure_rng=request.secure_rng)
     session.request = _opened_request(request, dp_config.noise_multiplier, session.seed)
+    session.wire = wire_dtypes_from_proto(request.wire)
     return session
 
 

@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,19 +29,21 @@ from psg_core.errors import BatchLayoutError, NonFiniteInputError
 from psg_server.accumulation import check_part, take_part
 from psg_server.config import ServerConfig
 from psg_server.errors import InvalidRequestError, LimitExceededError, StepTimeoutError
-from psg_server.executor import ShardExecutor
+from psg_server.executor import ShardExecutor, ShardResult
 from psg_server.losses import prepare_targets
 from psg_server.metrics import Metrics
 from psg_server.models import InputSpec
 from psg_server.scheduler import cut_shards, plan_shards
 from psg_server.sessions import Session, SessionStore
-from psg_server.streams import all_finite, read_header, read_tensors, tensor_messages
-from psg_wire.codec import CodecLimits, TensorDecoder
+from psg_server.streams import (all_finite, check_push_version, parameter_check, parameter_set, read_header,
+                                read_tensors, tensor_messages)
+from psg_wire.codec import CodecLimits, HeaderCheck, TensorDecoder
 from psg_wire.convert import StepReport, step_stats_to_proto
-from psg_wire.names import TARGETS, input_name, parse_input_name
+from psg_wire.flat import FlatTensors
+from psg_wire.names import TARGETS, input_name, parse_input_name, parse_parameter_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 
-__all__ = ["NORM_QUANTILES", "Batch", "StepRunner", "validate_batch"]
+__all__ = ["NORM_QUANTILES", "Batch", "StepRunner", "merge_results", "reply_tensors", "validate_batch"]
 
 #: Quantiles of the per-sample norms reported with every step.
 NORM_QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
@@ -61,12 +63,16 @@ class Batch:
     keywords: tuple[str, ...] = ()
 
 
-def _rows_check(session: Session, max_rows: int) -> Any:
-    """Header check run before allocation: names, and the batch rows against the server limit."""
+def _batch_check(session: Session, max_rows: int) -> HeaderCheck:
+    """Header check of a batch tensor, run before its bytes are allocated or received: its name, its
+    rows against the server's limit and, where the model states its inputs, the input's dtype kind
+    and per-row shape (an input that cannot fit is refused at its header, not after its bytes)."""
     batch_dim = 0 if session.dp_config.batch_first else 1
+    signature = session.signature
 
     def check(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        if name != TARGETS and parse_input_name(name) is None:
+        key = parse_input_name(name)
+        if name != TARGETS and key is None:
             raise InvalidRequestError(f"ComputeGradients: unexpected tensor {name[:80]!r}; send the inputs as "
                                       f"'{input_name(0)}', '{input_name(1)}', ... (positional) or "
                                       f"'{input_name('<name>')}' (keyword, e.g. '{input_name('input_ids')}'), "
@@ -75,6 +81,37 @@ def _rows_check(session: Session, max_rows: int) -> Any:
         if len(shape) > dim and shape[dim] > max_rows:
             raise LimitExceededError(f"ComputeGradients: {name!r} has {shape[dim]} rows, more than the "
                                      f"server's max_batch_rows={max_rows}")
+        if key is None or signature is None:
+            return
+        model = session.spec.model
+        if isinstance(key, int) and key >= len(signature.inputs):
+            raise InvalidRequestError(f"ComputeGradients: model {model!r} takes {len(signature.inputs)} "
+                                      f"input(s); got {name!r}")
+        if isinstance(key, str) and key not in signature.keyword_inputs:
+            named = ", ".join(input_name(k) for k in signature.keyword_inputs)
+            raise InvalidRequestError(f"ComputeGradients: model {model!r} has no keyword input(s) {[name]}; "
+                                      f"it takes {named or 'positional inputs only'}")
+        if len(shape) > batch_dim:  # a tensor without the batch dimension is validate_batch's to refuse
+            spec = signature.inputs[key] if isinstance(key, int) else signature.keyword_inputs[key]
+            _check_input(key, dtype, shape, spec, batch_dim=batch_dim)
+    return check
+
+
+def _header_check(session: Session, max_rows: int, *, pushing: bool) -> HeaderCheck:
+    """The batch's header check, plus :func:`~psg_server.streams.parameter_check` for the
+    ``parameters/<name>`` tensors of a request that pushes (``push_version``)."""
+    batch = _batch_check(session, max_rows)
+    parameters = parameter_check(session, rpc="ComputeGradients") if pushing else None
+
+    def check(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        parameter = parse_parameter_name(name)
+        if parameter is None:
+            batch(name, dtype, shape)
+        elif parameters is None:
+            raise InvalidRequestError(f"ComputeGradients: {name[:80]!r} is a parameter, but the header sets no "
+                                      "push_version")
+        else:
+            parameters(parameter, dtype, shape)
     return check
 
 
@@ -82,30 +119,37 @@ def _fits(dim: int, spec: int | tuple[int, int]) -> bool:
     return dim == spec if isinstance(spec, int) else spec[0] <= dim <= spec[1]
 
 
+def _check_input(key: int | str, dtype: torch.dtype, shape: tuple[int, ...], spec: InputSpec, *,
+                 batch_dim: int) -> None:
+    """What a tensor's header says against the input's spec: per-row shape and dtype kind."""
+    where = f"ComputeGradients: {input_name(key)}"
+    per_row = tuple(d for i, d in enumerate(shape) if i != batch_dim)
+    if len(per_row) != len(spec.sample_shape) or not all(map(_fits, per_row, spec.sample_shape)):
+        wanted = ["rows"] + [d if isinstance(d, int) else f"{d[0]}..{d[1]}" for d in spec.sample_shape]
+        raise InvalidRequestError(f"{where} has shape {list(shape)}, which does not fit the "
+                                  f"model: expected {wanted}")
+    if spec.kind == "index" and (dtype.is_floating_point or dtype == torch.bool):
+        raise InvalidRequestError(f"{where} must hold integer indices, got {dtype}")
+    if spec.kind == "float" and not dtype.is_floating_point:
+        raise InvalidRequestError(f"{where} must be floating point, got {dtype}")
+
+
 def _prepare_input(key: int | str, tensor: torch.Tensor, spec: InputSpec | None, *, batch_dim: int,
                    dtype: torch.dtype) -> torch.Tensor:
     where = f"ComputeGradients: {input_name(key)}"
     if spec is not None:
-        per_row = tuple(d for i, d in enumerate(tensor.shape) if i != batch_dim)
-        if len(per_row) != len(spec.sample_shape) or not all(map(_fits, per_row, spec.sample_shape)):
-            wanted = ["rows"] + [d if isinstance(d, int) else f"{d[0]}..{d[1]}" for d in spec.sample_shape]
-            raise InvalidRequestError(f"{where} has shape {list(tensor.shape)}, which does not fit the "
-                                      f"model: expected {wanted}")
+        _check_input(key, tensor.dtype, tuple(tensor.shape), spec, batch_dim=batch_dim)
         if spec.kind == "mask":
             if tensor.numel() and not bool(((tensor == 0) | (tensor == 1)).all()):
                 raise InvalidRequestError(f"{where} must be a mask of 0 and 1")
             return tensor.to(torch.int64)
         if spec.kind == "index":
-            if tensor.is_floating_point() or tensor.dtype == torch.bool:
-                raise InvalidRequestError(f"{where} must hold integer indices, got {tensor.dtype}")
             tensor = tensor.to(torch.int64)
             low, high = int(tensor.min()), int(tensor.max())
             if spec.num_embeddings is not None and (low < 0 or high >= spec.num_embeddings):
                 raise InvalidRequestError(f"{where} holds indices in [{low}, {high}], outside "
                                           f"[0, {spec.num_embeddings})")
             return tensor
-        if not tensor.is_floating_point():
-            raise InvalidRequestError(f"{where} must be floating point, got {tensor.dtype}")
         tensor = tensor.to(dtype)
     if not all_finite(tensor):
         raise NonFiniteInputError(f"{where} contains NaN or infinity")
@@ -214,12 +258,21 @@ class StepRunner:
         with metrics.phase("receive"):
             header = await read_header(requests, rpc="ComputeGradients")
             session = self._store.get(header.session_id, owner)
-            session.parameters_for(header.param_version)  # fail before the batch is uploaded
+            pushing = _check_version(session, header)  # fail before the batch is uploaded
             check_part(session.pending, part=header.part, param_version=header.param_version, session_id=session.id)
-            check = _rows_check(session, self._config.max_batch_rows)
-            decoder = TensorDecoder(self._limits, check_header=check)
-            tensors = await read_tensors(requests, decoder)
+            limits = self._limits
+            if pushing:  # the parameters travel too: room for every one of them
+                limits = dataclasses.replace(limits, max_tensors=limits.max_tensors + len(session.parameter_info))
+            decoder = TensorDecoder(limits, check_header=_header_check(session, self._config.max_batch_rows,
+                                                                       pushing=pushing),
+                                    pin_memory=self._executor.pinned_inputs)
+            tensors = await read_tensors(requests, decoder, header)
         with metrics.phase("validate"):
+            if pushing:  # stored as PushParameters would, then the step runs at that version
+                pushed = {parameter: tensors.pop(name) for name, parameter in
+                          [(name, parse_parameter_name(name)) for name in list(tensors)] if parameter is not None}
+                self._store.store_parameters(session, parameter_set(session, header.push_version, pushed,
+                                                                    rpc="ComputeGradients"))
             batch = validate_batch(session, tensors)
         step_seed = header.step_seed if header.HasField("step_seed") else None
         async with session.lock:
@@ -247,14 +300,15 @@ class StepRunner:
                 except asyncio.TimeoutError:
                     raise StepTimeoutError(f"ComputeGradients: the step took longer than {timeout:.3g} s; "
                                            "its shards were cancelled") from None
-                # One shard's result is the step's: merging would only copy its gradients.
-                merged = results[0] if len(results) == 1 else DPGradient.merge(results)
+                metrics.observe_workers(results)
+                merged = merge_results(results)
                 session.pending, total = take_part(session.pending, merged, part=header.part,
                                                    more_parts=header.more_parts, param_version=parameters.version,
                                                    session_id=session.id)
             if total is not None:
                 with metrics.phase("noise"):
                     grads = self._noise_and_normalise(session, total, step_seed)
+                    reply = reply_tensors(grads, dtype=session.wire.gradients)
                 with metrics.phase("account"):
                     step = await _account(session, session.record_step)
                     if self._store.persistent:  # before the result goes out: no accounted step is lost
@@ -267,9 +321,16 @@ class StepRunner:
         stats = _stats(session, total, step=step, version=parameters.version,
                        seconds=time.perf_counter() - started)
         with metrics.phase("send"):
-            yield pb.ComputeGradientsResponse(stats=stats)
-            for message in tensor_messages(pb.ComputeGradientsResponse, grads.items(),
-                                           chunk_bytes=self._config.chunk_bytes, group=header.grouped_reply):
+            if isinstance(reply, FlatTensors) and not header.grouped_reply:
+                reply = reply.views()  # a client that reads no groups: one header per tensor
+            named = reply.items() if isinstance(reply, dict) else reply
+            lead = None
+            if header.grouped_reply:  # the stats and the gradients' first group in one message
+                lead = ("result", pb.StepResult(stats=stats), "gradients")
+            else:
+                yield pb.ComputeGradientsResponse(stats=stats)
+            for message in tensor_messages(pb.ComputeGradientsResponse, named, chunk_bytes=self._config.chunk_bytes,
+                                           group=header.grouped_reply, lead=lead):
                 yield message
 
     @staticmethod
@@ -277,9 +338,54 @@ class StepRunner:
                              step_seed: int | None) -> dict[str, torch.Tensor]:
         generator = None
         if session.dp_config.noise_multiplier > 0 and not session.secure_rng:
-            generator = torch.Generator().manual_seed(session.noise_seed(step_seed))
+            # On the device that holds the sum (a GPU's generator draws other values than the CPU's).
+            device = next(iter(merged.grads.values())).device if merged.grads else torch.device("cpu")
+            generator = torch.Generator(device=device).manual_seed(session.noise_seed(step_seed))
         return session.privacy_step.noise_and_normalise(merged.grads, generator=generator,
                                                         secure_rng=session.secure_rng)
+
+
+def _check_version(session: Session, header: pb.ComputeGradientsHeader) -> bool:
+    """Whether the request pushes parameters (``push_version``); refuses, before the batch is
+    uploaded, a push that is stale or misplaced, or a step at a version the session does not hold."""
+    if not header.push_version:
+        session.parameters_for(header.param_version)
+        return False
+    if header.param_version != header.push_version:
+        raise InvalidRequestError(f"ComputeGradients: a request that pushes version {header.push_version} must "
+                                  f"compute at it; param_version is {header.param_version}")
+    if header.part != 0:
+        raise InvalidRequestError("ComputeGradients: only part 0 of a logical batch may push parameters")
+    check_push_version(session, header.push_version, rpc="ComputeGradients")
+    return True
+
+
+def merge_results(results: Sequence[DPGradient]) -> DPGradient:
+    """The shard results summed in shard order (the step's clipped sum): in place, into the first
+    result's flat buffer, when every result is a :class:`ShardResult` over the same layout (one
+    addition over each buffer), otherwise as :meth:`DPGradient.merge` does. A single result is the
+    sum itself."""
+    if len(results) == 1:
+        return results[0]
+    flats = [result.flat if isinstance(result, ShardResult) else None for result in results]
+    first = flats[0]
+    if first is None or any(flat is None or flat.layout != first.layout for flat in flats):
+        return DPGradient.merge(list(results))
+    for flat in flats[1:]:
+        first.add_(flat)  # type: ignore[arg-type]
+    return DPGradient(grads=first.views(), per_sample_norms=torch.cat([r.per_sample_norms for r in results]),
+                      loss_sum=float(sum(r.loss_sum for r in results)), num_samples=sum(r.num_samples for r in results),
+                      num_clipped=sum(r.num_clipped for r in results), num_dropped=sum(r.num_dropped for r in results))
+
+
+def reply_tensors(grads: dict[str, torch.Tensor], *, dtype: torch.dtype | None
+                  ) -> dict[str, torch.Tensor] | FlatTensors:
+    """What the reply encodes: host gradients as they are (the encoder copies them once into the
+    messages), gradients on a GPU as one flat buffer copied to the host at once; with a wire
+    ``dtype`` (bf16), one flat buffer cast to it (on the device, before the copy)."""
+    if dtype is None and all(t.device.type == "cpu" for t in grads.values()):
+        return grads
+    return FlatTensors.pack(grads, dtype=dtype).to("cpu")
 
 
 async def _account(session: Session, function: Callable[[], Any]) -> Any:

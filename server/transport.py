@@ -8,7 +8,14 @@ its own rows.
 
 The rest is the frontend's side of the store: :func:`put` (blocking, so callers run it on a
 thread), :func:`as_future` (an object reference awaited without a blocking ``ray.get``),
-:func:`cancel`, and :class:`ParameterRefs`, which puts each (session, version) parameter set once.
+:func:`cancel`, :func:`shard_argument` and :class:`ParameterRefs`. A parameter version travels as
+:class:`ParameterArgs`: the flat buffer of the parameters every version carries, and the object
+reference of the frozen ones (a LoRA run's base model), put once per frozen version. Values up to
+:data:`INLINE_BYTES` ride inside the actor call itself (no ``ray.put``, no fetch by the worker);
+larger ones are put once and passed by reference.
+
+A worker on a GPU calls :func:`pin_unpacked_tensors`: the tensors it unpickles then land in pinned
+host memory, from which its copies to the GPU are asynchronous.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,9 +33,24 @@ from ray import exceptions as ray_errors
 
 from psg_server.executor import ParameterSet, Shard
 
-__all__ = ["ParameterRefs", "TensorPayload", "as_future", "cancel", "put"]
+__all__ = ["INLINE_BYTES", "ParameterArgs", "ParameterRefs", "TensorPayload", "as_future", "cancel",
+           "pin_unpacked_tensors", "put", "shard_argument"]
 
 logger = logging.getLogger(__name__)
+
+#: Values of at most this many tensor bytes travel inside the actor call (Ray inlines call arguments
+#: below 100 KiB, pickled; a larger argument would be put by ``.remote()`` itself, on the event loop).
+INLINE_BYTES = 64 * 1024
+
+# Whether _unpack_tensor allocates pinned host memory (a GPU worker's process sets it).
+_pinned = False
+
+
+def pin_unpacked_tensors(enabled: bool) -> None:
+    """Makes the tensors this process unpickles from :class:`TensorPayload` land in pinned (page
+    locked) host memory, so that copying them to a GPU is asynchronous; a GPU worker turns it on."""
+    global _pinned
+    _pinned = enabled
 
 
 class TensorPayload:
@@ -76,30 +99,87 @@ def cancel(ref: ray.ObjectRef) -> None:
         logger.debug("transport: cancel: %s", error)
 
 
+@dataclass(frozen=True)
+class ParameterArgs:
+    """A parameter version as an actor call carries it (see the module docstring).
+
+    ``varying`` is the flat buffer of the parameters every version carries (a
+    :class:`TensorPayload`), or a 1-tuple holding its object reference when it is larger than
+    :data:`INLINE_BYTES`; ``fixed`` a 1-tuple holding the reference of the frozen parameters, or
+    None when the session has none. References travel inside tuples, which Ray does not resolve: a
+    worker fetches them only when its resident model lacks that version (or frozen version).
+    """
+
+    version: int
+    frozen_from: int
+    varying: TensorPayload | tuple[ray.ObjectRef]
+    fixed: tuple[ray.ObjectRef] | None = None
+
+    def fetch(self, *, frozen: bool) -> ParameterSet:
+        """Blocking (in a worker): the parameter set, with the frozen parameters when ``frozen``."""
+        varying = _resolve(self.varying)
+        fixed = _resolve(self.fixed) if frozen and self.fixed is not None else None
+        tensors = {**varying.views(), **(fixed.views() if fixed is not None else {})}
+        return ParameterSet(version=self.version, tensors=tensors, frozen_version=self.frozen_from,
+                            frozen=frozenset(fixed.layout.names) if fixed is not None else frozenset())
+
+
+def _resolve(value: Any) -> Any:
+    value = value[0] if isinstance(value, tuple) else value
+    if isinstance(value, ray.ObjectRef):
+        return ray.get(value)
+    return value.value if isinstance(value, TensorPayload) else value
+
+
 class ParameterRefs:
-    """The object-store reference of each session's current parameter set: one ``ray.put`` per
-    (session, version), however many shards and steps use it."""
+    """The frontend's :class:`ParameterArgs` of each session: the varying parameters put (when
+    large) once per (session, version), the frozen ones once per (session, frozen version), however
+    many shards and steps use them."""
 
     def __init__(self) -> None:
-        # session id -> (version, reference of the ParameterSet in the object store)
-        self._refs: dict[str, tuple[int, ray.ObjectRef]] = {}
+        # session id -> (version, what carries the varying parameters of that version)
+        self._varying: dict[str, tuple[int, TensorPayload | tuple[ray.ObjectRef]]] = {}
+        # session id -> (frozen version, the frozen parameters' reference)
+        self._fixed: dict[str, tuple[int, tuple[ray.ObjectRef]]] = {}
 
-    async def get(self, session_id: str, parameters: ParameterSet) -> ray.ObjectRef:
-        """The reference of ``parameters``, put (on a thread) unless already there."""
-        cached = self._refs.get(session_id)
-        if cached is not None and cached[0] == parameters.version:
-            return cached[1]
-        ref = await asyncio.get_running_loop().run_in_executor(None, put, parameters)
-        self._refs[session_id] = (parameters.version, ref)
-        return ref
+    async def arguments(self, session_id: str, parameters: ParameterSet) -> ParameterArgs:
+        """The call arguments of ``parameters``; what is not in the store yet is put (on a thread)."""
+        loop = asyncio.get_running_loop()
+        held = self._varying.get(session_id)
+        if held is None or held[0] != parameters.version:
+            varying = parameters.varying
+            payload = TensorPayload(varying)
+            carried = payload if varying.layout.num_bytes <= INLINE_BYTES else \
+                (await loop.run_in_executor(None, ray.put, payload),)
+            held = self._varying[session_id] = (parameters.version, carried)
+        fixed = None
+        if parameters.fixed is not None:
+            frozen = self._fixed.get(session_id)
+            if frozen is None or frozen[0] != parameters.frozen_from:
+                ref = await loop.run_in_executor(None, ray.put, TensorPayload(parameters.fixed))
+                frozen = self._fixed[session_id] = (parameters.frozen_from, (ref,))
+            fixed = frozen[1]
+        return ParameterArgs(version=parameters.version, frozen_from=parameters.frozen_from, varying=held[1],
+                             fixed=fixed)
 
     def drop(self, session_id: str) -> None:
-        """Forgets the session's reference (the object store frees the set once unreferenced)."""
-        self._refs.pop(session_id, None)
+        """Forgets the session's references (the object store frees them once unreferenced)."""
+        self._varying.pop(session_id, None)
+        self._fixed.pop(session_id, None)
 
     def clear(self) -> None:
         """Forgets every reference."""
-        self._refs.clear()
+        self._varying.clear()
+        self._fixed.clear()
+
+
+async def shard_argument(shard: Shard) -> TensorPayload | ray.ObjectRef:
+    """What an actor call carries for ``shard``: the shard itself when small (inside the call), else
+    its object reference (put on a thread), which Ray resolves before the call runs."""
+    size = sum(t.numel() * t.element_size() for t in (*shard.inputs, shard.targets))
+    if size <= INLINE_BYTES:
+        return TensorPayload(shard)
+    return await asyncio.get_running_loop().run_in_executor(None, put, shard)
 
 
 class _PackedTensor:
@@ -157,7 +237,11 @@ def _unpack_tensor(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) 
     # free the object) into memory torch owns.
     if raw.size == 0:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.from_numpy(np.array(raw, copy=True))  # (numel * itemsize,) uint8
+    if _pinned:
+        flat = torch.empty(raw.size, dtype=torch.uint8, pin_memory=True)  # (numel * itemsize,)
+        flat.numpy()[:] = raw
+    else:
+        flat = torch.from_numpy(np.array(raw, copy=True))  # (numel * itemsize,) uint8
     return flat.view(dtype).reshape(shape)
 
 

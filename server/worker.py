@@ -7,12 +7,15 @@ another on one thread (the default concurrency group), while :meth:`ping` and :m
 answer from a second thread (the ``control`` group), so a health probe never waits for a long
 shard.
 
-Parameters travel as a Ray object reference wrapped in a tuple, which Ray does not resolve: the
-worker fetches the set only when its cached model does not already hold that version, so steps of
-an unchanged version never copy the parameters again.
+Parameters travel as :class:`~psg_server.transport.ParameterArgs`: the varying parameters' flat
+buffer (inside the call, or a reference the worker fetches only when its resident model lacks that
+version) and the frozen ones' reference (fetched only when the model lacks that frozen version), so
+steps of an unchanged version never copy the parameters again and a LoRA run's base model crosses
+once. The model stays resident on the worker's device (:mod:`psg_server.resident`).
 
 Shards, parameter sets and results cross the object store as
-:class:`~psg_server.transport.TensorPayload` (raw tensor bytes out of band: one copy each side).
+:class:`~psg_server.transport.TensorPayload` (raw tensor bytes out of band: one copy each side); a
+result is one flat gradient buffer. On a GPU, unpickled tensors land in pinned memory.
 
 >>> from psg_server.worker import GradientWorker
 >>> worker = GradientWorker(name="w0", num_threads=1)
@@ -22,6 +25,7 @@ Shards, parameter sets and results cross the object store as
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Sequence
@@ -30,10 +34,9 @@ from typing import Any
 import ray
 import torch
 
-from psg_core.config import DPGradient
-from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardRunner, WorkerDescription
+from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardResult, ShardRunner, WorkerDescription
 from psg_server.models import default_registry
-from psg_server.transport import TensorPayload
+from psg_server.transport import ParameterArgs, TensorPayload, pin_unpacked_tensors
 
 __all__ = ["CONTROL_GROUP", "GradientWorker"]
 
@@ -63,6 +66,7 @@ class GradientWorker:
             raise RuntimeError(f"GradientWorker {name}: use_gpu=True, but torch sees no CUDA device")
         # Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU, which torch then calls cuda:0.
         device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        pin_unpacked_tensors(use_gpu)
         self._registry = default_registry(plugins)
         self._runner = ShardRunner(self._registry, device)
         self._description = WorkerDescription(id=name, device=_device_label(device), node=_node_label())
@@ -87,44 +91,39 @@ class GradientWorker:
         """
         return {"shards_run": self._shards_run, "sessions": self._runner.sessions()}
 
-    def run_shard(self, spec: SessionSpec, version: int, parameters: tuple[Any], shard: Shard, *,
-                  pack_result: bool = False) -> DPGradient | TensorPayload:
-        """``dp_gradient`` of the session's model at parameter ``version`` on one shard.
+    def run_shard(self, spec: SessionSpec, parameters: ParameterArgs, shard: Shard, *,
+                  pack_result: bool = False) -> ShardResult | TensorPayload:
+        """``dp_gradient`` of the session's model at parameter version ``parameters.version`` on
+        one shard.
 
         Args:
             spec: the session.
-            version: the parameter version the step uses.
-            parameters: a 1-tuple holding the :class:`ParameterSet` or a Ray reference to it;
-                fetched only when the cached model lacks ``version``.
+            parameters: the version; its buffers are fetched only when the resident model lacks them.
             shard: the samples (K rows each).
             pack_result: return the result as a :class:`TensorPayload` (what the pool asks for: it
-                unpickles as the :class:`DPGradient` on the caller's side).
+                unpickles as the :class:`ShardResult` on the caller's side, one flat buffer).
         """
-        if self._runner.has_parameters(spec, version):
-            # The cached model already holds this version, and the runner never reads the tensors
-            # of a version it has loaded: no need to fetch the set again.
-            current = ParameterSet(version=version, tensors={})
+        if self._runner.has_parameters(spec, parameters.version):
+            # The resident model already holds this version, and the runner never reads the tensors
+            # of a version it has loaded: no need to fetch anything.
+            current = ParameterSet(version=parameters.version, tensors={}, frozen_version=parameters.frozen_from)
         else:
-            current = _resolve(parameters[0])
-            if current.version != version:
-                raise RuntimeError(f"GradientWorker.run_shard: parameters of version {current.version} "
-                                   f"arrived for a step at version {version}")
+            current = parameters.fetch(frozen=not self._runner.has_frozen(spec, parameters.frozen_from))
         for plugin in spec.plugins:
             if plugin not in self._registry.plugins:
                 self._registry.load_plugin(plugin)
         result = self._runner.run_shard(spec, current, shard)
         self._shards_run += 1
-        return TensorPayload(result) if pack_result else result
+        if not pack_result:
+            return result
+        # The flat buffer alone crosses the store; the receiver rebuilds the views (ShardResult).
+        packed = copy.copy(result)
+        packed.grads = {}
+        return TensorPayload(packed)
 
     def release(self, session_id: str) -> None:
         """Drops the session's cached model."""
         self._runner.release(session_id)
-
-
-def _resolve(parameters: ParameterSet | ray.ObjectRef) -> ParameterSet:
-    if isinstance(parameters, ray.ObjectRef):
-        return ray.get(parameters)
-    return parameters
 
 
 def _device_label(device: torch.device) -> str:

@@ -378,24 +378,32 @@ class FrameWire:
         the payload copied once."""
         if self._group_tag is None:
             raise TypeError(f"FrameWire: {self.message_type.DESCRIPTOR.full_name} has no 'TensorGroup group' field")
-        size = sum(len(piece) for piece in data)
-        fields = [part for header in headers
-                  for part in (_HEADER_TAG, _varint(header.ByteSize()), header.SerializeToString())]
-        fields += [_DATA_TAG, _varint(size)]
-        inner = sum(len(part) for part in fields) + size
-        return b"".join([self._group_tag, _varint(inner), *fields, *data])
+        return b"".join(_field(self._group_tag, _group_body(headers, data)))
+
+    def lead(self, field: str, message: Any, group_field: str, headers: list[TensorHeader],
+             data: list[memoryview | bytes]) -> bytes:
+        """The serialised ``message_type(**{field: message})`` with ``message``'s TensorGroup field
+        ``group_field`` holding the group: a header (or a step's stats) and the first group in one
+        message, the payload copied once."""
+        outer = self.message_type.DESCRIPTOR.fields_by_name[field]
+        inner = message.DESCRIPTOR.fields_by_name[group_field]
+        pieces = [message.SerializeToString(), *_field(_varint((inner.number << 3) | 2), _group_body(headers, data))]
+        return b"".join(_field(_varint((outer.number << 3) | 2), pieces))
 
     def messages(self, named: Iterable[tuple[str, torch.Tensor]] | FlatTensors, *,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, group: bool = False) -> Iterator[Any]:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, group: bool = False,
+                 lead: tuple[str, Any, str] | None = None) -> Iterator[Any]:
         """The frames of :func:`encode_tensors`: ``message_type(tensor=header)`` for each header and
         serialised chunk messages (``bytes``, for :meth:`serialize`) for the chunks; with ``group``
-        (always for :class:`FlatTensors`), those of :func:`encode_group`, serialised."""
-        if group or isinstance(named, FlatTensors):
+        (always for :class:`FlatTensors`), those of :func:`encode_group`, serialised. ``lead``
+        ``(field, message, group_field)`` puts the group frame inside ``message`` (see :meth:`lead`)."""
+        if group or lead is not None or isinstance(named, FlatTensors):
             if chunk_bytes < 1:
                 raise CodecError(f"encode_group: chunk_bytes must be >= 1, got {chunk_bytes}")
             headers, pieces = _group_views(named)
             chunks = _split(pieces, chunk_bytes)
-            yield self.group(headers, next(chunks, []))
+            first = next(chunks, [])
+            yield self.group(headers, first) if lead is None else self.lead(*lead, headers, first)
             for chunk in chunks:
                 yield b"".join([self._tag, _varint(sum(len(piece) for piece in chunk)), *chunk])
             return
@@ -430,6 +438,17 @@ _HEADER_TAG = _varint((TensorGroup.DESCRIPTOR.fields_by_name["tensors"].number <
 _DATA_TAG = _varint((TensorGroup.DESCRIPTOR.fields_by_name["data"].number << 3) | 2)
 
 
+def _field(tag: bytes, pieces: list[Any]) -> list[Any]:
+    """A length-delimited field: its tag, the pieces' total length as a varint, the pieces."""
+    return [tag, _varint(sum(len(piece) for piece in pieces)), *pieces]
+
+
+def _group_body(headers: list[TensorHeader], data: list[memoryview | bytes]) -> list[Any]:
+    """A serialised ``TensorGroup`` as pieces: each header, then the data field."""
+    pieces = [part for header in headers for part in _field(_HEADER_TAG, [header.SerializeToString()])]
+    return pieces + _field(_DATA_TAG, data)
+
+
 #: Called with (name, dtype, shape) after the codec's own checks and before allocation; raises to
 #: refuse a tensor (e.g. a parameter whose shape does not fit the model).
 HeaderCheck = Callable[[str, torch.dtype, tuple[int, ...]], None]
@@ -442,6 +461,8 @@ class TensorDecoder:
         limits: sizes refused with :class:`TensorLimitError` before any allocation.
         check_header: optional extra validation of each header, run before allocation (for a group,
             on every header of the group before its buffer is allocated).
+        pin_memory: allocate the buffers in pinned host memory (when torch sees CUDA), from which
+            copies to a GPU are asynchronous.
 
     Frames arrive through :meth:`add` (a header, a group or a chunk) or :meth:`add_message` (a
     proto message whose ``frame`` oneof is ``tensor``, ``group`` or ``chunk``); :meth:`finish`
@@ -449,9 +470,11 @@ class TensorDecoder:
     (:meth:`~psg_wire.flat.FlatTensors.pack` finds it again without a copy).
     """
 
-    def __init__(self, limits: CodecLimits, *, check_header: HeaderCheck | None = None) -> None:
+    def __init__(self, limits: CodecLimits, *, check_header: HeaderCheck | None = None,
+                 pin_memory: bool = False) -> None:
         self._limits = limits
         self._check_header = check_header
+        self._pin_memory = pin_memory and torch.cuda.is_available()
         self._tensors: dict[str, torch.Tensor] = {}
         self._total_bytes = 0
         # The tensor or group being filled: its layout, its buffer and how much has arrived.
@@ -538,7 +561,7 @@ class TensorDecoder:
             specs.append(self._check(header, specs))
         self._layout = layout = FlatLayout.of(specs)
         # Uninitialised (no zero-filling pass): the chunks must write every byte before finish().
-        self._buffer = torch.empty(layout.num_bytes, dtype=torch.uint8)  # (num_bytes,)
+        self._buffer = torch.empty(layout.num_bytes, dtype=torch.uint8, pin_memory=self._pin_memory)  # (num_bytes,)
         self._view = self._buffer.numpy().data if layout.num_bytes else memoryview(bytearray())
         self._filled = 0
         self._open = True

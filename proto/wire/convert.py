@@ -8,6 +8,7 @@ zero, an absent optional) is read and written here and nowhere else:
 * :class:`StepReport` <-> ``StepStats``
 * a parameter's ``(name, dtype, shape, requires_grad)`` <-> ``ParameterSpec``
 * :class:`~psg_wire.adapters.LoraAdapter` <-> ``LoraSettings``
+* :class:`WireDtypes` <-> ``WireSettings``
 
 >>> from psg_core.config import DPConfig
 >>> config = DPConfig(mode="ghost", augmentation_multiplicity=4, noise_multiplier=1.1)
@@ -25,13 +26,16 @@ from dataclasses import dataclass
 import torch
 
 from psg_core.config import DPConfig
+from psg_core.errors import ConfigError
 from psg_wire.adapters import LoraAdapter
 from psg_wire.codec import DTYPES, CodecError, dtype_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 
 __all__ = [
+    "WIRE_DTYPES",
     "PrivacyRequest",
     "StepReport",
+    "WireDtypes",
     "dp_config_from_proto",
     "dp_config_to_proto",
     "lora_from_proto",
@@ -42,6 +46,8 @@ __all__ = [
     "privacy_to_proto",
     "step_stats_from_proto",
     "step_stats_to_proto",
+    "wire_dtypes_from_proto",
+    "wire_dtypes_to_proto",
 ]
 
 
@@ -187,3 +193,49 @@ def lora_from_proto(settings: pb.LoraSettings) -> LoraAdapter:
     is out of range (a zero alpha reads as not given)."""
     return LoraAdapter(rank=settings.rank, target_modules=tuple(settings.target_modules),
                        alpha=settings.alpha or None)
+
+
+# ---------------------------------------------------------------------------------- WireSettings
+#: The reduced-precision dtypes a session may choose for the wire (``WireSettings``), by name.
+WIRE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class WireDtypes:
+    """The dtypes a session's floating tensors travel in, per direction; None = each tensor's own
+    (exact). ``torch.bfloat16`` halves float32's bytes and rounds each value to 8 significant bits
+    (a relative error of at most 2^-9)."""
+
+    #: Parameters pushed to the server (the client casts them; the server casts them back).
+    parameters: torch.dtype | None = None
+    #: Gradients returned by the server (the client casts them back to each parameter's dtype).
+    gradients: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for which in ("parameters", "gradients"):
+            dtype = getattr(self, which)
+            if dtype is not None and dtype not in WIRE_DTYPES.values():
+                raise ConfigError(f"WireDtypes: {which} must be None or one of "
+                                  f"{[f'torch.{name}' for name in WIRE_DTYPES]}, got {dtype}")
+
+
+def wire_dtypes_to_proto(wire: WireDtypes) -> pb.WireSettings:
+    """``WireSettings`` of ``wire`` (None travels as "")."""
+    return pb.WireSettings(parameters_dtype=dtype_name(wire.parameters) if wire.parameters else "",
+                           gradients_dtype=dtype_name(wire.gradients) if wire.gradients else "")
+
+
+def wire_dtypes_from_proto(settings: pb.WireSettings) -> WireDtypes:
+    """The :class:`WireDtypes` of ``settings``; :class:`~psg_core.errors.ConfigError` for a dtype
+    that is not offered.
+
+    >>> wire_dtypes_from_proto(pb.WireSettings(gradients_dtype="bfloat16"))
+    WireDtypes(parameters=None, gradients=torch.bfloat16)
+    """
+    dtypes = {}
+    for which, name in (("parameters", settings.parameters_dtype), ("gradients", settings.gradients_dtype)):
+        if name and name not in WIRE_DTYPES:
+            raise ConfigError(f"WireSettings: {which}_dtype must be '' (each tensor's own dtype) or one of "
+                              f"{sorted(WIRE_DTYPES)}, got {name[:40]!r}")
+        dtypes[which] = WIRE_DTYPES[name] if name else None
+    return WireDtypes(**dtypes)

@@ -3,7 +3,8 @@
 The service's full name, the trailing-metadata key that carries an error's machine-readable
 reason and the reasons themselves, and the tensor names of a ``ComputeGradients`` batch: positional
 model arguments travel as ``inputs/0``, ``inputs/1``, ..., keyword arguments as ``inputs/<name>``,
-and the targets as ``targets`` (``proto/README.md``).
+the targets as ``targets``, and parameters pushed with the step as ``parameters/<name>``
+(``proto/README.md``).
 
 >>> input_name(0), input_name("attention_mask"), TARGETS
 ('inputs/0', 'inputs/attention_mask', 'targets')
@@ -18,12 +19,15 @@ from psg_wire.v1 import gradient_service_pb2 as _pb
 __all__ = [
     "INPUT_PREFIX",
     "MAX_INPUT_NAME",
+    "PARAMETER_PREFIX",
     "REASON_METADATA_KEY",
     "SERVICE_NAME",
     "TARGETS",
     "Reason",
     "input_name",
+    "parameter_name",
     "parse_input_name",
+    "parse_parameter_name",
 ]
 
 #: Full name of the gRPC service (``psg.v1.GradientService``), as health checks and reflection
@@ -35,6 +39,10 @@ REASON_METADATA_KEY = "psg-error-reason"
 
 #: Prefix of the tensor names of a batch's model inputs.
 INPUT_PREFIX = "inputs/"
+
+#: Prefix of the parameters a ``ComputeGradients`` request pushes before its batch
+#: (``ComputeGradientsHeader.push_version``).
+PARAMETER_PREFIX = "parameters/"
 
 #: Name of a batch's target tensor.
 TARGETS = "targets"
@@ -51,6 +59,20 @@ def input_name(key: int | str) -> str:
     'inputs/2'
     """
     return f"{INPUT_PREFIX}{key}"
+
+
+def parameter_name(name: str) -> str:
+    """Wire name of a parameter pushed within a ``ComputeGradients`` request.
+
+    >>> parameter_name("0.weight"), parse_parameter_name("parameters/0.weight"), parse_parameter_name("targets")
+    ('parameters/0.weight', '0.weight', None)
+    """
+    return f"{PARAMETER_PREFIX}{name}"
+
+
+def parse_parameter_name(name: str) -> str | None:
+    """The parameter a ``parameters/<name>`` tensor carries, or None for any other name."""
+    return name[len(PARAMETER_PREFIX):] if name.startswith(PARAMETER_PREFIX) else None
 
 
 def parse_input_name(name: str) -> int | str | None:

@@ -268,35 +268,73 @@ def test_workers_reuse_freed_memory_instead_of_faulting_it_in_again(pool: Any) -
         assert min(faults) < 1000, faults
 
 
-def test_one_put_per_version_and_release_drops_cached_models(pool: Any, loop_thread: LoopThread,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parameters_cross_ray_once_per_version_and_frozen_ones_once_per_frozen_version(
+        pool: Any, loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
-    from psg_server.transport import TensorPayload
+    from psg_server import transport
+    from psg_wire.flat import FlatTensors
 
-    puts: list[int] = []
+    monkeypatch.setattr(transport, "INLINE_BYTES", 0)  # every buffer through the object store, to count them
+    puts: list[tuple[str, ...]] = []
     original_put = ray.put
 
     def counting_put(value: Any, **kwargs: Any) -> Any:
-        if isinstance(value, TensorPayload) and isinstance(value.value, ParameterSet):
-            puts.append(value.value.version)
+        if isinstance(value, transport.TensorPayload) and isinstance(value.value, FlatTensors):
+            puts.append(value.value.layout.names)
         return original_put(value, **kwargs)
 
     monkeypatch.setattr(ray, "put", counting_put)
     config = DPConfig(max_grad_norm=0.5)
     spec = session_spec(config, session_id="versions")
     shards = shards_for(config, 6, len(pool.workers()))
-    first, second = build(seed=5), build(seed=6)
-    for parameters in (parameters_of(first, 1), parameters_of(first, 1), parameters_of(second, 2)):
-        results = loop_thread.call(pool.run(spec, parameters, shards))
-    assert puts == [1, 2]
     inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
-    assert_same(results, local_dp(second, inputs, targets, config))  # the new version was loaded
+    frozen = frozenset({"0.weight", "0.bias"})  # as a LoRA run's base model: pushed once, kept after
+    first, second, third = build(seed=5), build(seed=6), build(seed=7)
+
+    def version(model: torch.nn.Module, number: int, frozen_from: int, held: torch.nn.Module) -> ParameterSet:
+        tensors = {n: (dict(held.named_parameters())[n] if n in frozen else p).detach().clone()
+                   for n, p in model.named_parameters()}
+        return ParameterSet(version=number, tensors=tensors, frozen_version=frozen_from, frozen=frozen)
+
+    steps = [(version(first, 1, 1, first), first), (version(first, 1, 1, first), first),
+             (version(second, 2, 1, first), None), (version(third, 3, 3, third), third)]
+    for parameters, model in steps:
+        results = loop_thread.call(pool.run(spec, parameters, shards))
+        if model is None:  # version 2: second's trainable parameters on first's frozen ones
+            model = build(seed=6)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(parameters.tensors[name])
+        assert_same(results, local_dp(model, inputs, targets, config))
+    varying, fixed = ("2.weight", "2.bias"), ("0.weight", "0.bias")
+    assert puts == [varying, fixed, varying, varying, fixed]
     stats = [ray.get(handle.stats.remote(), timeout=30) for handle in worker_handles(pool)]
     assert all("versions" in s["sessions"] for s in stats)
     loop_thread.call(pool.release(spec.session_id))
     stats = [ray.get(handle.stats.remote(), timeout=30) for handle in worker_handles(pool)]
     assert all("versions" not in s["sessions"] for s in stats)
+
+
+def test_small_parameter_sets_and_shards_ride_inside_the_calls(pool: Any, loop_thread: LoopThread,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    puts: list[Any] = []
+    original_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kwargs: puts.append(value) or original_put(value, **kwargs))
+    config = DPConfig(max_grad_norm=0.5)
+    spec = session_spec(config, session_id="inline")
+    shards = shards_for(config, 6, len(pool.workers()))
+    model = build(seed=8)
+    results = loop_thread.call(pool.run(spec, parameters_of(model, 1), shards))
+    assert puts == []
+    inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
+    assert_same(results, local_dp(model, inputs, targets, config))
+    # Each result is one flat buffer, with the worker's timings.
+    assert all(r.flat is not None and r.grads["2.weight"].data_ptr() == r.flat.buffer.data_ptr() + r.flat.layout.entries[2].offset for r in results)
+    assert all(r.timings.compute > 0 for r in results if r.num_samples)
+    loop_thread.call(pool.release(spec.session_id))
 
 
 # ----------------------------------------------------------------------------- faults

@@ -274,12 +274,14 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PushParametersHeader(_message.Message):
-    __slots__ = ("session_id", "version")
+    __slots__ = ("session_id", "version", "group")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     version: int
-    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    group: _tensor_pb2.TensorGroup
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., group: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ...) -> None: ...
 
 class PushParametersRequest(_message.Message):
     __slots__ = ("header", "tensor", "chunk", "group")
@@ -304,20 +306,24 @@ class PushParametersResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., frozen_version: _Optional[int] = ...) -> None: ...
 
 class ComputeGradientsHeader(_message.Message):
-    __slots__ = ("session_id", "param_version", "step_seed", "part", "more_parts", "grouped_reply")
+    __slots__ = ("session_id", "param_version", "step_seed", "part", "more_parts", "grouped_reply", "push_version", "group")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_SEED_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     MORE_PARTS_FIELD_NUMBER: _ClassVar[int]
     GROUPED_REPLY_FIELD_NUMBER: _ClassVar[int]
+    PUSH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     param_version: int
     step_seed: int
     part: int
     more_parts: bool
     grouped_reply: bool
-    def __init__(self, session_id: _Optional[str] = ..., param_version: _Optional[int] = ..., step_seed: _Optional[int] = ..., part: _Optional[int] = ..., more_parts: _Optional[bool] = ..., grouped_reply: _Optional[bool] = ...) -> None: ...
+    push_version: int
+    group: _tensor_pb2.TensorGroup
+    def __init__(self, session_id: _Optional[str] = ..., param_version: _Optional[int] = ..., step_seed: _Optional[int] = ..., part: _Optional[int] = ..., more_parts: _Optional[bool] = ..., grouped_reply: _Optional[bool] = ..., push_version: _Optional[int] = ..., group: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ...) -> None: ...
 
 class ComputeGradientsRequest(_message.Message):
     __slots__ = ("header", "tensor", "chunk", "group")
@@ -366,13 +372,23 @@ class StepStats(_message.Message):
     def __init__(self, step: _Optional[int] = ..., param_version: _Optional[int] = ..., samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., norm_quantiles: _Optional[_Iterable[_Union[NormQuantile, _Mapping]]] = ..., fraction_clipped: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., server_seconds: _Optional[float] = ..., pending: _Optional[bool] = ..., num_dropped: _Optional[int] = ...) -> None: ...
 
 class ComputeGradientsResponse(_message.Message):
-    __slots__ = ("stats", "tensor", "chunk", "group")
+    __slots__ = ("stats", "tensor", "chunk", "group", "result")
     STATS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
     stats: StepStats
     tensor: _tensor_pb2.TensorHeader
     chunk: bytes
     group: _tensor_pb2.TensorGroup
-    def __init__(self, stats: _Optional[_Union[StepStats, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., group: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ...) -> None: ...
+    result: StepResult
+    def __init__(self, stats: _Optional[_Union[StepStats, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., group: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("stats", "gradients")
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    stats: StepStats
+    gradients: _tensor_pb2.TensorGroup
+    def __init__(self, stats: _Optional[_Union[StepStats, _Mapping]] = ..., gradients: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ...) -> None: ...
