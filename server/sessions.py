@@ -291,6 +291,7 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
     loss = get_loss(request.loss)
     kwargs = registry.parse_kwargs(request.model, request.model_kwargs_json)
     dp_config = dp_config_from_proto(request.dp)
+    wire = wire_dtypes_from_proto(request.wire)
     lora = lora_from_proto(request.lora) if request.HasField("lora") else None
     if not dp_config.batch_first and (entry.batch_first_only or loss.batch_first_only):
         what = f"model {request.model!r}" if entry.batch_first_only else f"loss {loss.name!r}"
@@ -317,7 +318,7 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
                       expected_batch_size=request.expected_batch_size, privacy=privacy,
                       seed=request.seed if request.HasField("seed") else None, secure_rng=request.secure_rng)
     session.request = _opened_request(request, dp_config.noise_multiplier, session.seed)
-    session.wire = wire_dtypes_from_proto(request.wire)
+    session.wire = wire
     return session
 
 
