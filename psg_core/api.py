@@ -1,8 +1,8 @@
 """The functional entry point: per-sample gradients of a model on one batch, any backend.
 
-The backends that materialise per-sample gradients are registered here, in one place; each lives
-in its own module under :mod:`psg_core.backends` and follows the protocol
-:data:`psg_core.backends.base.PerSampleBackend`. The batch layout is validated once, here.
+The backends are registered in one place (:mod:`psg_core.backends.registry`); those that
+materialise per-sample gradients follow :data:`psg_core.backends.base.PerSampleBackend`. The batch
+layout is validated once, here.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from psg_core.backends.base import PerSampleBackend, PerSampleOutput, empty_output, trainable_parameters
-from psg_core.backends.ew import ew_per_sample
-from psg_core.backends.functorch import functorch_per_sample
-from psg_core.backends.hooks import hooks_per_sample
+from psg_core.backends.base import PerSampleOutput, empty_output, trainable_parameters
+from psg_core.backends.registry import BACKENDS
 from psg_core.errors import ConfigError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced
@@ -23,14 +21,6 @@ from psg_core.modes import GradSampleMode, LossReduction, parse_enum
 from psg_core.precision import no_autocast, with_loss_scale
 
 __all__ = ["PerSampleOutput", "per_sample_gradients", "compute_per_sample", "BACKENDS"]
-
-#: The backends that materialise per-sample gradients (ghost computes clipped sums only).
-BACKENDS: dict[GradSampleMode, PerSampleBackend] = {
-    GradSampleMode.HOOKS: hooks_per_sample,
-    GradSampleMode.FUNCTORCH: functorch_per_sample,
-    GradSampleMode.EW: ew_per_sample,
-}
-
 
 def compute_per_sample(module: nn.Module, inputs: Any, targets: torch.Tensor, *,
                        loss_fn: LossFn | nn.Module, mode: GradSampleMode | str = GradSampleMode.HOOKS,
@@ -44,7 +34,7 @@ def compute_per_sample(module: nn.Module, inputs: Any, targets: torch.Tensor, *,
     where = "per_sample_gradients"
     mode = GradSampleMode(parse_enum(GradSampleMode, mode, what=f"{where}: mode"))
     reduction = LossReduction(parse_enum(LossReduction, loss_reduction, what=f"{where}: loss_reduction"))
-    backend = BACKENDS.get(mode)
+    backend = BACKENDS[mode].per_sample
     if backend is None:
         raise ConfigError(f"{where}: mode {mode.value!r} does not materialise per-sample "
                           "gradients; use psg_core.dp_gradient for the clipped sum")

@@ -10,6 +10,7 @@ from torch import nn
 
 from psg_core.api import compute_per_sample
 from psg_core.backends.base import trainable_parameters
+from psg_core.backends.registry import BACKENDS
 from psg_core.clipping import clip_and_sum, dropped_samples
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import ConfigError, NonFiniteInputError
@@ -101,15 +102,9 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
     if layout.num_samples == 0:
         return _empty(params)
 
-    if config.mode is GradSampleMode.GHOST:
-        try:
-            from psg_core.backends.ghost import ghost_dp_gradient
-        except ModuleNotFoundError as err:
-            if err.name != "psg_core.backends.ghost":
-                raise
-            raise ConfigError("dp_gradient: mode 'ghost' is not available (psg_core.backends.ghost "
-                              "is missing from this installation)") from err
-        result = ghost_dp_gradient(module, model_inputs, targets, loss_fn=loss_fn, config=config)
+    own_sum = BACKENDS[config.mode].dp_gradient
+    if own_sum is not None:  # ghost: norms and the clipped sum without per-sample gradients
+        result = own_sum(module, model_inputs, targets, loss_fn=loss_fn, config=config)
         result.per_sample_norms = result.per_sample_norms.to(torch.float32)
         return result
 

@@ -7,22 +7,13 @@ from typing import Any
 from torch import nn
 
 from psg_core.backends.base import AbstractGradSampleModule
-from psg_core.backends.ew import ExpandedWeightsGradSampleModule
-from psg_core.backends.ghost import GhostClippingModule
-from psg_core.backends.hooks import GradSampleModule
+from psg_core.backends.registry import BACKENDS
 from psg_core.errors import ConfigError
 from psg_core.modes import GradSampleMode, parse_enum
 
 __all__ = ["wrap_model"]
 
 _COMMON = {"batch_first", "loss_reduction", "augmentation_multiplicity"}
-# Keyword arguments each mode accepts besides the common ones.
-_EXTRA: dict[GradSampleMode, set[str]] = {
-    GradSampleMode.HOOKS: {"strict", "force_functorch"},
-    GradSampleMode.FUNCTORCH: {"strict"},
-    GradSampleMode.EW: {"strict"},
-    GradSampleMode.GHOST: {"strict", "max_grad_norm", "clipping", "per_layer_max_grad_norms"},
-}
 
 
 def wrap_model(module: nn.Module, mode: GradSampleMode | str = GradSampleMode.HOOKS,
@@ -51,15 +42,9 @@ def wrap_model(module: nn.Module, mode: GradSampleMode | str = GradSampleMode.HO
     torch.Size([2, 2, 3])
     """
     parsed = GradSampleMode(parse_enum(GradSampleMode, mode, what="wrap_model: mode"))
-    unknown = sorted(set(kwargs) - _COMMON - _EXTRA[parsed])
+    backend = BACKENDS[parsed]
+    unknown = sorted(set(kwargs) - _COMMON - backend.options)
     if unknown:
         raise ConfigError(f"wrap_model: mode {parsed.value!r} does not take {', '.join(unknown)}; it takes "
-                          f"{', '.join(sorted(_COMMON | _EXTRA[parsed]))}")
-    if parsed is GradSampleMode.HOOKS:
-        return GradSampleModule(module, **kwargs)
-    kwargs.pop("strict", None)
-    if parsed is GradSampleMode.FUNCTORCH:
-        return GradSampleModule(module, force_functorch=True, **kwargs)
-    if parsed is GradSampleMode.EW:
-        return ExpandedWeightsGradSampleModule(module, **kwargs)
-    return GhostClippingModule(module, **kwargs)
+                          f"{', '.join(sorted(_COMMON | backend.options))}")
+    return backend.wrapper(module, **kwargs)
