@@ -11,18 +11,16 @@ torch.Size([5, 1, 3])
 
 from __future__ import annotations
 
-from psg_core.accounting import AccountingMethod, PrivacyAccountant
-from psg_core.accumulate import GradientAccumulator, split_batch
-from psg_core.adaptive_clipping import QuantileClipping
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from psg_core.api import per_sample_gradients
 from psg_core.backends.base import AbstractGradSampleModule
 from psg_core.backends.hooks import GradSampleModule
 from psg_core.backends.wrap import wrap_model
-from psg_core.calibration import calibrate_noise_multiplier, steps_for_epochs
 from psg_core.clipping import ClipResult, clip_and_sum
 from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import dp_gradient, l2_sensitivity
-from psg_core.dp_step import DPStep
 from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError,
                              GradAccumulationError, NonFiniteInputError, PsgError,
                              UnsupportedModuleError)
@@ -36,6 +34,39 @@ from psg_core.noise import add_noise, secure_generator
 from psg_core.sampling import PoissonBatchSampler
 
 __version__ = "0.1.0"
+
+# The DP-SGD loop's names load on first use: privacy accounting pulls in dp-accounting (and scipy),
+# ~1 s and ~80 MB that a worker, which only computes clipped sums, never needs.
+_LAZY = {
+    "AccountingMethod": "psg_core.accounting",
+    "PrivacyAccountant": "psg_core.accounting",
+    "GradientAccumulator": "psg_core.accumulate",
+    "split_batch": "psg_core.accumulate",
+    "QuantileClipping": "psg_core.adaptive_clipping",
+    "calibrate_noise_multiplier": "psg_core.calibration",
+    "steps_for_epochs": "psg_core.calibration",
+    "DPStep": "psg_core.dp_step",
+}
+
+if TYPE_CHECKING:
+    from psg_core.accounting import AccountingMethod, PrivacyAccountant
+    from psg_core.accumulate import GradientAccumulator, split_batch
+    from psg_core.adaptive_clipping import QuantileClipping
+    from psg_core.calibration import calibrate_noise_multiplier, steps_for_epochs
+    from psg_core.dp_step import DPStep
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psg_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "AbstractGradSampleModule",
