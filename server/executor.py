@@ -385,7 +385,7 @@ class InProcessExecutor:
                                         spec, parameters, shard)
                    for worker, shard in assigned]
         try:
-            return list(await asyncio.gather(*futures))
+            return [await futures[0]] if len(futures) == 1 else list(await asyncio.gather(*futures))
         except BaseException:
             for future in futures:
                 future.cancel()  # shards not yet started never run; running ones finish and are dropped

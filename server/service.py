@@ -183,18 +183,16 @@ async def _parsed(raw_requests: AsyncIterator[bytes], parse: Callable[[bytes], A
     iterator = raw_requests.__aiter__()
     while True:
         try:
-            raw = await asyncio.wait_for(_next(iterator), idle_seconds)
+            # asyncio.timeout, not wait_for: no task per message (a step's few messages each paid one).
+            async with asyncio.timeout(idle_seconds):
+                raw = await iterator.__anext__()
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise StreamIdleError(f"{rpc}: the request stream sent nothing for {idle_seconds:g} s "
                                   "(the server's stream_idle_seconds); send the next message sooner, or "
                                   "half-close the stream when it is complete") from None
         yield parse(raw)
-
-
-async def _next(iterator: AsyncIterator[bytes]) -> bytes:
-    return await iterator.__anext__()
 
 
 def _method_handlers(servicer: GradientServicer, metrics: Metrics, *,

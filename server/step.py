@@ -295,9 +295,9 @@ class StepRunner:
                 timeout = self._config.step_timeout_seconds if remaining is None else \
                     min(self._config.step_timeout_seconds, remaining)
                 try:
-                    results = await asyncio.wait_for(self._executor.run(session.spec, parameters, shards),
-                                                     timeout)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(timeout):  # no extra task, unlike wait_for
+                        results = await self._executor.run(session.spec, parameters, shards)
+                except TimeoutError:
                     raise StepTimeoutError(f"ComputeGradients: the step took longer than {timeout:.3g} s; "
                                            "its shards were cancelled") from None
                 metrics.observe_workers(results)
@@ -410,10 +410,10 @@ def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
     norms = merged.per_sample_norms.detach().to(torch.float64).cpu()  # (N,)
     # A dropped sample's norm is NaN or infinite (its gradient was not finite): the quantiles are
     # those of the kept samples, as the sum and the loss are.
-    norms = norms[torch.isfinite(norms)]  # (N - dropped,)
-    levels = torch.tensor(NORM_QUANTILES, dtype=torch.float64)  # (Q,)
+    if merged.num_dropped:
+        norms = norms[torch.isfinite(norms)]  # (N - dropped,)
     # An empty (Poisson) batch has no norms: report no quantiles rather than invent some.
-    values = torch.quantile(norms, levels).tolist() if norms.numel() else []
+    values = _quantiles(norms) if norms.numel() else []
     kept = merged.num_samples - merged.num_dropped
     return step_stats_to_proto(StepReport(
         step=step, param_version=version, samples=merged.num_samples,
@@ -421,3 +421,20 @@ def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
         fraction_clipped=merged.num_clipped / max(merged.num_samples, 1), epsilon_spent=session.epsilon_spent,
         budget_left=session.budget_left, server_seconds=seconds, pending=pending, num_dropped=merged.num_dropped))
 
+
+
+def _quantiles(norms: torch.Tensor) -> list[float]:
+    """:data:`NORM_QUANTILES` of ``norms`` (float64, non-empty), interpolated linearly between order
+    statistics as ``torch.quantile`` does; in Python for a small batch, where torch's dispatch
+    costs more than the sort."""
+    if norms.numel() > 4096:
+        return torch.quantile(norms, torch.tensor(NORM_QUANTILES, dtype=torch.float64)).tolist()
+    ordered = sorted(norms.tolist())
+    last = len(ordered) - 1
+    values = []
+    for level in NORM_QUANTILES:
+        position = level * last
+        low = int(position)
+        high = min(low + 1, last)
+        values.append(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+    return values

@@ -106,7 +106,7 @@ def parameter_set(session: Session, version: int, tensors: Mapping[str, torch.Te
         raise InvalidRequestError(f"{rpc}: the set holds {len(sent)} of the {len(frozen)} frozen "
                                   f"parameters; send all of them (they replace the session's) or none (the "
                                   f"session keeps its own); missing {_some([n for n in frozen if n not in tensors])}")
-    bad = [name for name, t in tensors.items() if not all_finite(t)]
+    bad = _non_finite(tensors)
     if bad:
         raise NonFiniteInputError(f"{rpc}: parameters {bad[:8]} contain NaN or infinity")
     if session.wire.parameters is not None:
@@ -120,6 +120,16 @@ def parameter_set(session: Session, version: int, tensors: Mapping[str, torch.Te
     everything = {name: tensors[name] if name in tensors else held.tensors[name] for name in expected}
     return ParameterSet(version=version, tensors=everything, frozen_version=held.frozen_from,
                         frozen=frozenset(frozen))
+
+
+def _non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors holding NaN or infinity: one check over the whole buffer when they lie
+    in one (a decoded group; its gaps are zeros), tensor by tensor otherwise or to name them."""
+    flat = FlatTensors.find(tensors) if tensors else None
+    typed = flat.typed() if flat is not None else None
+    if typed is not None and all_finite(typed):
+        return []
+    return [name for name, t in tensors.items() if not all_finite(t)]
 
 
 def _widened(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, ParameterInfo]) -> dict[str, torch.Tensor]:

@@ -598,8 +598,7 @@ class TensorDecoder:
                              f"{declared} bytes arrived")
         self._open = False
         flat = FlatTensors(self._layout, self._buffer)
-        for entry in self._layout.entries:
-            tensor = flat.view(entry)
+        for entry, tensor in zip(self._layout.entries, flat.views().values()):
             if not _LITTLE_ENDIAN and entry.num_bytes:
                 swapped = _swap_bytes(bytearray(tensor.view(torch.uint8).numpy().data), entry.dtype.itemsize)
                 tensor = torch.frombuffer(swapped, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape)

@@ -145,6 +145,16 @@ class FlatTensors:
             view.copy_(tensor.detach())
         return flat
 
+    @classmethod
+    def find(cls, named: Mapping[str, torch.Tensor]) -> FlatTensors | None:
+        """The flat buffer the tensors already lie in, in order (a decoded group), or None: never
+        a copy."""
+        pairs = list(named.items())
+        layout = FlatLayout.of((name, t.dtype, t.shape) for name, t in pairs)
+        device = pairs[0][1].device if pairs else torch.device("cpu")
+        shared = _shared_buffer([t for _, t in pairs], layout, device)
+        return None if shared is None else cls(layout, shared)
+
     @property
     def device(self) -> torch.device:
         """The buffer's device."""
@@ -157,7 +167,18 @@ class FlatTensors:
 
     def views(self) -> dict[str, torch.Tensor]:
         """``{name: tensor}``, every tensor a view of the buffer, in layout order."""
-        return {entry.name: self.view(entry) for entry in self.layout.entries}
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        out = {}
+        for entry in self.layout.entries:
+            # One strided view per tensor of a typed view of the whole buffer (one per dtype): a
+            # view costs microseconds, and a small step makes a few dozen.
+            whole = typed.get(entry.dtype)
+            if whole is None:
+                usable = self.layout.num_bytes // entry.dtype.itemsize * entry.dtype.itemsize
+                whole = typed[entry.dtype] = self.buffer[:usable].view(entry.dtype)
+            out[entry.name] = whole.as_strided(entry.shape, _contiguous_strides(entry.shape),
+                                               whole.storage_offset() + entry.offset // entry.dtype.itemsize)
+        return out
 
     def typed(self) -> torch.Tensor | None:
         """The whole buffer as its one dtype (gaps included, as zeros), or None when the tensors'
@@ -204,6 +225,14 @@ class FlatTensors:
         for target, source in zip(out.views().values(), self.views().values()):
             target.copy_(source)
         return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _shared_buffer(tensors: list[torch.Tensor], layout: FlatLayout, device: torch.device) -> torch.Tensor | None:

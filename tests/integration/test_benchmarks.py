@@ -201,14 +201,22 @@ def test_backends_suite_runs_one_tiny_step() -> None:
 
 
 def test_service_suite_runs_one_tiny_step() -> None:
-    """The service step returns the in-process gradient (checked inside ``measure``) and is timed."""
+    """Every service step returns the in-process gradient (checked inside ``measure``) and is timed."""
     options = RunOptions(size="tiny", isolate=False, warmup=0, repeats=1, threads=1)
     rows = SUITES["service"].run(options)
-    assert [row["path"] for row in rows] == ["in-process", "service"], rows
-    assert all(row["median_ms"] > 0 and row["batch"] == SERVICE_SIZES["tiny"]["batch"] for row in rows)
-    (check,) = SUITES["service"].targets(rows)
-    assert check.threshold == 1.15 and check.value == pytest.approx(rows[1]["median_ms"] / rows[0]["median_ms"])
-    assert "| service |" in SUITES["service"].render(rows)
+    assert "error" not in rows[0], rows
+    assert [(row["group"], row["path"]) for row in rows] == [
+        ("main", "in-process"), ("main", "service, one call"), ("main", "service, two calls"),
+        ("main", "service, one call, bf16 wire"), ("fixed", "in-process"), ("fixed", "service (inprocess)")]
+    assert all(row["median_ms"] > 0 for row in rows)
+    assert all(row["batch"] == SERVICE_SIZES["tiny"]["batch"] for row in rows if row["group"] == "main")
+    one_call = rows[1]
+    assert one_call["bytes_down"] == one_call["parameters"] * 4 and rows[3]["bytes_down"] == one_call["parameters"] * 2
+    main, fixed = SUITES["service"].targets(rows)
+    assert main.threshold == 1.1 and main.value == pytest.approx(rows[1]["median_ms"] / rows[0]["median_ms"])
+    assert fixed.threshold == 3.0 and fixed.value == pytest.approx(rows[5]["overhead_ms"])
+    text = SUITES["service"].render(rows)
+    assert "| service, one call | inprocess |" in text and "**Fixed cost**" in text
 
 
 def test_service_target_is_not_evaluable_without_both_paths() -> None:
