@@ -24,7 +24,7 @@ from ray import exceptions as ray_errors
 from psg_server.errors import NoWorkersError
 from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardResult
 from psg_server.supervisor import ActorSupervisor, SupervisedActor
-from psg_server.transport import ParameterRefs, as_future, cancel, shard_argument
+from psg_server.transport import ParameterRefs, as_future, cancel, pack_call, shard_argument, unpack
 
 __all__ = ["ShardDispatcher"]
 
@@ -75,7 +75,9 @@ class ShardDispatcher:
                     shard_arg = shard_args[index]
                     if shard_arg is None:
                         shard_arg = shard_args[index] = await shard_argument(shards[index])
-                    ref = actor.handle.run_shard.remote(spec, arguments, shard_arg, pack_result=True)
+                    packed = pack_call(spec, arguments, shard_arg)
+                    ref = (actor.handle.run_shard.remote(spec, arguments, shard_arg, pack_result=True) if packed is None
+                           else actor.handle.run_packed.remote(packed))
                     running[as_future(ref)] = (index, actor, ref, loop.time())
                 if not running:
                     await self._supervisor.wait_for_live(self._worker_wait_s)
@@ -85,7 +87,8 @@ class ShardDispatcher:
                     index, actor, _, submitted = running.pop(future)
                     error = future.exception()
                     if error is None:
-                        result: ShardResult = future.result()
+                        value = future.result()
+                        result: ShardResult = unpack(value) if isinstance(value, bytes) else value
                         results[index] = result
                         actor.observe(result.num_samples, loop.time() - submitted)
                         continue

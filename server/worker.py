@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 
 from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardResult, ShardRunner, WorkerDescription
 from psg_server.models import default_registry
-from psg_server.transport import ParameterArgs, TensorPayload, pin_unpacked_tensors
+from psg_server.transport import ParameterArgs, TensorPayload, pin_unpacked_tensors, unpack
 
 __all__ = ["CONTROL_GROUP", "GradientWorker"]
 
@@ -120,6 +121,12 @@ class GradientWorker:
         packed = copy.copy(result)
         packed.grads = {}
         return TensorPayload(packed)
+
+    def run_packed(self, call: bytes) -> bytes:
+        """:meth:`run_shard` of a call pickled whole by :func:`~psg_server.transport.pack_call`
+        (a small step's fast path); the packed result comes back pickled too."""
+        spec, parameters, shard = unpack(call)
+        return pickle.dumps(self.run_shard(spec, parameters, shard, pack_result=True), protocol=5)
 
     def release(self, session_id: str) -> None:
         """Drops the session's cached model."""

@@ -206,7 +206,9 @@ def node_ids_by_resource(processes: Processes, address: str) -> dict[str, str]:
 
 
 def running_shard(tree: list[int]) -> bool:
-    return any("GradientWorker.run_shard" in cmdline(pid) for pid in tree)
+    # A small shard's call is run_packed (the whole call pickled in one argument), a larger one run_shard.
+    return any(method in cmdline(pid) for pid in tree
+               for method in ("GradientWorker.run_shard", "GradientWorker.run_packed"))
 
 
 def test_shards_run_on_both_nodes_and_survive_losing_one(processes: Processes) -> None:
