@@ -31,6 +31,9 @@ class Example:
     model: Callable[[], nn.Module]
     inputs: Callable[[], tuple[Any, ...]]
     batch_first: bool = True
+    #: run under ``torch.autocast("cpu", dtype=...)`` and compare with the fp32 reference within
+    #: the documented mixed-precision tolerance (psg_core.precision).
+    autocast: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,19 @@ class _Bag(nn.Module):
         return self.bag(ids, offsets)
 
 
+class _AutocastCNN(nn.Module):
+    """A small CNN for the mixed-precision rows: convolution, GroupNorm, a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.head = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.conv(x))).flatten(1)).float()
+
+
 def _floats(*shape: int) -> Callable[[], tuple[Any, ...]]:
     return lambda: (torch.randn(ROWS, *shape),)
 
@@ -175,6 +191,13 @@ EXAMPLES: dict[str, Example] = {
     "nn.LSTM (fused)": Example(lambda: _FirstOutput(nn.LSTM(3, 4, batch_first=True)), _floats(4, 3)),
     "BatchNorm1d (training)": Example(lambda: nn.BatchNorm1d(3), _floats(3)),
     "custom module, bare nn.Parameter": Example(_BareParameter, _floats(3, 4)),
+    "autocast bf16: Conv2d + GroupNorm + Linear": Example(_AutocastCNN, _floats(2, 6, 6), autocast=torch.bfloat16),
+    "autocast fp16: Conv2d + GroupNorm + Linear": Example(_AutocastCNN, _floats(2, 6, 6), autocast=torch.float16),
+    "autocast bf16: DPMultiheadAttention + LayerNorm": Example(
+        lambda: nn.Sequential(_FirstOutput(DPMultiheadAttention(4, 2, batch_first=True), True), nn.LayerNorm(4)),
+        _floats(3, 4), autocast=torch.bfloat16),
+    "autocast bf16: DPLSTM": Example(lambda: _FirstOutput(DPLSTM(3, 4, batch_first=True)), _floats(4, 3),
+                                     autocast=torch.bfloat16),
 }
 
 _HOOKS, _FUNCTORCH, _EW, _GHOST = (GradSampleMode.HOOKS, GradSampleMode.FUNCTORCH, GradSampleMode.EW,

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from psg_core.backends.base import PerSampleOutput, trainable_parameters
 from psg_core.errors import BatchLayoutError, ConfigError, PsgError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, ModelInputs
+from psg_core.precision import no_autocast
 from psg_core.losses import LossFn
 from psg_core.modes import LossReduction
 from psg_core.support import NOT_VMAPPABLE, reject_batch_mixing, reject_fused
@@ -130,7 +131,9 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
         return per_element.mean() if reduction is LossReduction.MEAN else per_element.sum()
 
     try:
-        with _ModulePath(module) as where:
+        # vmap over autocast's casts mixes bf16 and fp32 in backward kernels (a dtype error on
+        # attention): functorch runs in the parameters' precision, as ew does (psg_core.precision).
+        with _ModulePath(module) as where, no_autocast():
             try:
                 per_sample_grads, losses = vmap(grad_and_value(sample_loss), in_dims=(None, arg_in, tgt_in),
                                                 randomness="different")(detached, split_args, split_tgts)
