@@ -16,6 +16,13 @@ it is.
 a refused or missing token, nothing listening at the address, or an embedded Ray that did not
 come up (Ray raises plain ``Exception`` when its processes time out starting).
 
+:func:`live_nodes` is the pool's view of the cluster's membership: the nodes the GCS holds alive
+right now, with their resources and whether they drain. It is read from the node table, not from
+``ray.cluster_resources()``, whose totals keep a node that left for a while (a frontend started
+then would plan actors for cores that are gone); a draining node (``ray start --block`` stopped
+with SIGTERM: a container stop, a scale-down, a pod deletion) is marked at once, seconds to tens of
+seconds before Ray declares it dead.
+
 >>> token_source({"RAY_AUTH_TOKEN": "0123456789abcdef"})
 'RAY_AUTH_TOKEN'
 >>> token_source({}, home=Path("/nonexistent")) is None
@@ -27,12 +34,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from psg_server.errors import NoWorkersError
 
-__all__ = ["AUTH_MODE", "connect", "describe_failure", "prepare_token_auth", "token_source"]
+__all__ = ["AUTH_MODE", "NodeView", "connect", "describe_failure", "live_nodes", "prepare_token_auth",
+           "token_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +139,54 @@ def connect(address: str | None, init_kwargs: Mapping[str, Any]) -> None:
             ray.shutdown()
         raise NoWorkersError(f"WorkerPool.start: {describe_failure(error, address=address, source=source)}") \
             from None
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One live Ray node as the pool sees it.
+
+    Attributes:
+        node_id: Ray's node id, hex.
+        resources: the node's total resources (``CPU``, ``GPU``, ...).
+        draining: the node is being drained (its ``ray start`` got SIGTERM, or ``ray drain-node``):
+            it accepts no new work and leaves once idle.
+    """
+
+    node_id: str
+    resources: Mapping[str, float] = field(default_factory=dict)
+    draining: bool = False
+
+
+def live_nodes(timeout_s: float = 5.0) -> list[NodeView]:
+    """Blocking: the nodes of the connected cluster that are alive now (see the module docstring).
+
+    Reads the GCS node table and the draining list through the driver's GCS client (the calls Ray
+    Serve makes for the same purpose); where that client is not there (another Ray build), falls
+    back to :func:`ray.nodes`, which knows liveness but not draining.
+
+    Raises:
+        Exception: whatever the GCS call raises (unreachable, timed out); callers keep their last view.
+    """
+    import ray
+
+    from ray._private import worker as ray_worker
+
+    gcs = getattr(getattr(ray_worker, "global_worker", None), "gcs_client", None)
+    if gcs is None or not hasattr(gcs, "get_all_node_info") or not hasattr(gcs, "get_draining_nodes"):
+        return [NodeView(node["NodeID"], dict(node.get("Resources", {})))
+                for node in ray.nodes() if node.get("Alive")]
+    from ray.core.generated import gcs_pb2
+
+    infos = gcs.get_all_node_info(timeout=timeout_s)
+    draining = {_hex(node_id) for node_id in gcs.get_draining_nodes(timeout=timeout_s)}
+    return [NodeView(_hex(node_id), dict(info.resources_total), draining=_hex(node_id) in draining)
+            for node_id, info in infos.items() if info.state == gcs_pb2.GcsNodeInfo.ALIVE]  # type: ignore[attr-defined]
+
+
+def _hex(node_id: Any) -> str:
+    """A node id as hex, whether Ray handed a NodeID, bytes or a hex string."""
+    if isinstance(node_id, str):
+        return node_id
+    if isinstance(node_id, bytes):
+        return node_id.hex()
+    return str(node_id.hex())

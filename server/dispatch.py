@@ -5,9 +5,11 @@ idle actor; each shard rides inside its call when small, or is put into the obje
 before its first call, so the first actor computes while the next shard is put. A shard whose
 actor died (actor killed, process or node gone) is sent again, put into the object store afresh,
 to another live actor after the supervisor evicted the dead one, waiting (at most
-``worker_wait_s``) for a replacement when none is live; a shard or parameter set the object store
-lost is put again. Errors raised by the computation itself (bad model arguments...) are not
-retried. Cancelling :meth:`ShardDispatcher.run` (the step's deadline) cancels the shards in flight.
+``worker_wait_s``) for a replacement when none is live; a shard whose actor the supervisor evicted
+meanwhile (its node drains or left, a probe failed) is sent again at once, without waiting for Ray
+to fail the call; a shard or parameter set the object store lost is put again. Errors raised by
+the computation itself (bad model arguments...) are not retried. Cancelling
+:meth:`ShardDispatcher.run` (the step's deadline) cancels the shards in flight.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ class ShardDispatcher:
         queue = collections.deque(range(len(shards)))
         # future -> (shard, actor, object ref, submit time)
         running: dict[asyncio.Future[Any], tuple[int, SupervisedActor, ray.ObjectRef, float]] = {}
+
+        def retry(index: int, why: str) -> None:
+            attempts[index] += 1
+            if attempts[index] >= self._max_attempts:
+                raise NoWorkersError(f"ComputeGradients: shard {index} was lost {attempts[index]} times (last: "
+                                     f"{why}); workers keep failing")
+            logger.warning("pool: shard %d lost (%s); retrying on another worker", index, why)
+            pinned[index] = None
+            queue.appendleft(index)
+
         try:
             while queue or running:
                 for index in list(queue):
@@ -82,7 +94,21 @@ class ShardDispatcher:
                 if not running:
                     await self._supervisor.wait_for_live(self._worker_wait_s)
                     continue
-                done, _ = await asyncio.wait(list(running), return_when=asyncio.FIRST_COMPLETED)
+                # Woken by a result, or by the supervisor: an actor came up (queued shards can go),
+                # or one was evicted while its shard ran (its node drains or left, a probe failed).
+                changed = asyncio.ensure_future(self._supervisor.wait_changed())
+                done, _ = await asyncio.wait([*running, changed], return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                done.discard(changed)
+                for future, (index, actor, ref, _) in list(running.items()):
+                    if not actor.live and future not in done:
+                        # Sent elsewhere now, not when Ray fails the call: a stopped worker drains
+                        # for up to 30 s, and its node is declared dead later still.
+                        del running[future]
+                        future.cancel()
+                        cancel(ref)
+                        shard_args[index] = None  # put again, as after any lost worker (below)
+                        retry(index, "its worker was evicted")
                 for future in done:
                     index, actor, _, submitted = running.pop(future)
                     error = future.exception()
@@ -110,14 +136,7 @@ class ShardDispatcher:
                         shard_args[index] = None
                     else:
                         raise error
-                    attempts[index] += 1
-                    if attempts[index] >= self._max_attempts:
-                        raise NoWorkersError(f"ComputeGradients: shard {index} was lost {attempts[index]} "
-                                             f"times (last: {type(error).__name__}); workers keep failing")
-                    logger.warning("pool: shard %d lost (%s); retrying on another worker", index,
-                                   type(error).__name__)
-                    pinned[index] = None
-                    queue.appendleft(index)
+                    retry(index, type(error).__name__)
         finally:
             for future, (_, _, ref, _) in running.items():
                 future.cancel()

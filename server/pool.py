@@ -8,9 +8,10 @@ per GPU (``num_gpus=1``) when the cluster has GPUs, otherwise per ``cpus_per_wor
 
 The pool is a facade over three parts:
 
-* :mod:`psg_server.supervisor` keeps the actors alive: it replaces dead ones, probes idle ones and
-  says whether the pool is :attr:`~WorkerPool.ready` (which drives the health status). Its actors
-  run with :data:`WORKER_ENV`.
+* :mod:`psg_server.supervisor` keeps the actors alive and placed: it follows the cluster's live
+  nodes (actors for workers that join, none left on nodes that drain or leave), replaces dead
+  actors, probes idle ones and says whether the pool is :attr:`~WorkerPool.ready` (which drives
+  the health status). Its actors run with :data:`WORKER_ENV`.
 * :mod:`psg_server.dispatch` runs a step's shards: each on the actor the plan pinned it to (the
   frontend plans with :mod:`psg_server.scheduler`, by the :meth:`~WorkerPool.throughputs` measured
   here), a lost shard again on another live actor; cancelling :meth:`~WorkerPool.run` (the step's
@@ -65,8 +66,9 @@ class WorkerPool:
 
     Args:
         plugins: model plugin modules the workers load (the frontend registry's ``plugins``).
-        num_workers: actors to keep; None = one per GPU, or one per ``cpus_per_worker`` CPUs
-            when the cluster has no GPU.
+        num_workers: actors to keep; None = follow the cluster: one per GPU of its live nodes, or
+            one per ``cpus_per_worker`` CPUs when it has no GPU, adding actors for nodes that join
+            and dropping those of nodes that leave (:mod:`psg_server.supervisor`).
         cpus_per_worker: CPU cores Ray reserves for each actor, and its torch threads.
         ray_address: a cluster to join (``host:port`` or ``ray://...``); None starts an embedded
             local Ray, shut down again by :meth:`close`. When this process is already connected
@@ -121,14 +123,8 @@ class WorkerPool:
         after ``start_timeout_s`` with whichever are up (the rest keep starting)."""
         if self._supervisor.running:
             return
-        resources = await asyncio.get_running_loop().run_in_executor(None, self._connect)
-        gpus = int(resources.get("GPU", 0))
-        use_gpu = gpus > 0 if self._use_gpus is None else self._use_gpus
-        if use_gpu and gpus == 0:
-            raise NoWorkersError("WorkerPool.start: use_gpus=True, but the Ray cluster has no GPU")
-        count = self._num_workers or (gpus if use_gpu else
-                                      max(1, int(resources.get("CPU", 1) // self._cpus_per_worker)))
-        await self._supervisor.start(count=count, use_gpu=use_gpu)
+        await asyncio.get_running_loop().run_in_executor(None, self._connect)
+        await self._supervisor.start(count=self._num_workers, use_gpu=self._use_gpus)
 
     async def close(self) -> None:
         """Stops the actors (and the embedded Ray, if the pool started it)."""
@@ -173,9 +169,9 @@ class WorkerPool:
                                  "later")
         return await self._dispatcher.run(spec, parameters, shards)
 
-    def _connect(self) -> dict[str, float]:
+    def _connect(self) -> None:
         """Blocking: joins or starts Ray (:func:`psg_server.cluster.connect`: token authentication,
-        failures explained); returns the cluster's resources."""
+        failures explained)."""
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, **self._ray_init_kwargs}
             connect(self._ray_address, kwargs)
@@ -185,4 +181,3 @@ class WorkerPool:
         elif self._ray_address:
             logger.warning("pool: this process is already connected to Ray; ignoring ray_address %s",
                            self._ray_address)
-        return dict(ray.cluster_resources())

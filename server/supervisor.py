@@ -1,13 +1,25 @@
-"""Supervision of the pool's Ray actors: start, liveness, replacement, and the health they add up to.
+"""Supervision of the pool's Ray actors: membership, placement, liveness, replacement, and the health
+they add up to.
 
-:class:`ActorSupervisor` keeps one :class:`~psg_server.worker.GradientWorker` actor per slot. An
-actor is live once it has described itself; the dispatch loop evicts one whose shard failed
-because its process or node is gone, and a monitor probes every live actor (``ping`` answers from
-the actor's control thread, so a long shard does not delay it) and evicts those that fail or do not
-answer in time, so deaths between steps are noticed too. An evicted actor is killed and its slot
-gets a replacement: at once when the actor had come up, after a backoff doubling up to 30 s when it
-died while starting (it would probably fail again). :attr:`ActorSupervisor.ready` (started, and a
-live actor) is what the health status follows.
+:class:`ActorSupervisor` keeps one :class:`~psg_server.worker.GradientWorker` actor per slot. Unless
+the number of actors is fixed, the slots follow the cluster: one per GPU of the live nodes (or per
+``cpus_per_worker`` CPUs when the cluster has no GPU), re-read every ``probe_interval_s`` from the
+GCS node table (:func:`psg_server.cluster.live_nodes`, not Ray's resource totals, which keep a node
+that left for a while). Workers that join a running cluster get actors, and workers that leave
+take theirs along, without a restart of the frontend.
+
+Each actor is placed on a node chosen here (hard node affinity): the live node with the most room
+for another actor, never one that drains, and after an actor was lost on a node, another node when
+one has room (the lost node may be dead before Ray declares it so, tens of seconds later).
+
+An actor is live once it has described itself. It is evicted (killed, and its slot refilled) when
+the dispatch loop saw its shard fail because its process or node is gone; when its node drains or
+leaves (the dispatch loop then sends its running shard elsewhere at once, instead of waiting for Ray
+to fail it: a stopped container drains for up to 30 s, and is declared dead later still); or when
+a probe fails or goes unanswered for ``probe_timeout_s`` (``ping`` answers from the actor's control
+thread, so a long shard does not delay it). A slot whose actor had come up is refilled at once; one
+whose actor died while starting backs off, doubling up to 30 s (it would probably fail again).
+:attr:`ActorSupervisor.ready` (started, and a live actor) is what the health status follows.
 
 The actors run with :data:`WORKER_ENV`, so their C allocator keeps the memory a shard frees for the
 next one instead of handing it back and faulting it in again every step.
@@ -16,6 +28,7 @@ next one instead of handing it back and faulting it in again every step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -24,7 +37,9 @@ from typing import Any
 
 import ray
 from ray import exceptions as ray_errors
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from psg_server.cluster import NodeView, live_nodes
 from psg_server.errors import NoWorkersError
 from psg_server.executor import WorkerDescription
 from psg_server.scheduler import observe_rate
@@ -45,6 +60,14 @@ logger = logging.getLogger(__name__)
 #: reads these at process start; other C libraries ignore them.
 WORKER_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
+#: How long a node where an actor was lost comes last when placing actors: its raylet may be gone
+#: although the GCS still lists it (Ray's health checks take up to ~30 s to declare it dead).
+LOST_NODE_PENALTY_S = 60.0
+
+#: A placement answer: every usable node is full (a fixed count above the cluster's size, or a
+#: cluster that shrank); the slot waits for room.
+_NO_ROOM = "no-room"
+
 
 @dataclass(eq=False)
 class SupervisedActor:
@@ -52,6 +75,9 @@ class SupervisedActor:
 
     slot: int
     handle: Any
+    #: The node it runs on (hex node id): where it was placed, or found from its description; None
+    #: when Ray placed it and it has not described itself yet.
+    node_id: str | None = None
     #: Who and where the actor is; set when it comes up.
     description: WorkerDescription | None = None
     live: bool = False
@@ -77,13 +103,13 @@ class _Slot:
 
 
 class ActorSupervisor:
-    """Keeps ``count`` gradient actors alive (see the module docstring).
+    """Keeps the pool's gradient actors alive and placed (see the module docstring).
 
     Args:
         plugins: model plugin modules the actors load.
         cpus_per_worker: CPU cores Ray reserves for each actor, and its torch threads.
         start_timeout_s: how long :meth:`start` waits for the actors to come up.
-        probe_interval_s: seconds between liveness probes.
+        probe_interval_s: seconds between liveness probes and between reads of the cluster's nodes.
         probe_timeout_s: an actor that does not answer a probe this long is replaced.
     """
 
@@ -94,13 +120,22 @@ class ActorSupervisor:
         self._start_timeout_s = start_timeout_s
         self._probe_interval_s = probe_interval_s
         self._probe_timeout_s = probe_timeout_s
-        self._slots: list[_Slot] = []
-        self._use_gpu = False
+        self._slots: dict[int, _Slot] = {}
+        #: Fixed number of actors; None = as many as the live nodes have room for.
+        self._count: int | None = None
+        #: GPU or CPU actors; None until the cluster shows a node with a GPU or CPUs to decide by.
+        self._use_gpu: bool | None = None
+        #: The live nodes by id, as last read; None before the first read (Ray then places actors).
+        self._nodes: dict[str, NodeView] | None = None
+        #: Node id -> when an actor was last lost there (see LOST_NODE_PENALTY_S).
+        self._lost: dict[str, float] = {}
         self._actor_class: Any = None
+        self._actor_options: dict[str, Any] = {}
         self._running = False
         self._monitor: asyncio.Task[None] | None = None
-        # Set (and replaced by a fresh event) whenever an actor comes up or the supervisor stops:
-        # wakes every waiter of that moment at once.
+        self._probes: dict[SupervisedActor, asyncio.Task[None]] = {}
+        # Set (and replaced by a fresh event) whenever an actor comes up or is evicted, or the
+        # supervisor stops: wakes every waiter of that moment at once.
         self._changed: asyncio.Event | None = None
 
     @property
@@ -115,29 +150,46 @@ class ActorSupervisor:
 
     def live(self) -> list[SupervisedActor]:
         """The live actors, by slot."""
-        return [s.actor for s in self._slots if s.actor is not None and s.actor.live]
+        return [slot.actor for _, slot in sorted(self._slots.items())
+                if slot.actor is not None and slot.actor.live]
 
     def find(self, worker_id: str) -> SupervisedActor | None:
         """The live actor whose description has ``worker_id``, if any."""
         return next((a for a in self.live() if a.description is not None and a.description.id == worker_id),
                     None)
 
-    async def start(self, *, count: int, use_gpu: bool) -> None:
-        """Starts ``count`` actors (one GPU each when ``use_gpu``); returns when they are all up, or
-        after ``start_timeout_s`` with whichever are up (the rest keep starting)."""
+    async def start(self, *, count: int | None, use_gpu: bool | None) -> None:
+        """Starts the actors and the monitor.
+
+        Args:
+            count: actors to keep; None = as many as the live nodes have room for, following the
+                cluster as nodes join and leave.
+            use_gpu: one GPU per actor; None = when a live node has a GPU (decided once, by the
+                first nodes with room for an actor).
+
+        Returns when the actors placed are all up, or after ``start_timeout_s`` with whichever are
+        up (the rest keep starting).
+
+        Raises:
+            NoWorkersError: ``use_gpu`` is True and no live node has a GPU.
+        """
         if self._running:
             return
-        self._use_gpu = use_gpu
+        nodes = await self._read_nodes()
+        if use_gpu and nodes is not None and not any(n.resources.get("GPU", 0) >= 1 for n in nodes):
+            raise NoWorkersError("WorkerPool.start: use_gpus=True, but the Ray cluster has no GPU")
+        self._count, self._use_gpu = count, use_gpu
         self._changed = asyncio.Event()
-        self._slots = [_Slot(index) for index in range(count)]
         self._running = True
-        for slot in self._slots:
-            self._spawn(slot)
-        starting = [task for slot in self._slots for task in slot.tasks]
-        await asyncio.wait(starting, timeout=self._start_timeout_s)
+        if count is not None:
+            self._slots = {index: _Slot(index) for index in range(count)}
+        self._apply(nodes)
+        starting = [task for slot in self._slots.values() for task in slot.tasks]
+        if starting:
+            await asyncio.wait(starting, timeout=self._start_timeout_s)
         self._monitor = asyncio.create_task(self._watch(), name="psg-pool-monitor")
-        logger.info("pool: %d of %d %s worker(s) live", len(self.live()), count,
-                    "GPU" if use_gpu else f"{self._cpus_per_worker}-CPU")
+        logger.info("pool: %d of %d %s worker(s) live%s", len(self.live()), len(self._slots), self._kind(),
+                    "" if count is not None else ", following the cluster's nodes")
 
     async def close(self) -> None:
         """Stops the monitor and kills the actors."""
@@ -146,13 +198,16 @@ class ActorSupervisor:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
             self._monitor = None
-        for slot in self._slots:
+        for probe in list(self._probes.values()):
+            probe.cancel()
+        self._probes.clear()
+        for slot in self._slots.values():
             for task in list(slot.tasks):
                 task.cancel()
             if slot.actor is not None:
                 self._kill(slot.actor)
                 slot.actor = None
-        self._slots = []
+        self._slots = {}
         self._actor_class = None
         self._notify()
 
@@ -173,50 +228,189 @@ class ActorSupervisor:
             except asyncio.TimeoutError:
                 pass  # the loop raises with the message above
 
-    def evict(self, actor: SupervisedActor, reason: str) -> None:
-        """Marks an actor dead, kills it and schedules a replacement in its slot."""
-        slot = self._slots[actor.slot] if actor.slot < len(self._slots) else None
+    async def wait_changed(self) -> None:
+        """Returns at the next change of the live actors (one came up or was evicted), or when the
+        supervisor stops; at once when it is not running."""
+        if self._changed is not None:
+            await self._changed.wait()
+
+    def evict(self, actor: SupervisedActor, reason: str, *, node_gone: bool = False) -> None:
+        """Marks an actor dead, kills it and schedules a replacement in its slot (at once, or after
+        the backoff when it died while starting; ``node_gone``: its node drains or left, which says
+        nothing about the actor, so no backoff, and no replacement on that node)."""
+        slot = self._slots.get(actor.slot)
         if slot is None or slot.actor is not actor:
             return  # already replaced
         was_live, actor.live = actor.live, False
         self._kill(actor)
         slot.actor = None
+        if actor.node_id is not None:
+            self._lost[actor.node_id] = time.monotonic()
+        self._notify()
         if not self._running:
             return
         # An actor lost after it came up is replaced at once; one that fails to start probably
         # will again, so those restarts back off, doubling up to 30 s.
-        slot.failures = 0 if was_live else slot.failures + 1
+        slot.failures = 0 if was_live or node_gone else slot.failures + 1
         delay = 0.0 if slot.failures == 0 else min(30.0, 0.5 * 2 ** (slot.failures - 1))
         slot.restart_at = time.monotonic() + delay
         logger.warning("pool: worker %d evicted (%s); replacement in %.1f s", slot.index, reason, delay)
-        if delay == 0.0:
+        if delay == 0.0 and not node_gone:  # a departed node's slots are resized first (_apply)
             self._spawn(slot)
 
+    # ------------------------------------------------------------------------------ membership
+    async def _read_nodes(self) -> list[NodeView] | None:
+        """The live nodes, or None when the GCS did not answer (the caller keeps its last view)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, live_nodes)
+        except Exception as error:  # noqa: BLE001 - any GCS failure: try again next round
+            logger.debug("pool: reading the cluster's nodes failed: %s", error)
+            return None
+
+    def _apply(self, nodes: list[NodeView] | None) -> None:
+        """Takes a new view of the nodes: evicts actors whose node drains or left, decides GPU or
+        CPU actors (once), resizes the slots to the room the nodes have (unless fixed) and fills
+        the empty ones."""
+        if nodes is not None:
+            previous = self._nodes
+            self._nodes = {node.node_id: node for node in nodes}
+            if previous is not None:
+                self._log_membership(previous, self._nodes)
+            usable = {node.node_id for node in nodes if not node.draining}
+            for slot in list(self._slots.values()):
+                actor = slot.actor
+                if actor is None:
+                    continue
+                if actor.node_id is None and actor.description is not None:
+                    actor.node_id = self._node_of(actor.description)
+                if actor.node_id is not None and actor.node_id not in usable:
+                    why = "its node is draining" if actor.node_id in self._nodes else "its node left the cluster"
+                    self.evict(actor, why, node_gone=True)
+            self._lost = {node: when for node, when in self._lost.items() if node in self._nodes}
+            if self._use_gpu is None:
+                self._use_gpu = self._decide_device()
+        self._resize()
+        now = time.monotonic()
+        if self._use_gpu is not None:
+            for slot in list(self._slots.values()):
+                if slot.actor is None and now >= slot.restart_at:
+                    self._spawn(slot)
+
+    def _decide_device(self) -> bool | None:
+        usable = [node for node in (self._nodes or {}).values() if not node.draining]
+        if any(node.resources.get("GPU", 0) >= 1 for node in usable):
+            return True
+        if any(node.resources.get("CPU", 0) >= self._cpus_per_worker for node in usable):
+            return False
+        return None  # nothing to run on yet: decide when a worker joins
+
+    def _capacity(self, node: NodeView) -> int:
+        """How many actors ``node`` has room for, ours and others'."""
+        if node.draining or self._use_gpu is None:
+            return 0
+        if self._use_gpu:
+            return int(node.resources.get("GPU", 0))
+        return int(node.resources.get("CPU", 0) // self._cpus_per_worker)
+
+    def _resize(self) -> None:
+        """Follows the cluster (no fixed count): as many slots as the usable nodes have room for.
+        Only slots without a live actor are dropped (the highest first)."""
+        if self._count is not None or self._nodes is None:
+            return
+        target = sum(self._capacity(node) for node in self._nodes.values())
+        if len(self._slots) < target:
+            free = (index for index in range(target + len(self._slots)) if index not in self._slots)
+            added = [next(free) for _ in range(target - len(self._slots))]
+            for index in added:
+                self._slots[index] = _Slot(index)
+            logger.info("pool: the cluster has room for %d %s worker(s): adding %d", target, self._kind(),
+                        len(added))
+        elif len(self._slots) > target:
+            idle = [slot for _, slot in sorted(self._slots.items(), reverse=True)
+                    if slot.actor is None or not slot.actor.live]
+            dropped = idle[:len(self._slots) - target]
+            for slot in dropped:
+                self._drop(slot)
+            if dropped:
+                logger.info("pool: the cluster has room for %d %s worker(s): dropped %d empty slot(s)", target,
+                            self._kind(), len(dropped))
+
+    def _drop(self, slot: _Slot) -> None:
+        for task in list(slot.tasks):
+            task.cancel()
+        if slot.actor is not None:
+            self._kill(slot.actor)
+        del self._slots[slot.index]
+
+    def _place(self) -> str | None:
+        """The node for a new actor: the usable one with the most room, nodes that lost an actor
+        lately last; None = no view of the nodes (Ray places it), :data:`_NO_ROOM` = all full."""
+        if self._nodes is None:
+            return None
+        taken = collections.Counter(slot.actor.node_id for slot in self._slots.values() if slot.actor is not None)
+        now = time.monotonic()
+        best: tuple[bool, int] | None = None
+        chosen = _NO_ROOM
+        for node in self._nodes.values():
+            room = self._capacity(node) - taken[node.node_id]
+            if room <= 0:
+                continue
+            key = (now - self._lost.get(node.node_id, -LOST_NODE_PENALTY_S) >= LOST_NODE_PENALTY_S, room)
+            if best is None or key > best:
+                best, chosen = key, node.node_id
+        return chosen
+
+    def _node_of(self, description: WorkerDescription) -> str | None:
+        """The node id a worker's description names (``<ip>/<first 12 hex digits of the id>``)."""
+        prefix = description.node.rpartition("/")[2]
+        matches = [node for node in (self._nodes or {}) if prefix and node.startswith(prefix)]
+        return matches[0] if len(matches) == 1 else None
+
+    def _log_membership(self, previous: dict[str, NodeView], current: dict[str, NodeView]) -> None:
+        for node_id in current.keys() - previous.keys():
+            logger.info("pool: node %s joined the cluster (%s)", node_id[:12], _resources(current[node_id]))
+        for node_id in previous.keys() - current.keys():
+            logger.info("pool: node %s left the cluster", node_id[:12])
+        for node_id in current.keys() & previous.keys():
+            if current[node_id].draining and not previous[node_id].draining:
+                logger.info("pool: node %s is draining", node_id[:12])
+
+    def _kind(self) -> str:
+        return {True: "GPU", False: f"{self._cpus_per_worker}-CPU", None: "(CPU or GPU, once a node has room)"}[
+            self._use_gpu]
+
+    # ----------------------------------------------------------------------------------- actors
     def _notify(self) -> None:
         if self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event() if self._running else None
 
     def _spawn(self, slot: _Slot) -> None:
+        node_id = self._place()
+        if node_id == _NO_ROOM:
+            return  # the slot stays empty; _apply tries again when the nodes change
         if self._actor_class is None:
-            options = {
+            self._actor_options = {
                 "num_cpus": self._cpus_per_worker, "num_gpus": 1 if self._use_gpu else 0,
                 # The supervisor replaces dead actors itself (possibly elsewhere); the dispatch
                 # loop retries their shards.
                 "max_restarts": 0, "max_task_retries": 0,
                 # Shards run one at a time; probes answer from their own thread meanwhile.
                 "max_concurrency": 1,
-                "scheduling_strategy": "SPREAD",
                 "runtime_env": {"env_vars": {name: os.environ.get(name, value)
                                              for name, value in WORKER_ENV.items()}},
             }
             # Concurrency groups belong to the actor class (Ray's stubs do not list the keyword);
             # everything else is an option.
             remote = ray.remote(concurrency_groups={CONTROL_GROUP: 1})  # type: ignore[call-overload]
-            self._actor_class = remote(GradientWorker).options(**options)
-        handle = self._actor_class.remote(name=f"ray-worker-{slot.index}", plugins=self._plugins,
-                                          num_threads=self._cpus_per_worker, use_gpu=self._use_gpu)
-        actor = SupervisedActor(slot=slot.index, handle=handle)
+            self._actor_class = remote(GradientWorker)
+        # Hard affinity: a node that dies before the actor starts fails it (and the slot is placed
+        # again), instead of leaving it pending there until Ray declares the node dead.
+        strategy: Any = "SPREAD" if node_id is None else NodeAffinitySchedulingStrategy(node_id, soft=False)
+        handle = self._actor_class.options(**self._actor_options, scheduling_strategy=strategy).remote(
+            name=f"ray-worker-{slot.index}", plugins=self._plugins, num_threads=self._cpus_per_worker,
+            use_gpu=bool(self._use_gpu))
+        actor = SupervisedActor(slot=slot.index, handle=handle, node_id=node_id)
         slot.actor = actor
         task = asyncio.create_task(self._come_up(slot, actor), name=f"psg-pool-start-{slot.index}")
         slot.tasks.add(task)
@@ -232,6 +426,8 @@ class ActorSupervisor:
         if slot.actor is actor and self._running:
             actor.description = description
             actor.live = True
+            if actor.node_id is None:
+                actor.node_id = self._node_of(description)
             slot.failures = 0
             logger.info("pool: worker %s up on %s (%s)", description.id, description.device, description.node)
             self._notify()
@@ -244,16 +440,26 @@ class ActorSupervisor:
             logger.debug("pool: kill of worker %d: %s", actor.slot, error)
 
     async def _watch(self) -> None:
-        """Restarts empty slots when their backoff ends and probes live actors."""
+        """Reads the nodes (evicting actors of nodes that drain or left, resizing, refilling slots)
+        and probes live actors, every ``probe_interval_s``. A probe runs as a task of its own, so
+        one that hangs (its node unreachable) holds up neither the others nor the membership."""
         while self._running:
-            now = time.monotonic()
-            for slot in self._slots:
-                if slot.actor is None and now >= slot.restart_at:
-                    self._spawn(slot)
-            live = self.live()
-            probes = [asyncio.wait_for(as_future(a.handle.ping.remote()), self._probe_timeout_s) for a in live]
-            outcomes = await asyncio.gather(*probes, return_exceptions=True)
-            for actor, outcome in zip(live, outcomes):
-                if isinstance(outcome, (ray_errors.RayError, asyncio.TimeoutError)):
-                    self.evict(actor, f"probe failed: {type(outcome).__name__}")
+            self._apply(await self._read_nodes())
+            for actor in self.live():
+                if actor not in self._probes:
+                    self._probes[actor] = asyncio.create_task(self._probe(actor),
+                                                              name=f"psg-pool-probe-{actor.slot}")
             await asyncio.sleep(self._probe_interval_s)
+
+    async def _probe(self, actor: SupervisedActor) -> None:
+        try:
+            await asyncio.wait_for(as_future(actor.handle.ping.remote()), self._probe_timeout_s)
+        except (ray_errors.RayError, asyncio.TimeoutError) as error:
+            self.evict(actor, f"probe failed: {type(error).__name__}")
+        finally:
+            self._probes.pop(actor, None)
+
+
+def _resources(node: NodeView) -> str:
+    shown = {name: node.resources[name] for name in ("CPU", "GPU") if node.resources.get(name)}
+    return ", ".join(f"{value:g} {name}" for name, value in shown.items()) or "no CPU or GPU"

@@ -1,6 +1,7 @@
 """The Ray worker pool: exact results for any worker count, balancing, the parameter cache, worker
-loss (ray.kill and SIGKILL mid-step), deadlines, no-worker errors and health, and the flags that
-select it. All tests share the session's local Ray (``ray_session`` in tests/conftest.py)."""
+loss (ray.kill and SIGKILL mid-step), membership (the pool follows the live nodes: joins, draining
+nodes, placement), deadlines, no-worker errors and health, and the flags that select it. All tests
+that start actors share the session's local Ray (``ray_session`` in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psg_client import GradientClient, ServiceError
 from psg_core.config import DPConfig, DPGradient
+from psg_server.cluster import NodeView
 from psg_server.config import ServerConfig
 from psg_server.errors import NoWorkersError
 from psg_server.executor import InProcessExecutor, ParameterSet, SessionSpec, Shard
@@ -366,6 +368,91 @@ def test_worker_killed_mid_step_costs_latency_not_the_step(ray_session: Any, loo
         assert_same(loop_thread.call(pool.run(spec, parameters, shards)), expected)
     finally:
         loop_thread.call(pool.close())
+
+
+# ----------------------------------------------------------------------------- membership
+class NodeTable:
+    """Stands in for :func:`psg_server.cluster.live_nodes` (what the supervisor reads as the
+    cluster's live nodes): the session's one real node, with the CPUs and draining state the test
+    sets, so that the test can make workers join and nodes drain on a single host."""
+
+    def __init__(self, node_id: str, cpus: float) -> None:
+        self.node_id = node_id
+        self.cpus = cpus
+        self.draining = False
+
+    def __call__(self, timeout_s: float = 5.0) -> list[NodeView]:
+        return [NodeView(self.node_id, {"CPU": self.cpus, "memory": 1e9}, draining=self.draining)]
+
+
+def test_the_pool_follows_the_live_nodes_without_a_restart(ray_session: Any, loop_thread: LoopThread,
+                                                             signals: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from psg_server import supervisor
+    from psg_server.pool import WorkerPool
+
+    table = NodeTable(ray_session.get_runtime_context().get_node_id(), cpus=2.0)
+    monkeypatch.setattr(supervisor, "live_nodes", table)
+    # No num_workers: as many actors as the live nodes have room for. The session's Ray has 8 CPUs
+    # in its resource totals; the node table says 2.
+    pool = WorkerPool(plugins=(PLUGIN,), probe_interval_s=0.2, start_timeout_s=60.0)
+    loop_thread.call(pool.start())
+    try:
+        assert [w.id for w in pool.workers()] == ["ray-worker-0", "ray-worker-1"]
+        table.cpus = 3.0  # a worker node joins the running cluster
+        wait_until(lambda: len(pool.workers()) == 3, 90, "an actor for the joined CPU, without a restart")
+
+        started = signals / "forwards"
+        spec, model = slow_model("drain", started)
+        config = spec.dp_config
+        parameters = parameters_of(model)
+        shards = shards_for(config, 3, 3)
+        inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
+        expected = local_dp(model, inputs, targets, config)
+        step = loop_thread.submit(pool.run(spec, parameters, shards))
+        wait_for_lines(started, 3, 60, "a shard running on every worker")
+        # The node drains (its `ray start` got SIGTERM): its actors go at once, although Ray would
+        # let them run on (a draining node is alive until it stops, up to 30 s later), and no
+        # actor is placed there while it drains.
+        table.draining = True
+        wait_until(lambda: not pool.workers(), 10, "the draining node's actors evicted")
+        assert not step.done()
+        assert all(slot.actor is None for slot in pool._supervisor._slots.values())
+        # A node with room comes back: the step's shards, sent again, all run there.
+        table.draining, table.cpus = False, 1.0
+        assert_same(step.result(timeout=120), expected)
+        assert [w.id for w in pool.workers()] == ["ray-worker-0"]
+    finally:
+        loop_thread.call(pool.close())
+
+
+def test_placement_skips_draining_nodes_and_puts_nodes_that_lost_an_actor_last() -> None:
+    from psg_server.supervisor import LOST_NODE_PENALTY_S, ActorSupervisor, SupervisedActor, _Slot
+
+    supervisor = ActorSupervisor(plugins=(), cpus_per_worker=2, start_timeout_s=1.0, probe_interval_s=1.0,
+                                 probe_timeout_s=1.0)
+    supervisor._use_gpu = False
+    supervisor._nodes = {"a": NodeView("a", {"CPU": 4.0}), "b": NodeView("b", {"CPU": 2.0}),
+                         "c": NodeView("c", {"CPU": 16.0}, draining=True), "head": NodeView("head", {"CPU": 0.0})}
+
+    def occupy(node: str) -> None:
+        index = len(supervisor._slots)
+        supervisor._slots[index] = _Slot(index, actor=SupervisedActor(slot=index, handle=None, node_id=node))
+
+    assert supervisor._place() == "a"  # the most room (2 actors of 2 CPUs); c drains
+    supervisor._lost["a"] = time.monotonic()  # an actor was just lost there: the node may be dead
+    assert supervisor._place() == "b"
+    supervisor._lost["a"] = time.monotonic() - LOST_NODE_PENALTY_S
+    assert supervisor._place() == "a"
+    occupy("a")
+    occupy("a")
+    assert supervisor._place() == "b"
+    occupy("b")
+    assert supervisor._place() == "no-room"
+    supervisor._nodes = None  # no view of the nodes: Ray places the actor
+    assert supervisor._place() is None
+    supervisor._use_gpu = True
+    supervisor._nodes = {"a": NodeView("a", {"CPU": 64.0, "GPU": 2.0})}
+    assert [supervisor._capacity(node) for node in supervisor._nodes.values()] == [2]
 
 
 def test_deadline_cancels_in_flight_shards(ray_session: Any, loop_thread: LoopThread, signals: Path,
