@@ -311,16 +311,19 @@ def suite_targets(rows: Sequence[dict[str, Any]]) -> list[TargetCheck]:
                 detail=f"{row['median_ms']:.1f} ms vs bound {bound:.1f} ms"))
         return checks
     local, remote = main.get("in-process"), main.get("service, one call")
-    value = remote["median_ms"] / local["median_ms"] if local and remote and local["median_ms"] else None
+    value, detail = None, "missing: " + ", ".join(p for p in ("in-process", "service, one call") if p not in main)
+    if local is not None and remote is not None and local["median_ms"]:
+        value = remote["median_ms"] / local["median_ms"]
+        detail = f"{remote['median_ms']:.1f} ms / {local['median_ms']:.1f} ms"
     checks.append(TargetCheck(target=f"service time <= {TARGET_RATIO} x in-process", subject=subject, value=value,
                               threshold=TARGET_RATIO, met=None if value is None else value <= TARGET_RATIO + 1e-9,
-                              detail=f"{remote['median_ms']:.1f} ms / {local['median_ms']:.1f} ms" if value else
-                              "missing: " + ", ".join(p for p in ("in-process", "service, one call") if p not in main)))
+                              detail=detail))
     fixed = _by_path(rows, "fixed")
     for executor, bound in FIXED_TARGET_MS.items():
-        row = fixed.get(f"service ({executor})")
-        if row is None:
+        found = fixed.get(f"service ({executor})")
+        if found is None:
             continue
+        row = found
         checks.append(TargetCheck(
             target=f"fixed cost <= {bound:g} ms ({'in-process executor' if executor == 'inprocess' else '1-worker Ray pool'})",
             subject=f"mlp, {row['parameters']:,} parameters, batch {row['batch']}", value=row["overhead_ms"],

@@ -390,7 +390,7 @@ class Session:
         server's ``max_batch_rows`` or ``max_request_bytes`` (:meth:`GradientClient.server_info`).
         """
         push = None if parameters is None else self._checked_parameters(parameters)
-        options = {"max_rows": max_rows, "max_bytes": max_bytes}
+        options: dict[str, Any] = {"max_rows": max_rows, "max_bytes": max_bytes}
         try:
             return self._compute(inputs, targets, step_seed, push=push, **options)
         except ServiceError as error:

@@ -32,7 +32,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from google.protobuf.descriptor import FieldDescriptor
@@ -78,7 +78,7 @@ _MAX_DIMS = 16
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 #: A frame of an encoded tensor stream: a header, or a chunk of the current tensor's bytes.
-Frame = TensorHeader | bytes
+Frame: TypeAlias = "TensorHeader | bytes"
 
 
 class CodecError(PsgError, ValueError):
@@ -249,7 +249,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _read_varint(data: bytes, offset: int) -> tuple[int, int] | None:
+def _read_varint(data: bytes | memoryview, offset: int) -> tuple[int, int] | None:
     """``(value, offset after it)`` of the varint at ``offset``, or None when it is cut short or
     longer than protobuf's 10 bytes."""
     value = shift = 0

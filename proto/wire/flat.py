@@ -67,7 +67,8 @@ class FlatLayout:
         >>> FlatLayout.of([("a", torch.int8, (3,)), ("b", torch.float64, ())]).num_bytes
         72
         """
-        entries, end = [], 0
+        entries: list[FlatEntry] = []
+        end = 0
         for name, dtype, shape in specs:
             entry = FlatEntry(name=name, dtype=dtype, shape=tuple(int(d) for d in shape),
                               offset=_align(end) if entries else 0)
@@ -253,4 +254,4 @@ def _shared_buffer(tensors: list[torch.Tensor], layout: FlatLayout, device: torc
     if byte_offset < 0 or byte_offset + layout.num_bytes > storage.nbytes():
         return None
     buffer = torch.empty(0, dtype=torch.uint8, device=device)
-    return buffer.set_(storage, byte_offset, (layout.num_bytes,))  # (num_bytes,)
+    return buffer.set_(storage, byte_offset, (layout.num_bytes,), (1,))  # (num_bytes,)
