@@ -105,6 +105,10 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         if followed is not None and followed >= 0:
             batch_dim = followed  # where the batch really is (e.g. a time-major model's last step)
     merged = tracker.merged(first) if tracker is not None and first is not None else 1
+    if merged > 1 and tracker is not None and tracker.merged(flat[index[0]]) != merged:
+        # The output does not keep the merge (an EmbeddingBag pools flattened tokens into bags):
+        # the layer's rows are its own (its sampler counts them), not split tokens.
+        merged = 1
     if merged > 1 and tracker is not None:
         # A view merged the batch with the axes after it ((N*T, d) from (N, T, d)): split them
         # again, so the sampler sees the batch's rows.

@@ -308,3 +308,30 @@ def test_keyword_inputs_and_layout_errors() -> None:
         per_sample_gradients(model, (left, right), y, loss_fn=_mse, augmentation_multiplicity=3)
     with pytest.raises(PsgError):
         per_sample_gradients(model, {1: left}, y, loss_fn=_mse)
+
+
+class FlatBags(nn.Module):
+    """Takes (N*K, L) tokens, flattens them and pools fixed-length bags through offsets (as the
+    benchmark's bag classifier does): the bag's input is merged with L, its output is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 4, mode="mean")
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows, length = tokens.shape
+        offsets = torch.arange(0, rows * length, length)
+        return self.head(self.bag(tokens.reshape(-1), offsets))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_bags_from_flattened_tokens(K: int) -> None:
+    torch.manual_seed(8)
+    N = 3
+    model = FlatBags()
+    tokens, y = torch.randint(0, 20, (N * K, 5)), torch.randn(N * K, 2)
+    samples = [((tokens[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = _oracle(model, samples, _mse, "mean")
+    _assert_grads(per_sample_gradients(model, tokens, y, loss_fn=_mse, augmentation_multiplicity=K), expected)
+    _assert_ghost(model, tokens, y, _mse, expected, K=K, reduction="mean")
