@@ -1,19 +1,27 @@
-"""``psg-demo``: DP-SGD training through the gradient service, end to end.
+"""``psg-demo``: DP-SGD training through the gradient service, end to end, at a target epsilon.
 
 Starts ``psg-server`` with an embedded Ray pool on a free loopback port (or uses ``--target``),
-waits for it to report SERVING, then trains a classifier on scikit-learn's bundled digits data
-set (8x8 images, no download) through the service: Poisson sampling, K augmented copies per
-sample (random one-pixel shifts), per-sample clipping, Gaussian noise and epsilon accounting at
-delta = 1e-5. Prints test accuracy and final epsilon, writes a PNG plot, and exits non-zero on
-any failure (including accuracy below ``--min-accuracy``).
+waits for it to report SERVING, then trains a small GroupNorm CNN on scikit-learn's bundled
+digits (8x8 images, no download) through the service. Each run opens a session with a target
+epsilon, delta, sampling rate and number of epochs; the server chooses the noise multiplier sigma
+that spends that budget over the plan (printed), and every step does Poisson sampling, per-sample
+clipping, Gaussian noise and epsilon accounting. The demo prints test accuracy and epsilon of each
+run, writes a PNG (test accuracy, training loss and epsilon per epoch, the target epsilon line) and
+exits non-zero on any failure (including accuracy below ``--min-accuracy``).
 
-    psg-demo --epochs 10 --augmentations 2 --noise 1.1 --backend hooks
+By default it trains the recipe ``benchmarks/demo_k.py`` measured best on this data: K = 1 without
+augmentation (no K > 1 beat it; the README's "What the demo shows" has the table). Given K > 1 or
+an augmentation it trains, with the same seed and epsilon, K = 1 without augmentation, K = 1 with
+the augmentation and K copies with it, and plots them side by side:
+
+    psg-demo --epsilon 4 --epochs 20 --augmentation affine -K 4 --backend hooks
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -21,71 +29,195 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
-from psg_client.client import GradientClient, Session
+from psg_client.client import GradientClient
 from psg_core.architectures import cnn_groupnorm
 from psg_core.config import DPConfig
 from psg_core.sampling import PoissonBatchSampler
 
-__all__ = ["DemoResult", "main", "run_demo"]
+__all__ = ["AUGMENTATIONS", "Augmentation", "DemoResult", "Digits", "Recipe", "augment", "load_digits",
+           "main", "run_demo", "train"]
 
 logger = logging.getLogger("psg_demo")
 
 _IMAGE = 8
 _CLASSES = 10
 _MODEL = "cnn_groupnorm"
-_MODEL_KWARGS: dict[str, Any] = {"in_channels": 1, "image_size": _IMAGE, "channels": (16, 32), "groups": 4,
-                                 "num_classes": _CLASSES}
+MODEL_KWARGS: dict[str, Any] = {"in_channels": 1, "image_size": _IMAGE, "channels": (16, 32), "groups": 4,
+                                "num_classes": _CLASSES}
+#: SGD momentum of every run.
+MOMENTUM = 0.9
+#: The accountant that calibrates sigma and reports epsilon: PLD, the tighter one (a smaller sigma
+#: for the same target), and the one benchmarks/demo_k.py's in-process runs use.
+ACCOUNTANT = "pld"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one run trains; every run of a comparison spends the same epsilon.
+
+    The defaults are the demo's: the schedule benchmarks/demo_k.py found best at epsilon 4 (single
+    seed, then checked over three more), with K = 1 and no augmentation, which no K > 1 with any of
+    :data:`AUGMENTATIONS` beat on this data (README, "What the demo shows").
+    """
+
+    augmentation: str = "none"
+    augmentation_multiplicity: int = 1
+    epochs: int = 20
+    learning_rate: float = 1.0
+    #: Expected (Poisson) batch size: the sampling rate is ``batch_size / 1437``.
+    batch_size: int = 256
+    #: "cosine": the learning rate decays to 0 along a half cosine over the run (the last epochs
+    #: average the noise out instead of jumping around); "constant".
+    lr_schedule: str = "cosine"
+    max_grad_norm: float = 1.0
+
+    def label(self) -> str:
+        """``"K=4 affine"``, ``"K=1 none"``."""
+        return f"K={self.augmentation_multiplicity} {self.augmentation}"
+
+    def with_baselines(self) -> list[Recipe]:
+        """The runs that show what K does: K = 1 without augmentation, K = 1 with this recipe's
+        augmentation, and this recipe (those that differ, in that order)."""
+        runs = [dataclasses.replace(self, augmentation="none", augmentation_multiplicity=1),
+                dataclasses.replace(self, augmentation_multiplicity=1), self]
+        return [run for number, run in enumerate(runs) if run not in runs[:number]]
 
 
 @dataclass
 class DemoResult:
-    """What one demo run measured, per epoch and at the end."""
+    """What one run measured, per epoch and at the end."""
 
+    recipe: Recipe = field(default_factory=Recipe)
+    noise_multiplier: float = math.nan
     test_accuracy: list[float] = field(default_factory=list)
     epsilon: list[float] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
+    #: Accuracy on the unaugmented training images after the last epoch.
+    train_accuracy: float = math.nan
     steps: int = 0
     seconds: float = 0.0
 
 
-def _load_digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
+class Digits(NamedTuple):
+    """The demo's data: 1437 training and 360 test images ``(N, 1, 8, 8)`` in [-1, 1], labels ``(N,)``."""
 
-    data = load_digits()
+    train_images: torch.Tensor
+    train_labels: torch.Tensor
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+
+
+#: An empty pixel after :func:`load_digits` scales the images to [-1, 1].
+BACKGROUND = -1.0
+
+
+def load_digits(seed: int) -> Digits:
+    """scikit-learn's digits (1797 8x8 images, bundled, no download) split 80/20 by ``seed``."""
+    from sklearn import datasets
+
+    data = datasets.load_digits()
     images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8)
     labels = torch.tensor(data.target, dtype=torch.int64)  # (1797,)
     images = (images - 0.5) / 0.5
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     cut = int(0.8 * len(labels))
     train, test = order[:cut], order[cut:]
-    return images[train], labels[train], images[test], labels[test]
+    return Digits(images[train], labels[train], images[test], labels[test])
 
 
-def augment(images: torch.Tensor, augmentation_multiplicity: int, generator: torch.Generator) -> torch.Tensor:
-    """``(N, C, H, W) -> (N*K, C, H, W)``: K copies per sample, each shifted by up to one pixel.
+#: The demo's privacy budget (delta 1e-5), at which benchmarks/demo_k.py measured the recipes.
+DEMO_EPSILON = 4.0
 
-    Rows are sample-major (copies of sample n are rows n*K .. n*K+K-1), as psg expects. The first
-    copy is the original image, the others random shifts with zero fill.
+
+@dataclass(frozen=True)
+class Augmentation:
+    """A random transform drawn independently for every copy of every sample.
+
+    Each copy is rotated by an angle in ``[-max_rotation, max_rotation]`` degrees, scaled by a
+    factor in ``[1 - max_scale, 1 + max_scale]`` and translated by up to ``max_shift`` pixels per
+    axis (whole pixels when ``whole_pixels``), resampled bilinearly with the background filling
+    what enters the frame; then Gaussian pixel noise of std ``noise_std`` is added.
+    ``keep_original`` leaves the first copy of each sample untouched.
+    """
+
+    max_shift: float = 0.0
+    max_rotation: float = 0.0
+    max_scale: float = 0.0
+    whole_pixels: bool = False
+    noise_std: float = 0.0
+    keep_original: bool = False
+
+
+#: The augmentations the demo and ``benchmarks/demo_k.py`` know by name.
+AUGMENTATIONS: dict[str, Augmentation] = {
+    "none": Augmentation(),
+    # whole-pixel shifts of up to one pixel (the old demo's, which kept the first copy unshifted)
+    "shift": Augmentation(max_shift=1.0, whole_pixels=True),
+    # digits of a slightly different size, centred as before
+    "scale": Augmentation(max_scale=0.15),
+    # handwriting-like jitter: small rotations, scalings and sub-pixel moves
+    "affine": Augmentation(max_shift=0.5, max_rotation=10.0, max_scale=0.1),
+    "noise": Augmentation(noise_std=0.3),
+}
+
+
+def augment(images: torch.Tensor, augmentation_multiplicity: int, generator: torch.Generator, *,
+            augmentation: Augmentation = AUGMENTATIONS["shift"], background: float = 0.0) -> torch.Tensor:
+    """``(N, C, H, W) -> (N*K, C, H, W)``: K randomly transformed copies of every sample.
+
+    Rows are sample-major (copies of sample n are rows n*K .. n*K+K-1), as psg expects.
+
+    Args:
+        images: the samples.
+        augmentation_multiplicity: K.
+        generator: draws the transforms.
+        augmentation: what each copy's transform may be (:class:`Augmentation`).
+        background: the value of an empty pixel, which fills what a move brings into the frame.
+
+    >>> images = torch.zeros(2, 1, 8, 8)
+    >>> augment(images, 4, torch.Generator().manual_seed(0)).shape
+    torch.Size([8, 1, 8, 8])
     """
     K = augmentation_multiplicity
     copies = images.repeat_interleave(K, dim=0)  # (N*K, C, H, W)
-    padded = nn.functional.pad(copies, (1, 1, 1, 1))  # (N*K, C, H+2, W+2)
-    shifts = torch.randint(0, 3, (copies.shape[0], 2), generator=generator)  # (N*K, 2)
-    shifts[::K] = 1  # the original
-    height, width = images.shape[-2:]
-    out = torch.empty_like(copies)
-    for row, (dy, dx) in enumerate(shifts.tolist()):
-        out[row] = padded[row, :, dy:dy + height, dx:dx + width]
+    rows, height, width = copies.shape[0], copies.shape[-2], copies.shape[-1]
+    if rows == 0:
+        return copies
+    spec = augmentation
+    out = copies
+    if spec.max_shift or spec.max_rotation or spec.max_scale:
+        def uniform(bound: float) -> torch.Tensor:  # (N*K,) in [-bound, bound]
+            return (2 * torch.rand(rows, generator=generator) - 1) * bound
+
+        angle = torch.deg2rad(uniform(spec.max_rotation))  # (N*K,)
+        scale = 1 + uniform(spec.max_scale)  # (N*K,)
+        if spec.whole_pixels:
+            reach = int(spec.max_shift)
+            shift = torch.randint(-reach, reach + 1, (rows, 2), generator=generator).float()  # (N*K, 2)
+        else:
+            shift = torch.stack([uniform(spec.max_shift), uniform(spec.max_shift)], dim=1)  # (N*K, 2)
+        # affine_grid maps output to input coordinates in [-1, 1]: one pixel is 2 / size.
+        cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale  # (N*K,)
+        theta = torch.stack([torch.stack([cos, -sin, 2 * shift[:, 0] / width], dim=1),
+                             torch.stack([sin, cos, 2 * shift[:, 1] / height], dim=1)], dim=1)  # (N*K, 2, 3)
+        grid = nn.functional.affine_grid(theta, list(copies.shape), align_corners=False)  # (N*K, H, W, 2)
+        # zero padding fills with 0: resample the offset from the background, then add it back
+        out = nn.functional.grid_sample(copies - background, grid, mode="bilinear", padding_mode="zeros",
+                                        align_corners=False) + background  # (N*K, C, H, W)
+    if spec.noise_std:
+        out = out + spec.noise_std * torch.randn(out.shape, generator=generator)
+    if spec.keep_original and out is not copies:
+        out[::K] = copies[::K]
     return out
 
 
@@ -144,81 +276,137 @@ def _accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> f
     return correct / max(1, len(labels))
 
 
-def _train_epoch(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 images: torch.Tensor, labels: torch.Tensor, sampler: PoissonBatchSampler, K: int,
-                 generator: torch.Generator, progress: object) -> tuple[float, float, int]:
-    losses, epsilon, steps = [], 0.0, 0
-    for indices in sampler:
-        index = torch.as_tensor(indices, dtype=torch.int64)
-        inputs = augment(images[index], K, generator)  # (n*K, 1, 8, 8)
-        targets = labels[index].repeat_interleave(K)  # (n*K,)
-        session.push_parameters(model)
-        result = session.compute_gradients(inputs, targets)
-        optimizer.zero_grad(set_to_none=True)
-        result.apply_to(model)
-        optimizer.step()
-        if result.samples:
-            losses.append(result.mean_loss)
-        epsilon = result.epsilon_spent
-        steps += 1
-        progress.update(1)  # type: ignore[attr-defined]
-        progress.set_postfix(loss=f"{result.mean_loss:.3f}", eps=f"{epsilon:.2f}")  # type: ignore[attr-defined]
-    return (sum(losses) / len(losses) if losses else math.nan), epsilon, steps
+#: One DP-SGD gradient: fills ``p.grad`` of the model from a batch of ``n*K`` rows and returns the
+#: sum of the n per-sample losses and n.
+GradientStep = Callable[[torch.Tensor, torch.Tensor], tuple[float, int]]
 
 
-def run_demo(target: str, *, epochs: int, augmentation_multiplicity: int, noise_multiplier: float,
-             max_grad_norm: float, batch_size: int, learning_rate: float, backend: str, delta: float,
-             seed: int, quiet: bool = False) -> DemoResult:
-    """Trains through the service at ``target``; returns per-epoch accuracy and epsilon."""
-    from tqdm import tqdm
+def steps_per_epoch(recipe: Recipe, data: Digits) -> int:
+    """Poisson batches per epoch, ``round(1 / q)``, as the server's calibration counts them."""
+    return max(1, round(len(data.train_labels) / recipe.batch_size))
 
-    torch.manual_seed(seed)
-    train_x, train_y, test_x, test_y = _load_digits(seed)
-    sample_rate = batch_size / len(train_y)
-    model = cnn_groupnorm(**_MODEL_KWARGS)  # the architecture the server builds as _MODEL
-    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=0.9)
-    config = DPConfig(mode=backend, augmentation_multiplicity=augmentation_multiplicity,
-                      max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)
-    generator = torch.Generator().manual_seed(seed)
-    result = DemoResult()
+
+def train(model: nn.Module, recipe: Recipe, data: Digits, *, step: GradientStep, epsilon: Callable[[], float],
+          seed: int, on_step: Callable[[float], None] | None = None) -> DemoResult:
+    """The demo's training loop, whoever computes the gradient (the service, or ``DPStep`` in-process
+    for ``benchmarks/demo_k.py``).
+
+    Each epoch draws ``round(1 / q)`` Poisson batches (seeded by ``seed`` and the epoch), makes K
+    augmented copies of every sample, lets ``step`` fill ``p.grad`` and steps SGD (momentum 0.9,
+    the recipe's learning rate schedule); after each epoch it records the mean training loss,
+    ``epsilon()`` and the test accuracy.
+
+    Args:
+        model: the model, built after ``torch.manual_seed(seed)``.
+        recipe: augmentation, K and schedule.
+        data: :func:`load_digits`.
+        step: computes the DP gradient of a batch (:data:`GradientStep`).
+        epsilon: epsilon spent so far.
+        seed: seeds the batches and the augmentations.
+        on_step: called with each step's mean loss (a progress bar).
+    """
     start = time.monotonic()
-    steps_per_epoch = max(1, round(1 / sample_rate))
-    with GradientClient(target) as client:
-        session = client.create_session(_MODEL, model_kwargs=_MODEL_KWARGS, loss="cross_entropy",
-                                        expected_batch_size=batch_size, config=config,
-                                        sample_rate=sample_rate, delta=delta, seed=seed)
-        with session, tqdm(total=epochs * steps_per_epoch, disable=quiet, unit="step",
-                           desc="psg-demo") as progress:
-            for epoch in range(epochs):
-                sampler = PoissonBatchSampler(len(train_y), sample_rate, num_batches=steps_per_epoch,
-                                              generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-                loss, epsilon, steps = _train_epoch(session, model, optimizer, train_x, train_y, sampler,
-                                                    augmentation_multiplicity, generator, progress)
-                accuracy = _accuracy(model, test_x, test_y)
-                result.train_loss.append(loss)
-                result.epsilon.append(epsilon)
-                result.test_accuracy.append(accuracy)
-                result.steps += steps
-                progress.set_postfix(loss=f"{loss:.3f}", acc=f"{accuracy:.3f}", eps=f"{epsilon:.2f}")
+    K = recipe.augmentation_multiplicity
+    augmentation = AUGMENTATIONS[recipe.augmentation]
+    sample_rate = recipe.batch_size / len(data.train_labels)
+    per_epoch = steps_per_epoch(recipe, data)
+    optimizer = torch.optim.SGD(model.parameters(), lr=recipe.learning_rate, momentum=MOMENTUM)
+    decay = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=recipe.epochs * per_epoch)
+             if recipe.lr_schedule == "cosine" else None)
+    generator = torch.Generator().manual_seed(seed)
+    result = DemoResult(recipe=recipe)
+    for epoch in range(recipe.epochs):
+        sampler = PoissonBatchSampler(len(data.train_labels), sample_rate, num_batches=per_epoch,
+                                      generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        loss_sum, samples = 0.0, 0
+        for indices in sampler:
+            index = torch.as_tensor(indices, dtype=torch.int64)
+            inputs = augment(data.train_images[index], K, generator, augmentation=augmentation,
+                             background=BACKGROUND)  # (n*K, 1, 8, 8)
+            targets = data.train_labels[index].repeat_interleave(K)  # (n*K,)
+            optimizer.zero_grad(set_to_none=True)
+            batch_loss, batch_samples = step(inputs, targets)
+            optimizer.step()
+            if decay is not None:
+                decay.step()
+            loss_sum, samples = loss_sum + batch_loss, samples + batch_samples
+            result.steps += 1
+            if on_step is not None:
+                on_step(batch_loss / max(1, batch_samples))
+        result.train_loss.append(loss_sum / samples if samples else math.nan)
+        result.epsilon.append(epsilon())
+        result.test_accuracy.append(_accuracy(model, data.test_images, data.test_labels))
+    result.train_accuracy = _accuracy(model, data.train_images, data.train_labels)
     result.seconds = time.monotonic() - start
     return result
 
 
-def plot(result: DemoResult, path: Path, *, title: str) -> None:
-    """Writes accuracy and epsilon per epoch side by side as a PNG."""
+def run_demo(target: str, recipe: Recipe, *, target_epsilon: float, delta: float, backend: str, seed: int,
+             quiet: bool = False) -> DemoResult:
+    """Trains ``recipe`` through the service at ``target`` in a session whose sigma the server chooses
+    for ``target_epsilon`` at ``delta`` over the recipe's epochs; returns the per-epoch record."""
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    data = load_digits(seed)
+    model = cnn_groupnorm(**MODEL_KWARGS)  # the architecture the server builds as _MODEL
+    sample_rate = recipe.batch_size / len(data.train_labels)
+    config = DPConfig(mode=backend, augmentation_multiplicity=recipe.augmentation_multiplicity,
+                      max_grad_norm=recipe.max_grad_norm)
+    spent = [0.0]
+    with GradientClient(target) as client:
+        session = client.create_session(_MODEL, model_kwargs=MODEL_KWARGS, loss="cross_entropy",
+                                        expected_batch_size=recipe.batch_size, config=config,
+                                        sample_rate=sample_rate, delta=delta, target_epsilon=target_epsilon,
+                                        epochs=recipe.epochs, accountant=ACCOUNTANT, seed=seed)
+        sigma = session.noise_multiplier
+        if sigma is None:
+            raise RuntimeError(f"psg-demo: the server at {target} did not report the sigma it chose")
+        print(f"psg-demo: {recipe.label()}: the server chose sigma = {sigma:.3f} for epsilon "
+              f"{target_epsilon:g} at delta {delta:g} over {recipe.epochs} epochs of "
+              f"{steps_per_epoch(recipe, data)} steps (q = {sample_rate:.4f})", flush=True)
+
+        def step(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+            session.push_parameters(model)
+            reply = session.compute_gradients(inputs, targets)
+            reply.apply_to(model)
+            spent[0] = reply.epsilon_spent
+            return reply.mean_loss * reply.samples, reply.samples
+
+        total = recipe.epochs * steps_per_epoch(recipe, data)
+        with session, tqdm(total=total, disable=quiet, unit="step", desc=f"psg-demo {recipe.label()}") as bar:
+            def on_step(loss: float) -> None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", eps=f"{spent[0]:.2f}")
+
+            result = train(model, recipe, data, step=step, epsilon=lambda: spent[0], seed=seed, on_step=on_step)
+    result.noise_multiplier = sigma
+    return result
+
+
+def plot(results: Sequence[DemoResult], path: Path, *, target_epsilon: float, delta: float, title: str) -> None:
+    """Writes test accuracy, training loss and epsilon per epoch of every run side by side (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    epochs = list(range(1, len(result.test_accuracy) + 1))
-    figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    left.plot(epochs, result.test_accuracy, marker="o")
-    left.axhline(1 / _CLASSES, color="grey", linestyle="--", label="chance")
-    left.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1), title="accuracy")
-    left.legend()
-    right.plot(epochs, result.epsilon, marker="o", color="tab:red")
-    right.set(xlabel="epoch", ylabel="epsilon (delta = 1e-5)", title="privacy spent")
+    figure, (accuracy, loss, privacy) = plt.subplots(1, 3, figsize=(13, 3.8))
+    for result, colour in zip(results, ("tab:grey", "tab:orange", "tab:blue")):
+        epochs = list(range(1, len(result.test_accuracy) + 1))
+        label = f"{result.recipe.label()} (sigma {result.noise_multiplier:.2f})"
+        accuracy.plot(epochs, result.test_accuracy, marker="o", markersize=3, color=colour, label=label)
+        loss.plot(epochs, result.train_loss, marker="o", markersize=3, color=colour, label=label)
+        privacy.plot(epochs, result.epsilon, marker="o", markersize=3, color=colour, label=label)
+    accuracy.axhline(1 / _CLASSES, color="black", linestyle=":", linewidth=1, label="chance")
+    accuracy.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1), title="test accuracy")
+    loss.set(xlabel="epoch", ylabel="training loss (mean over samples)", ylim=(0, None), title="training loss")
+    privacy.axhline(target_epsilon, color="tab:red", linestyle="--", label=f"target epsilon {target_epsilon:g}")
+    privacy.set(xlabel="epoch", ylabel=f"epsilon (delta = {delta:g})", ylim=(0, target_epsilon * 1.15),
+                title="privacy spent")
+    for axes in (accuracy, loss, privacy):
+        axes.legend(fontsize="small")
+        axes.grid(alpha=0.3)
     figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,14 +417,18 @@ def plot(result: DemoResult, path: Path, *, title: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     # Every help ends with its default; argparse fills in %(default)s.
     # Raw description: argparse's wrapping would break "psg-server" at its hyphen.
+    default = Recipe()
     parser = argparse.ArgumentParser(
         prog="psg-demo", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="DP-SGD training through the psg gradient service, end to end.\n\n"
-                    "Starts psg-server with an embedded Ray pool (or uses --target), trains a small\n"
-                    "CNN on scikit-learn's digits with Poisson sampling, K augmented copies per\n"
-                    "sample, per-sample clipping and Gaussian noise, then prints the test accuracy\n"
-                    "and epsilon and writes a plot.",
-        epilog="example: psg-demo --epochs 10 --augmentations 2 --noise 1.1 --backend hooks")
+        description="DP-SGD training through the psg gradient service, end to end, at a target epsilon.\n\n"
+                    "Starts psg-server with an embedded Ray pool (or uses --target) and trains a small\n"
+                    "CNN on scikit-learn's digits. The server chooses sigma for the target epsilon;\n"
+                    "each step does Poisson sampling, per-sample clipping and Gaussian noise. Prints\n"
+                    "sigma, test accuracy and epsilon, and writes a plot. The defaults are the best\n"
+                    "recipe measured on this data (K = 1, no augmentation). With -K above 1 or an\n"
+                    "augmentation it also trains K = 1 without and with the augmentation, same seed\n"
+                    "and epsilon, and plots the runs side by side.",
+        epilog="example (K = 4 against K = 1): psg-demo --epochs 20 --epsilon 4 --augmentation affine -K 4")
     add = parser.add_argument
     add("--target", metavar="HOST:PORT",
         help="use a running server instead of starting one (default: start one)")
@@ -244,22 +436,32 @@ def _parser() -> argparse.ArgumentParser:
         help="Ray workers of the started server (default: %(default)s)")
     add("--backend", default="hooks", choices=["hooks", "functorch", "ew", "ghost"],
         help="per-sample gradient backend (default: %(default)s)")
-    add("--augmentations", "-K", type=int, default=2, metavar="K",
+    add("--epsilon", type=float, default=DEMO_EPSILON, metavar="EPS",
+        help="target epsilon of each run; the server chooses sigma to spend it (default: %(default)s)")
+    add("--delta", type=float, default=1e-5, help="delta of the target epsilon (default: %(default)s)")
+    add("--augmentations", "-K", type=int, default=default.augmentation_multiplicity, metavar="K",
         help="augmented copies per sample (default: %(default)s)")
-    add("--epochs", type=int, default=10, metavar="N", help="training epochs (default: %(default)s)")
-    add("--noise", type=float, default=1.1, metavar="SIGMA",
-        help="noise multiplier sigma (default: %(default)s)")
-    add("--max-grad-norm", type=float, default=1.0, metavar="C",
+    add("--augmentation", default=default.augmentation, choices=sorted(AUGMENTATIONS),
+        help="how each copy is transformed (default: %(default)s)")
+    add("--baseline", action=argparse.BooleanOptionalAction, default=True,
+        help="with K > 1 or an augmentation, first train K = 1 without augmentation and K = 1 with "
+             "it, same seed and epsilon (default: %(default)s)")
+    add("--epochs", type=int, default=default.epochs, metavar="N",
+        help="training epochs of each run (default: %(default)s)")
+    add("--batch-size", type=int, default=default.batch_size, metavar="N",
+        help="expected (Poisson) batch size, in samples (default: %(default)s)")
+    add("--lr", type=float, default=default.learning_rate,
+        help="SGD learning rate, momentum 0.9 (default: %(default)s)")
+    add("--lr-schedule", default=default.lr_schedule, choices=["cosine", "constant"],
+        help="learning rate over the run (default: %(default)s)")
+    add("--max-grad-norm", type=float, default=default.max_grad_norm, metavar="C",
         help="per-sample clipping bound C (default: %(default)s)")
-    add("--batch-size", type=int, default=128, metavar="N",
-        help="expected (Poisson) batch size (default: %(default)s)")
-    add("--lr", type=float, default=0.5, help="SGD learning rate, momentum 0.9 (default: %(default)s)")
-    add("--delta", type=float, default=1e-5, help="delta of the reported epsilon (default: %(default)s)")
-    add("--seed", type=int, default=0, help="seed of the data split, sampling and noise (default: %(default)s)")
+    add("--seed", type=int, default=0,
+        help="seed of the data split, initial weights, sampling, augmentations and noise (default: %(default)s)")
     add("--plot", type=Path, default=Path("psg-demo.png"), metavar="PATH",
         help="where the PNG plot goes (default: %(default)s)")
     add("--min-accuracy", type=float, default=0.5, metavar="FRACTION",
-        help="exit non-zero when the final test accuracy is below this (default: %(default)s)")
+        help="exit non-zero when a run's final test accuracy is below this (default: %(default)s)")
     add("--server-timeout", type=float, default=120.0, metavar="SECONDS",
         help="how long the started server may take to report SERVING (default: %(default)s)")
     add("--quiet", action="store_true", help="no progress bar (default: show it)")
@@ -270,26 +472,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``psg-demo``; returns the exit status."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    schedule = {"epochs": args.epochs, "learning_rate": args.lr, "batch_size": args.batch_size,
+                "lr_schedule": args.lr_schedule, "max_grad_norm": args.max_grad_norm}
+    recipe = Recipe(args.augmentation, args.augmentations, **schedule)
+    recipes = recipe.with_baselines() if args.baseline else [recipe]
+    results: list[DemoResult] = []
     try:
         with contextlib.ExitStack() as stack:
             target = args.target or stack.enter_context(local_server(args.workers, args.server_timeout))
-            result = run_demo(target, epochs=args.epochs, augmentation_multiplicity=args.augmentations,
-                              noise_multiplier=args.noise, max_grad_norm=args.max_grad_norm,
-                              batch_size=args.batch_size, learning_rate=args.lr, backend=args.backend,
-                              delta=args.delta, seed=args.seed, quiet=args.quiet)
-        plot(result, args.plot, title=f"psg demo: digits, K={args.augmentations}, sigma={args.noise}, "
-                                      f"C={args.max_grad_norm}, {args.backend}")
+            for recipe in recipes:
+                results.append(run_demo(target, recipe, target_epsilon=args.epsilon, delta=args.delta,
+                                        backend=args.backend, seed=args.seed, quiet=args.quiet))
+        plot(results, args.plot, target_epsilon=args.epsilon, delta=args.delta,
+             title=f"psg demo: digits at epsilon {args.epsilon:g}, {args.epochs} epochs, batch {args.batch_size}, "
+                   f"C = {args.max_grad_norm}, {args.backend}, seed {args.seed}")
     except Exception:  # noqa: BLE001 - the demo's contract is a non-zero exit on any failure
         logger.exception("psg-demo: failed")
         return 1
-    accuracy, epsilon = result.test_accuracy[-1], result.epsilon[-1]
-    print(f"psg-demo: {result.steps} DP steps in {result.seconds:.1f} s; test accuracy {accuracy:.3f}, "
-          f"epsilon {epsilon:.2f} at delta {args.delta:g}; plot written to {args.plot}")
-    if not accuracy >= args.min_accuracy:
-        print(f"psg-demo: test accuracy {accuracy:.3f} is below --min-accuracy {args.min_accuracy}",
-              file=sys.stderr)
-        return 1
-    return 0
+    status = 0
+    for result in results:
+        accuracy = result.test_accuracy[-1]
+        print(f"psg-demo: {result.recipe.label()}: {result.steps} DP steps in {result.seconds:.1f} s at sigma "
+              f"{result.noise_multiplier:.3f}; test accuracy {accuracy:.3f}, epsilon {result.epsilon[-1]:.2f} "
+              f"at delta {args.delta:g}")
+        if not accuracy >= args.min_accuracy:
+            print(f"psg-demo: {result.recipe.label()}: test accuracy {accuracy:.3f} is below --min-accuracy "
+                  f"{args.min_accuracy}", file=sys.stderr)
+            status = 1
+    print(f"psg-demo: plot written to {args.plot}")
+    return status
 
 
 if __name__ == "__main__":
