@@ -84,11 +84,12 @@ def _batch_check(session: Session, max_rows: int) -> HeaderCheck:
         if key is None or signature is None:
             return
         model = session.spec.model
+        named = ", ".join(input_name(k) for k in signature.keyword_inputs)
         if isinstance(key, int) and key >= len(signature.inputs):
+            hint = f"; it takes keyword inputs {named}" if named and not signature.inputs else ""
             raise InvalidRequestError(f"ComputeGradients: model {model!r} takes {len(signature.inputs)} "
-                                      f"input(s); got {name!r}")
+                                      f"input(s), got {name!r}{hint}")
         if isinstance(key, str) and key not in signature.keyword_inputs:
-            named = ", ".join(input_name(k) for k in signature.keyword_inputs)
             raise InvalidRequestError(f"ComputeGradients: model {model!r} has no keyword input(s) {[name]}; "
                                       f"it takes {named or 'positional inputs only'}")
         if len(shape) > batch_dim:  # a tensor without the batch dimension is validate_batch's to refuse

@@ -194,7 +194,7 @@ def test_an_input_that_cannot_fit_is_refused_at_its_header(server: BackgroundSer
                 list(stub.ComputeGradients(_then_wait([first, pb.ComputeGradientsRequest(tensor=header)]),
                                            timeout=30))
             assert err.value.code() == Code.INVALID_ARGUMENT
-            assert ("must be floating point" if name == "inputs/0" else "takes 1 input(s)") in err.value.details()
+            assert ("must be floating point" if name == "inputs/0" else "takes 1 input(s), got 'inputs/1'") in err.value.details()
 
 
 def _then_wait(messages: list[Any]) -> Iterator[Any]:
