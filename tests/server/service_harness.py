@@ -30,6 +30,8 @@ FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0
 def serve(**overrides: Any) -> Iterator[BackgroundServer]:
     """A server on an ephemeral loopback port with ``ServerConfig(**overrides)``."""
     create_kwargs = {k: overrides.pop(k) for k in ("executor", "registry") if k in overrides}
+    # The tests compare with references computed on the CPU; the CUDA cases ask for device="cuda".
+    overrides.setdefault("device", "cpu")
     config = ServerConfig(port=overrides.pop("port", 0), **overrides)
     with BackgroundServer(config, **create_kwargs) as server:
         yield server
