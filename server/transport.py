@@ -32,7 +32,8 @@ import ray
 import torch
 from ray import exceptions as ray_errors
 
-from psg_server.executor import ParameterSet, Shard
+from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardTimings
+from psg_wire.flat import FlatLayout
 
 __all__ = ["INLINE_BYTES", "ParameterArgs", "ParameterRefs", "TensorPayload", "as_future", "cancel", "pack_call",
            "pin_unpacked_tensors", "put", "shard_argument", "unpack"]
@@ -231,6 +232,11 @@ def _packable(tensor: torch.Tensor) -> bool:
             and not tensor.requires_grad and not tensor.is_quantized)
 
 
+#: Dataclasses that never hold tensors: pickled as they are (the standard pickler restores them
+#: without calling __init__), not field by field through _PackedDataclass.
+_TENSOR_FREE: tuple[type, ...] = (SessionSpec, ShardTimings, FlatLayout)
+
+
 def _pack(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return _PackedTensor(value) if _packable(value) else value
@@ -238,6 +244,8 @@ def _pack(value: Any) -> Any:
         return type(value)(_pack(item) for item in value)
     if type(value) is dict:
         return {key: _pack(item) for key, item in value.items()}
+    if isinstance(value, _TENSOR_FREE):
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = dataclasses.fields(value)
         if all(f.init for f in fields):
