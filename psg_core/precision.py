@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 import torch
 
-__all__ = ["no_autocast", "compute_dtype", "to_compute", "autocast_active", "fp16_autocast",
+__all__ = ["no_autocast", "compute_dtype", "layer_dtype", "to_compute", "autocast_active", "fp16_autocast",
            "with_loss_scale", "INITIAL_LOSS_SCALE"]
 
 #: The first loss scale tried under fp16 autocast (halved by 16x until the result is finite).
@@ -63,6 +63,12 @@ def compute_dtype(params: Iterable[torch.Tensor]) -> torch.dtype:
     """
     floating = [p.dtype for p in params if p.is_floating_point()]
     return functools.reduce(torch.promote_types, floating) if floating else torch.float32
+
+
+def layer_dtype(layer: torch.nn.Module) -> torch.dtype:
+    """:func:`compute_dtype` of a layer's own parameters (read from ``_parameters`` directly: this
+    runs once per layer call in the backward pass)."""
+    return compute_dtype(p for p in layer._parameters.values() if p is not None)
 
 
 def to_compute(value: Any, dtype: torch.dtype) -> Any:

@@ -228,6 +228,12 @@ def _batch_axis_after_view(shape_in: Sequence[int], bd: int, merged: int, shape_
     return UNKNOWN, 1
 
 
+def _own_params(layer: nn.Module) -> frozenset[int]:
+    """ids of the layer's own trainable parameters (its ``_parameters``: cheaper than
+    ``parameters(recurse=False)``, which walks the module tree machinery)."""
+    return frozenset(id(p) for p in layer._parameters.values() if p is not None and p.requires_grad)
+
+
 def _only_mask(args: tuple[Any, ...], kwargs: dict[str, Any], sources: dict[int, Any]) -> bool:
     """Whether the only batch-free operands of an attention call are its mask."""
     mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -342,15 +348,20 @@ class BatchTracker(TorchFunctionMode):
 
     # ------------------------------------------------------------------------------ module stack
     def _push(self, layer: nn.Module, label: str) -> Callable[..., None]:
+        with _NO_SUBCLASS():  # once per tracker and layer, not per call (a recurrent cell runs T times)
+            own_params = _own_params(layer)
+
         def hook(_layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.push_frame(layer, label, args, kwargs)
+            self.push_frame(layer, label, args, kwargs, own_params)
         return hook
 
-    def push_frame(self, layer: nn.Module, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def push_frame(self, layer: nn.Module, label: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   own_params: frozenset[int] | None = None) -> None:
         """Enters ``layer``'s forward (done by hooks; by hand for a call already under way when
         the tracker started)."""
-        with _NO_SUBCLASS():
-            own_params = frozenset(id(p) for p in layer.parameters(recurse=False) if p.requires_grad)
+        if own_params is None:
+            with _NO_SUBCLASS():
+                own_params = _own_params(layer)
         state_axis = getattr(type(layer), STATE_BATCH_AXIS, None)
         if state_axis is not None and args and self.is_batched(args[0]):
             state = args[1] if len(args) > 1 else kwargs.get("hx")

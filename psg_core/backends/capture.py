@@ -24,7 +24,7 @@ from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import UnsupportedModuleError
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
-from psg_core.precision import compute_dtype, no_autocast, to_compute
+from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import active_tracker
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call"]
@@ -139,7 +139,7 @@ def call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int,
     """
     # Autocast leaves half-precision gradients (and maybe activations) beside fp32 parameters:
     # the per-sample arithmetic runs in the parameters' precision (psg_core.precision).
-    dtype = compute_dtype(call.layer.parameters(recurse=False))
+    dtype = layer_dtype(call.layer)
     grads = [to_compute(call.unmerge(g), dtype) for g in grads]
     if any(to_compute(a, dtype) is not a for a in call.args):
         call = dataclasses.replace(call, args=tuple(to_compute(a, dtype) for a in call.args))

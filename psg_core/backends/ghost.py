@@ -11,7 +11,9 @@ layer's activations ``a`` and output gradients ``g`` into per-sample squared nor
   instead of the ``(d_out, d_in)`` gradient ("ghost norm", Li et al. 2022); an embedding has
   ``[token_s == token_t]`` for ``a_s . a_t``;
 * per layer, whichever is cheaper (the family's cost rule): the Gram pair (``2 * G * T^2``
-  numbers) or the materialised per-sample gradient (``weight.numel()`` numbers per sample);
+  numbers) or the materialised per-sample gradient (``weight.numel()`` numbers per sample); a
+  family may decide with a single call's tensors in hand instead (the convolutions time the two,
+  see :mod:`psg_core.grad_sample.conv_strategy`);
 * every other layer (norms, attention biases, custom modules) materialises its small per-sample
   gradient through its registered grad sampler, or the per-layer ``torch.func`` fallback.
 
@@ -57,7 +59,7 @@ from psg_core.grad_sample.ghost_norm import GHOST_NORMS, GhostFactors, GhostNorm
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
-from psg_core.precision import compute_dtype, no_autocast, to_compute, with_loss_scale
+from psg_core.precision import layer_dtype, no_autocast, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
 from psg_core.support import reject_batch_mixing, reject_frequency_scaling, reject_fused
 
@@ -163,6 +165,10 @@ class _GhostBookkeeping:
 
     # ---------------------------------------------------------------------------- forward
     def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        with torch._C.DisableTorchFunction():  # the hook's own reads need no tracking (see hooks.py)
+            self._capture_call(layer, args, kwargs, output)
+
+    def _capture_call(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self._suspended or not torch.is_grad_enabled():
             return
         capture = capture_call(layer, args, kwargs, output, self.batch_dim)
@@ -225,7 +231,7 @@ class _GhostBookkeeping:
         """A ghost call's batch-first ``(N*K, ...)`` input and output gradient, in the parameters'
         precision (autocast leaves half-precision gradients: see psg_core.precision)."""
         bd = call.captured.batch_dim
-        dtype = compute_dtype(call.layer.parameters(recurse=False))
+        dtype = layer_dtype(call.layer)
         a = to_compute(call.captured.args[0].movedim(bd, 0), dtype)  # (N*K, ...)
         g = to_compute(cast(torch.Tensor, call.captured.unmerge(grad)).movedim(bd, 0), dtype)  # (N*K, ...)
         return a, g

@@ -21,7 +21,7 @@ from psg_core.grad_sample.registry import GRAD_SAMPLERS
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import LossReduction
-from psg_core.precision import compute_dtype, no_autocast, to_compute
+from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import BatchTracker, MeetingPoint
 from psg_core.support import FUSED, SAMPLE_MIXING, frequency_scaled
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+    return [p for p in module._parameters.values() if p is not None and p.requires_grad]
 
 
 class GradSampleModule(AbstractGradSampleModule):
@@ -262,6 +262,13 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
+        # The hook's own tensor reads (requires_grad, shapes, detach) need no tracking: without
+        # torch function dispatch they cost nanoseconds, not microseconds, per read.
+        with torch._C.DisableTorchFunction():
+            self._capture_call(layer, args, kwargs, output)
+
+    def _capture_call(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      output: Any) -> None:
         if not self._hooks_enabled or self._capture_suspended or not torch.is_grad_enabled():
             return
         if not _own_trainable(layer):
@@ -311,7 +318,7 @@ class GradSampleModule(AbstractGradSampleModule):
             grad_sample_size = n_samples * sum(p.numel() for p in _own_trainable(call.layer))
             if backprop_size <= grad_sample_size:
                 # In the parameters' precision first: half-precision backprops times N may overflow.
-                dtype = compute_dtype(call.layer.parameters(recurse=False))
+                dtype = layer_dtype(call.layer)
                 backprops = [to_compute(b, dtype) * scale if b is not None else None for b in backprops]
                 scale = 1.0
         grad_samples = call_grad_samples(call, backprops, self.augmentation_multiplicity,
