@@ -451,8 +451,6 @@ def _conv_weight_grad(layer: _ConvLayer | _ConvTransposeLayer, source: torch.Ten
 
 
 # ------------------------------------------------------------------------------ strategy choice
-
-
 class _Sizes(NamedTuple):
     """The sizes the strategies' costs depend on (elements, per call)."""
 

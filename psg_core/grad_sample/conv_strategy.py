@@ -99,7 +99,8 @@ def _parse(strategy: ConvStrategy | str, *, where: str) -> ConvStrategy:
 
 
 def set_conv_strategy(strategy: ConvStrategy | str | None) -> None:
-    """Sets how convolutions compute per-sample gradients and ghost norms, for the process.
+    """Sets how convolutions compute per-sample gradients and ghost norms, for the process (every
+    thread: the setting is process-wide, like ``torch.backends.cudnn.benchmark``).
 
     Args:
         strategy: ``"auto"`` (measure once per shape, cache), ``"rule"`` (fixed rule),
@@ -262,7 +263,7 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     64, K 1 and 4): the grouped kernel wins by 1.2-4x wherever its per-group weight ``O * I``
     is modest next to the positions it sums over; unfold + bmm wins by up to 8x on wide layers
     with few positions (``O * I >= 1024 * T``: 128 channels at 8x8, 256 at 4x4; around
-    ``512 * T`` the two are even) and by 1.1-1.7x on a first layer with few input channels
+    ``512 * T`` the two are even) and by up to 1.7x on a first layer with few input channels
     (``I <= 32``), where the grouped kernel's tiny channel groups are slow. The rule picks the
     faster one on 157 of the 171 shapes, loses at most 1.55x on the others and 1.3% on average
     (geometric mean). Grouped and depthwise convolutions keep the grouped kernel. CUDA (used only
