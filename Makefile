@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 # pull several GB of CUDA wheels.
 TORCH := torch==2.13.0
 
-.PHONY: test test-fast demo bench venv clean
+.PHONY: test test-fast demo bench venv clean deploy-check
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,13 @@ demo: $(VENV)/.demo
 
 bench: $(VENV)/.bench
 	$(PY) -m benchmarks.run
+
+# deploy/ for real: builds the CPU image, runs the CPU compose stack (docker compose v2, or podman +
+# podman-compose) through DP steps, a scale-up, a stopped and a killed worker and a frontend
+# restart, and tears it down (deploy/deploy_check.py). Not part of `make test`: CI has no container
+# engine. Extra options: make deploy-check DEPLOY_CHECK_ARGS="--build-arg NAME=VALUE --keep ..."
+deploy-check: $(VENV)/.dev
+	$(PY) deploy/deploy_check.py $(DEPLOY_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

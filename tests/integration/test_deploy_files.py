@@ -12,6 +12,10 @@
 * k8s manifests parse and agree with the compose file on image, ports and commands.
 * make-secrets.sh writes what compose mounts, TLS files a psg-server serves with included; the
   README tells a trainer how to get its token and the client, and lists the tools it uses.
+* What running the stack for real found (issue 22), checked without it: Ray's object store fits
+  each container's /dev/shm (the entry point sizes it; KubeRay's flags), stops outlast Ray's drain,
+  the images' torch pin is met from PyPI and is the version tested (the Makefile's), and
+  ``make deploy-check`` (deploy/deploy_check.py, which runs the stack) stays out of ``make test``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +49,7 @@ from tests.integration.compose_model import (COMPOSE, COMPOSE_CPU, COMPOSE_TLS, 
 SCHEMA = REPO / "tests" / "data" / "compose-spec.json"
 CONSTRAINTS = DEPLOY / "docker" / "constraints.txt"
 K8S = DEPLOY / "k8s"
+COMPOSE_CORES = DEPLOY / "docker-compose.cores.yml"
 HEAD, GPU_WORKER, CPU_WORKER, FRONTEND = "ray-head", "gpu-worker", "cpu-worker", "frontend"
 RAY_TOKEN_PATH = "/run/secrets/ray_auth_token"
 
@@ -79,6 +85,17 @@ def test_compose_files_validate_against_the_compose_spec(schema_validator: jsons
     assert _errors(schema_validator, load_compose(*paths)) == []
     overridden = load_compose(*paths, environ={"PSG_GPUS_PER_WORKER": "2", "PSG_PORT": "443"})
     assert _errors(schema_validator, overridden) == []
+
+
+def test_the_cores_override_limits_each_cpu_worker_replica(schema_validator: jsonschema.Draft202012Validator) -> None:
+    # Without a limit every replica advertises every core of the host to Ray (issue 22, item 6).
+    assert _errors(schema_validator, load_yaml(COMPOSE_CORES)) == []
+    merged = load_compose(COMPOSE, COMPOSE_CPU, COMPOSE_CORES, environ={"PSG_WORKER_CPUS": "4"})
+    assert _errors(schema_validator, merged) == []
+    assert merged["services"][CPU_WORKER]["cpus"] == "4"
+    assert set(load_yaml(COMPOSE_CORES)["services"]) == {CPU_WORKER}
+    with pytest.raises(ValueError, match="PSG_WORKER_CPUS is required"):
+        load_compose(COMPOSE, COMPOSE_CPU, COMPOSE_CORES, environ={})
 
 
 def test_the_schema_catches_mistakes(schema_validator: jsonschema.Draft202012Validator,
@@ -400,20 +417,35 @@ def test_dockerfile_holds_no_secrets(dockerfile: Path) -> None:
             assert "secrets" not in item.arguments and ".pem" not in item.arguments and ".key" not in item.arguments
 
 
+def _tested_torch() -> str:
+    """The torch version everything is tested on: the Makefile's pin."""
+    match = re.search(r"^TORCH := torch==(\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert match, "the Makefile pins no torch"
+    return match.group(1)
+
+
 def test_images_agree_on_python_torch_and_ray() -> None:
     gpu, cpu = parse_dockerfile(DOCKERFILE), parse_dockerfile(DOCKERFILE_CPU)
     gpu_base = next(i for i in gpu if i.keyword == "FROM").arguments
     cpu_base = next(i for i in cpu if i.keyword == "FROM").arguments
-    torch_version = re.search(r":(\d+\.\d+\.\d+)-cuda", gpu_base)
-    assert torch_version is not None, gpu_base
-    assert _args(cpu)["TORCH_VERSION"] == torch_version.group(1)
+    # One base: one Python patch release in both images (Ray refuses a node whose Python differs).
+    assert gpu_base == cpu_base
     python = _args(gpu)["PYTHON_VERSION"]
     assert _args(cpu)["PYTHON_VERSION"] == python and re.search(rf":{re.escape(python)}\.\d+-slim", cpu_base)
     assert _args(gpu)["PSG_UID"] == _args(cpu)["PSG_UID"] == "1000"
+    # The torch everything is tested on, in both; the GPU one from PyPI (its Linux wheels are the
+    # CUDA builds), the CPU one from PyTorch's CPU index.
+    torch_version = _tested_torch()
+    assert _args(gpu)["TORCH_VERSION"] == _args(cpu)["TORCH_VERSION"] == torch_version
+    assert _args(gpu)["TORCH_INDEX_URL"] == "https://pypi.org/simple"
+    assert _args(cpu)["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    for instructions in (gpu, cpu):
+        runs = [i.arguments for i in instructions if i.keyword == "RUN"]
+        assert any('--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in run for run in runs)
     # Torch and Python within what the package supports.
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
-    assert requirements["torch"].specifier.contains(torch_version.group(1))
+    assert requirements["torch"].specifier.contains(torch_version)
     assert Requirement(f"python{project['requires-python']}").specifier.contains(f"{python}.0")
     # The exact Ray pin satisfies the package's range, and KubeRay is told the same version.
     pins = [Requirement(line) for line in CONSTRAINTS.read_text().splitlines() if line and not line.startswith("#")]
@@ -424,6 +456,160 @@ def test_images_agree_on_python_torch_and_ray() -> None:
     assert ray_requirement.specifier.contains(pinned)
     (cluster,) = [d for d in _k8s_documents() if d["kind"] == "RayCluster"]
     assert cluster["spec"]["rayVersion"] == pinned
+
+
+@pytest.mark.parametrize("installed", ["2.13.0+cu128", "2.13.0+cpu", "2.13.0"])
+def test_the_torch_constraint_is_met_from_pypi(tmp_path: Path, installed: str) -> None:
+    # The images pin the torch they installed before installing psg. With the local label
+    # ("torch==2.9.0+cu128") pip could meet the pin only from PyTorch's own index, and failed with
+    # ResolutionImpossible whenever it looked for torch again (issue 22, defect 5).
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(f"__version__ = {installed!r}\n")
+    script = DEPLOY / "docker" / "torch_constraint.py"
+    result = subprocess.run([sys.executable, str(script)], env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                            capture_output=True, text=True, timeout=60, check=True)
+    (constraint,) = [Requirement(line) for line in result.stdout.splitlines()]
+    public = installed.split("+")[0]
+    assert str(constraint) == f"torch=={public}"
+    assert constraint.specifier.contains(public)  # what PyPI publishes
+    assert constraint.specifier.contains(installed)  # the build already installed: pip keeps it
+    for dockerfile in (DOCKERFILE, DOCKERFILE_CPU):
+        runs = " ".join(i.arguments for i in parse_dockerfile(dockerfile) if i.keyword == "RUN")
+        assert "python deploy/docker/torch_constraint.py > /tmp/torch-pin.txt" in runs
+        assert "--constraint /tmp/torch-pin.txt" in runs and "torch.__version__)" not in runs
+
+
+def _entrypoint_run(tmp_path: Path, command: list[str], *, shm_bytes: int, memory_bytes: int,
+                    cgroup_limit: str = "max", environment: dict[str, str] | None = None) -> tuple[list[list[str]], str]:
+    """Runs the images' entry point with ``ray`` and ``df`` stubbed, a /dev/shm of ``shm_bytes``
+    and ``memory_bytes`` of memory; returns the `ray` command lines it ran and its stderr."""
+    bin_dir, proc, cgroup, calls = tmp_path / "bin", tmp_path / "proc", tmp_path / "cgroup", tmp_path / "calls"
+    for folder in (bin_dir, proc, cgroup):
+        folder.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "ray").write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{calls}"\n')
+    (bin_dir / "df").write_text("#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+                                f"echo 'shm {shm_bytes // 1024} 0 {shm_bytes // 1024} 0% /dev/shm'\n")
+    if command[0] != "ray":  # the container's own command (psg-server): does nothing here
+        (bin_dir / command[0]).write_text("#!/bin/sh\nexit 0\n")
+    for stub in {"ray", "df", command[0]}:
+        (bin_dir / stub).chmod(0o755)
+    (proc / "meminfo").write_text(f"MemTotal:       {memory_bytes // 1024} kB\nMemFree: 1 kB\n")
+    (cgroup / "memory.max").write_text(cgroup_limit + "\n")
+    calls.unlink(missing_ok=True)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PSG_ENTRYPOINT_PROC": str(proc), "PSG_ENTRYPOINT_CGROUP": str(cgroup),
+           **(environment or {})}
+    result = subprocess.run(["sh", str(DEPLOY / "docker" / "entrypoint.sh"), *command], env=env, capture_output=True,
+                            text=True, timeout=60, check=True)
+    ran = [line.split() for line in calls.read_text().splitlines()] if calls.exists() else []
+    return ran, result.stderr
+
+
+def _object_store(ray_args: list[str]) -> int | None:
+    value = flag_value(ray_args, "--object-store-memory")
+    return None if value is None else int(value)
+
+
+@pytest.mark.parametrize("topology", ["gpu", "cpu"])
+def test_ray_s_object_store_fits_every_container_s_dev_shm(tmp_path: Path, topology: str,
+                                                           gpu_model: dict[str, Any],
+                                                           cpu_model: dict[str, Any]) -> None:
+    # On a host with more than ~13 GB, Ray's default store (30% of the memory) exceeded the
+    # containers' shm_size, and Ray put it on disk ("This will harm performance!", issue 22).
+    model = gpu_model if topology == "gpu" else cpu_model
+    memory = 64 << 30
+    for name, service in active_services(model).items():
+        shm = _bytes(service["shm_size"])
+        environment = environment_of(service)
+        ran, stderr = _entrypoint_run(tmp_path / name, command_of(service), shm_bytes=shm, memory_bytes=memory,
+                                      environment={k: v for k, v in environment.items() if k.startswith("PSG_")})
+        ray_nodes = [args for args in ran if args[:1] == ["start"]]
+        assert ray_nodes, f"{name} starts no Ray node"
+        for args in ray_nodes:
+            size = _object_store(args)
+            assert size is not None and 100 << 20 <= size <= 0.9 * shm, (name, size, shm)
+            assert size <= 0.3 * memory
+        assert "Ray's object store:" in stderr
+    # The container's memory limit counts when lower than the host's; flags that size the store
+    # win; a /dev/shm too small for any store leaves Ray's default (and says so).
+    ran, _ = _entrypoint_run(tmp_path / "limited", ["ray", "start", "--head"], shm_bytes=16 << 30,
+                             memory_bytes=memory, cgroup_limit=str(4 << 30))
+    assert _object_store(ran[0]) == int(0.3 * (4 << 30))
+    ran, _ = _entrypoint_run(tmp_path / "given", ["ray", "start", "--object-store-memory=123456789"],
+                             shm_bytes=16 << 30, memory_bytes=memory)
+    assert ran == [["start", "--object-store-memory=123456789"]]
+    ran, stderr = _entrypoint_run(tmp_path / "tiny", ["ray", "start"], shm_bytes=64 << 20, memory_bytes=memory)
+    assert ran == [["start"]] and "will be on disk" in stderr
+    ran, _ = _entrypoint_run(tmp_path / "joined", ["psg-server"], shm_bytes=4 << 30, memory_bytes=memory,
+                             environment={"PSG_RAY_JOIN": "h:1", "PSG_RAY_JOIN_ARGS": "--object-store-memory=99"})
+    assert ran == [["start", "--address=h:1", "--num-cpus=0", "--num-gpus=0", "--disable-usage-stats",
+                    "--object-store-memory=99"]]
+
+
+def test_kuberay_object_stores_fit_their_dev_shm() -> None:
+    (cluster,) = [d for d in _k8s_documents() if d["kind"] == "RayCluster"]
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    for group in groups:  # KubeRay runs `ray start` itself: the image's entry point does not size these
+        pod = group["template"]["spec"]
+        (shm,) = [v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if v["name"] == "dshm"]
+        (container,) = pod["containers"]
+        memory = container["resources"]["limits"]["memory"]
+        size = int(group["rayStartParams"]["object-store-memory"])
+        assert size <= 0.9 * _quantity(shm) and size <= 0.3 * _quantity(memory) + 1, (size, shm, memory)
+
+
+def _quantity(text: str) -> int:
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", text)
+    assert match, text
+    return int(match.group(1)) << {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[match.group(2)]
+
+
+def _seconds(text: str | int) -> float:
+    match = re.fullmatch(r"(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", str(text))
+    assert match and any(match.groups()), text
+    return int(match.group(1) or 0) * 60 + float(match.group(2) or 0)
+
+
+def test_stops_outlast_ray_s_drain(gpu_model: dict[str, Any], cpu_model: dict[str, Any]) -> None:
+    # `ray start --block` drains its node for up to this long on SIGTERM; compose's default 10 s
+    # (and Kubernetes' 30 s) killed workers mid-drain on stop, down and scale-down (issue 22).
+    from ray._private.ray_constants import RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S as drain_s
+
+    for model in (gpu_model, cpu_model):
+        for name, service in active_services(model).items():
+            assert "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S" not in environment_of(service)
+            assert _seconds(service["stop_grace_period"]) >= drain_s + 10, name
+    for document in _k8s_documents():
+        for name, pod in _pod_specs(document):
+            assert pod["terminationGracePeriodSeconds"] >= drain_s + 10, name
+
+
+def test_make_deploy_check_runs_the_stack_outside_make_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            schema_validator: jsonschema.Draft202012Validator) -> None:
+    makefile = (REPO / "Makefile").read_text()
+    target = re.search(r"^deploy-check:.*\n\t(.+)$", makefile, re.M)
+    assert target and "deploy/deploy_check.py" in target.group(1)
+    test_recipe = re.search(r"^test:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert test_recipe and "deploy" not in test_recipe.group(0)
+    sys.path.insert(0, str(DEPLOY))
+    try:
+        import deploy_check
+    finally:
+        sys.path.remove(str(DEPLOY))
+    # The compose files it runs, with the override it writes (its own secrets, a CPU limit per
+    # worker replica), validate as one model.
+    override, token = deploy_check.write_project(tmp_path)
+    assert len(token) >= 16 and (tmp_path / "secrets" / "psg_tokens.txt").read_text().split()[1] == token
+    assert deploy_check.COMPOSE_FILES == (COMPOSE, COMPOSE_CPU, COMPOSE_CORES)
+    merged = load_compose(*deploy_check.COMPOSE_FILES, override, environ={"PSG_WORKER_CPUS": "1"})
+    assert _errors(schema_validator, merged) == []
+    assert merged["services"][CPU_WORKER]["cpus"] == "1"
+    assert {Path(s["file"]).parent for s in merged["secrets"].values()} == {tmp_path / "secrets"}
+    assert deploy_check.stop_grace_period_s(CPU_WORKER) == _seconds(merged["services"][CPU_WORKER]["stop_grace_period"])
+    # Without an engine it says so, and names what it looked for.
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(deploy_check.CheckFailed, match="no container engine.*docker: not installed.*podman: not"):
+        deploy_check.find_engine("auto", tmp_path)
 
 
 def test_entrypoint_script() -> None:
