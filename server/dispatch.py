@@ -129,7 +129,7 @@ class ShardDispatcher:
                         arguments = await self._parameters.arguments(spec.session_id, parameters)
                         shard_args[index] = None  # put again when it is sent again
                     elif isinstance(error, _WORKER_LOST):
-                        self._supervisor.evict(actor, f"shard {index} failed: {type(error).__name__}")
+                        self._supervisor.evict(actor, f"shard {index} failed: {type(error).__name__}", cause=error)
                         # Put again too: the object directory may still list the lost node's copy
                         # of the shard, and the next actor would try to pull it from there first
                         # (tens of seconds) before falling back to the frontend's.

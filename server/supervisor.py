@@ -9,8 +9,10 @@ that left for a while). Workers that join a running cluster get actors, and work
 take theirs along, without a restart of the frontend.
 
 Each actor is placed on a node chosen here (hard node affinity): the live node with the most room
-for another actor, never one that drains, and after an actor was lost on a node, another node when
-one has room (the lost node may be dead before Ray declares it so, tens of seconds later).
+for another actor, never one that drains. A node where an actor became unreachable (its raylet or
+container gone: Ray answers ActorUnavailableError long before it declares the node dead, tens of
+seconds later) gets no actor for a while; one where an actor died otherwise (its process killed,
+the node fine) comes after the other nodes with room.
 
 An actor is live once it has described itself. It is evicted (killed, and its slot refilled) when
 the dispatch loop saw its shard fail because its process or node is gone; when its node drains or
@@ -60,9 +62,14 @@ logger = logging.getLogger(__name__)
 #: reads these at process start; other C libraries ignore them.
 WORKER_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
-#: How long a node where an actor was lost comes last when placing actors: its raylet may be gone
-#: although the GCS still lists it (Ray's health checks take up to ~30 s to declare it dead).
+#: How long a node where an actor was lost comes last when placing actors, and a node where an
+#: actor became unreachable gets none: its raylet may be gone although the GCS still lists it
+#: (Ray's health checks take up to ~30 s to declare it dead).
 LOST_NODE_PENALTY_S = 60.0
+
+#: Errors that say an actor cannot be reached, rather than that its process died: its node may be
+#: gone.
+_UNREACHABLE: tuple[type[BaseException], ...] = (ray_errors.ActorUnavailableError, ray_errors.NodeDiedError)
 
 #: A placement answer: every usable node is full (a fixed count above the cluster's size, or a
 #: cluster that shrank); the slot waits for room.
@@ -129,6 +136,8 @@ class ActorSupervisor:
         self._nodes: dict[str, NodeView] | None = None
         #: Node id -> when an actor was last lost there (see LOST_NODE_PENALTY_S).
         self._lost: dict[str, float] = {}
+        #: Node id -> when an actor there last became unreachable (no actor placed there meanwhile).
+        self._unreachable: dict[str, float] = {}
         self._actor_class: Any = None
         self._actor_options: dict[str, Any] = {}
         self._running = False
@@ -205,6 +214,7 @@ class ActorSupervisor:
             for task in list(slot.tasks):
                 task.cancel()
             if slot.actor is not None:
+                slot.actor.live = False  # a step still running sends nothing more to it
                 self._kill(slot.actor)
                 slot.actor = None
         self._slots = {}
@@ -234,10 +244,19 @@ class ActorSupervisor:
         if self._changed is not None:
             await self._changed.wait()
 
-    def evict(self, actor: SupervisedActor, reason: str, *, node_gone: bool = False) -> None:
-        """Marks an actor dead, kills it and schedules a replacement in its slot (at once, or after
-        the backoff when it died while starting; ``node_gone``: its node drains or left, which says
-        nothing about the actor, so no backoff, and no replacement on that node)."""
+    def evict(self, actor: SupervisedActor, reason: str, *, cause: BaseException | None = None,
+              node_gone: bool = False) -> None:
+        """Marks an actor dead, kills it and schedules a replacement in its slot: at once, or after
+        the backoff when it died while starting.
+
+        Args:
+            actor: the actor; nothing happens when its slot holds another one already.
+            reason: for the log.
+            cause: the error that showed the loss; one saying the actor is unreachable keeps
+                actors off its node for a while (the node may be dead before Ray says so).
+            node_gone: its node drains or left, which says nothing about the actor: no backoff,
+                and the slot is resized before it is filled (:meth:`_apply`).
+        """
         slot = self._slots.get(actor.slot)
         if slot is None or slot.actor is not actor:
             return  # already replaced
@@ -246,16 +265,21 @@ class ActorSupervisor:
         slot.actor = None
         if actor.node_id is not None:
             self._lost[actor.node_id] = time.monotonic()
+            if isinstance(cause, _UNREACHABLE):
+                self._unreachable[actor.node_id] = time.monotonic()
         self._notify()
         if not self._running:
             return
+        if node_gone:
+            logger.warning("pool: worker %d evicted (%s)", slot.index, reason)
+            return
         # An actor lost after it came up is replaced at once; one that fails to start probably
         # will again, so those restarts back off, doubling up to 30 s.
-        slot.failures = 0 if was_live or node_gone else slot.failures + 1
+        slot.failures = 0 if was_live else slot.failures + 1
         delay = 0.0 if slot.failures == 0 else min(30.0, 0.5 * 2 ** (slot.failures - 1))
         slot.restart_at = time.monotonic() + delay
         logger.warning("pool: worker %d evicted (%s); replacement in %.1f s", slot.index, reason, delay)
-        if delay == 0.0 and not node_gone:  # a departed node's slots are resized first (_apply)
+        if delay == 0.0:
             self._spawn(slot)
 
     # ------------------------------------------------------------------------------ membership
@@ -287,6 +311,7 @@ class ActorSupervisor:
                     why = "its node is draining" if actor.node_id in self._nodes else "its node left the cluster"
                     self.evict(actor, why, node_gone=True)
             self._lost = {node: when for node, when in self._lost.items() if node in self._nodes}
+            self._unreachable = {node: when for node, when in self._unreachable.items() if node in self._nodes}
             if self._use_gpu is None:
                 self._use_gpu = self._decide_device()
         self._resize()
@@ -344,7 +369,8 @@ class ActorSupervisor:
 
     def _place(self) -> str | None:
         """The node for a new actor: the usable one with the most room, nodes that lost an actor
-        lately last; None = no view of the nodes (Ray places it), :data:`_NO_ROOM` = all full."""
+        lately last, none where an actor became unreachable lately; None = no view of the nodes
+        (Ray places it), :data:`_NO_ROOM` = all full."""
         if self._nodes is None:
             return None
         taken = collections.Counter(slot.actor.node_id for slot in self._slots.values() if slot.actor is not None)
@@ -353,7 +379,7 @@ class ActorSupervisor:
         chosen = _NO_ROOM
         for node in self._nodes.values():
             room = self._capacity(node) - taken[node.node_id]
-            if room <= 0:
+            if room <= 0 or now - self._unreachable.get(node.node_id, -LOST_NODE_PENALTY_S) < LOST_NODE_PENALTY_S:
                 continue
             key = (now - self._lost.get(node.node_id, -LOST_NODE_PENALTY_S) >= LOST_NODE_PENALTY_S, room)
             if best is None or key > best:
@@ -455,7 +481,7 @@ class ActorSupervisor:
         try:
             await asyncio.wait_for(as_future(actor.handle.ping.remote()), self._probe_timeout_s)
         except (ray_errors.RayError, asyncio.TimeoutError) as error:
-            self.evict(actor, f"probe failed: {type(error).__name__}")
+            self.evict(actor, f"probe failed: {type(error).__name__}", cause=error)
         finally:
             self._probes.pop(actor, None)
 

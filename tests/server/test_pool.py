@@ -448,6 +448,17 @@ def test_placement_skips_draining_nodes_and_puts_nodes_that_lost_an_actor_last()
     assert supervisor._place() == "b"
     occupy("b")
     assert supervisor._place() == "no-room"
+    # An actor on "b" becomes unreachable (its container killed): while Ray still lists the node,
+    # its slot is not placed there again, although it is the only node with room.
+    from ray.exceptions import ActorUnavailableError
+
+    (lost,) = [slot.actor for slot in supervisor._slots.values() if slot.actor is not None and slot.actor.node_id == "b"]
+    supervisor._running = True  # as after start(); _spawn stays off: placement is what is checked
+    supervisor._spawn = lambda slot: None  # type: ignore[method-assign]
+    supervisor.evict(lost, "unreachable", cause=ActorUnavailableError("gone", None))
+    assert supervisor._place() == "no-room"
+    supervisor._unreachable["b"] -= LOST_NODE_PENALTY_S  # long enough without Ray declaring it dead
+    assert supervisor._place() == "b"
     supervisor._nodes = None  # no view of the nodes: Ray places the actor
     assert supervisor._place() is None
     supervisor._use_gpu = True
