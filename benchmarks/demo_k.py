@@ -12,14 +12,15 @@ seed draws the split, the initial weights, the batches, the augmentations and th
 one seed pairs settings on the same split and the same initial model.
 
 It prints one row per setting: final test accuracy per seed, mean +- standard deviation over seeds,
-and the mean (+- standard deviation) over seeds of the paired difference to K = 1 without
-augmentation under the same schedule; and writes every curve to ``benchmarks/results/demo_k.json``.
-A program, not a test: nothing is asserted.
+and the mean (+- standard deviation) over seeds of the paired differences to K = 1 without
+augmentation and to K = 1 with the same augmentation, both under the same schedule; and writes every
+curve to ``benchmarks/results/demo_k.json``. A program, not a test: nothing is asserted.
 
 One torch thread, one run at a time: a run takes seconds, and runs stay comparable on a shared
 machine.
 
-    python -m benchmarks.demo_k --seeds 0 1 2 --epsilon 4
+    python -m benchmarks.demo_k                       # the README's table (about 25 minutes)
+    python -m benchmarks.demo_k --epsilon 8 --augmentations scale -K 1 4 --seeds 1 2 3 4 5
 """
 
 from __future__ import annotations
@@ -133,9 +134,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.demo_k", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--seeds", nargs="+", type=int, default=[0, 1, 2], help="(default: %(default)s)")
+    # seed 0 chose the schedule and the augmentations' strengths; the table is on fresh seeds
+    add("--seeds", nargs="+", type=int, default=[1, 2, 3], help="(default: %(default)s)")
     add("--epsilon", type=float, default=4.0, help="target epsilon at delta 1e-5 (default: %(default)s)")
-    add("--augmentations", nargs="+", choices=sorted(AUGMENTATIONS), default=["shift", "affine", "noise"],
+    add("--augmentations", nargs="+", choices=sorted(AUGMENTATIONS), default=["shift", "scale", "affine", "noise"],
         help="augmentations tried with every K (default: %(default)s)")
     add("-K", "--multiplicities", nargs="+", type=int, default=[1, 2, 4, 8], help="(default: %(default)s)")
     add("--epochs", nargs="+", type=int, default=[default.epochs], help="(default: %(default)s)")
@@ -174,8 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         number, len(recipes), _label(recipe), seed, result.test_accuracy[-1],
                         result.train_accuracy, result.epsilon[-1], result.noise_multiplier, result.seconds)
     rows = summarise(runs)
-    print(f"\nfinal test accuracy at epsilon {args.epsilon:g} (delta {DELTA:g}), seeds {args.seeds}; "
-          "'vs K=1 none': mean +- std over seeds of the paired difference; 'train': training accuracy\n")
+    print(f"\nfinal test accuracy at epsilon {args.epsilon:g} (delta {DELTA:g}), seeds {args.seeds}; 'vs K=1 "
+          "none' and 'vs K=1 same' (augmentation): mean +- std over seeds of the paired difference in final "
+          "test accuracy; 'train': final accuracy on the unaugmented training images\n")
     print(render(rows, args.seeds))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({

@@ -271,7 +271,7 @@ def local_server(workers: int, timeout: float) -> Iterator[str]:
 def _accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
     model.eval()
     with torch.no_grad():
-        correct = (model(images).argmax(1) == labels).sum().item()
+        correct = int((model(images).argmax(1) == labels).sum().item())
     model.train()
     return correct / max(1, len(labels))
 
@@ -371,7 +371,8 @@ def run_demo(target: str, recipe: Recipe, *, target_epsilon: float, delta: float
             reply = session.compute_gradients(inputs, targets)
             reply.apply_to(model)
             spent[0] = reply.epsilon_spent
-            return reply.mean_loss * reply.samples, reply.samples
+            # an empty Poisson batch is a legal step (noise only) with no loss to add
+            return (reply.mean_loss * reply.samples if reply.samples else 0.0), reply.samples
 
         total = recipe.epochs * steps_per_epoch(recipe, data)
         with session, tqdm(total=total, disable=quiet, unit="step", desc=f"psg-demo {recipe.label()}") as bar:
@@ -384,6 +385,13 @@ def run_demo(target: str, recipe: Recipe, *, target_epsilon: float, delta: float
     return result
 
 
+def _colour(recipe: Recipe, *, alone: bool) -> str:
+    """K copies blue, K = 1 with an augmentation orange, K = 1 without grey (a run alone: blue)."""
+    if alone or recipe.augmentation_multiplicity > 1:
+        return "tab:blue"
+    return "tab:grey" if recipe.augmentation == "none" else "tab:orange"
+
+
 def plot(results: Sequence[DemoResult], path: Path, *, target_epsilon: float, delta: float, title: str) -> None:
     """Writes test accuracy, training loss and epsilon per epoch of every run side by side (PNG)."""
     import matplotlib
@@ -392,7 +400,8 @@ def plot(results: Sequence[DemoResult], path: Path, *, target_epsilon: float, de
     import matplotlib.pyplot as plt
 
     figure, (accuracy, loss, privacy) = plt.subplots(1, 3, figsize=(13, 3.8))
-    for result, colour in zip(results, ("tab:grey", "tab:orange", "tab:blue")):
+    for result in results:
+        colour = _colour(result.recipe, alone=len(results) == 1)
         epochs = list(range(1, len(result.test_accuracy) + 1))
         label = f"{result.recipe.label()} (sigma {result.noise_multiplier:.2f})"
         accuracy.plot(epochs, result.test_accuracy, marker="o", markersize=3, color=colour, label=label)

@@ -82,13 +82,11 @@ def test_service_run_gets_the_calibrated_sigma(capsys: pytest.CaptureFixture[str
     assert result.epsilon[-1] <= 3.0
 
 
-@pytest.mark.parametrize("backend", ["hooks", "ghost"])
-def test_demo_compares_k_with_k1_and_writes_its_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                      backend: str) -> None:
+def test_demo_compares_k_with_k1_and_writes_its_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plot = tmp_path / "demo.png"
     with BackgroundServer(ServerConfig(port=0)) as server:
         status = main(["--target", server.target, "--epochs", "2", "--epsilon", "30", "--augmentation", "affine",
-                       "-K", "2", "--backend", backend, "--plot", str(plot), "--quiet", "--min-accuracy", "0.3"])
+                       "-K", "2", "--plot", str(plot), "--quiet", "--min-accuracy", "0.3"])
     out = capsys.readouterr().out
     assert status == 0, out
     runs = ["K=1 none", "K=1 affine", "K=2 affine"]
@@ -110,13 +108,18 @@ def test_default_demo_is_one_k1_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert re.findall(r"(K=\d \w+): the server chose sigma = [\d.]+ for epsilon 4 at delta 1e-05", out) == ["K=1 none"]
 
 
-def test_demo_without_baseline_trains_the_given_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("backend", ["hooks", "ghost"])
+def test_demo_without_baseline_trains_the_given_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       backend: str) -> None:
+    plot = tmp_path / "one.png"
     with BackgroundServer(ServerConfig(port=0)) as server:
-        status = main(["--target", server.target, "--epochs", "1", "--epsilon", "30", "-K", "2", "--no-baseline",
-                       "--plot", str(tmp_path / "one.png"), "--quiet", "--min-accuracy", "0"])
+        status = main(["--target", server.target, "--epochs", "2", "--epsilon", "30", "-K", "2", "--augmentation",
+                       "noise", "--no-baseline", "--backend", backend, "--plot", str(plot), "--quiet",
+                       "--min-accuracy", "0.3"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert out.count("the server chose sigma") == 1 and "K=2 none" in out and "K=1 " not in out
+    assert re.findall(r"(K=\d \w+): the server chose sigma", out) == ["K=2 noise"], out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_demo_fails_loudly_without_a_server(tmp_path: Path) -> None:
