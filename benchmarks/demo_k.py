@@ -2,14 +2,15 @@
 
 ``python -m benchmarks.demo_k`` trains the demo's model (``cnn_groupnorm``, a GroupNorm CNN of 5k
 parameters) on the demo's data (scikit-learn's digits, split 80/20 by seed) with the demo's loop
-(:func:`psg_client.demo.train`), but in-process through :class:`psg_core.DPStep` instead of the
-service: Poisson sampling, each sample's K augmented copies averaged before flat clipping at C,
-sigma calibrated so that every setting ends at the same epsilon (``--epsilon``, delta 1e-5, PLD
+(:func:`psg_client.demo_training.train`), but in-process through :class:`psg_core.DPStep` instead
+of the service: Poisson sampling, each sample's K augmented copies averaged before flat clipping at
+C, sigma calibrated so that every setting ends at the same epsilon (``--epsilon``, delta 1e-5, PLD
 accountant, as the demo asks the server), SGD with momentum 0.9. A setting is a
-:class:`psg_client.demo.Recipe`: an augmentation (:data:`psg_client.demo.AUGMENTATIONS`), a K and
-a schedule (epochs, learning rate and its decay, expected batch size). Each runs once per seed; the
-seed draws the split, the initial weights, the batches, the augmentations and the noise, so that
-one seed pairs settings on the same split and the same initial model.
+:class:`psg_client.demo_training.Recipe`: an augmentation
+(:data:`psg_client.demo_training.AUGMENTATIONS`), a K and a schedule (epochs, learning rate and its
+decay, expected batch size). Each runs once per seed; the seed draws the split, the initial
+weights, the batches, the augmentations and the noise, so that one seed pairs settings on the same
+split and the same initial model.
 
 It prints one row per setting: final test accuracy per seed, mean +- standard deviation over seeds,
 and the mean (+- standard deviation) over seeds of the paired differences to K = 1 without
@@ -38,7 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from psg_client.demo import ACCOUNTANT, AUGMENTATIONS, MODEL_KWARGS, DemoResult, Recipe, load_digits, train
+from psg_client.demo_training import (ACCOUNTANT, AUGMENTATIONS, MODEL_KWARGS, DemoResult, Recipe, load_digits,
+                                      train)
 from psg_core import DPConfig, DPStep, PrivacyAccountant
 from psg_core.architectures import cnn_groupnorm
 

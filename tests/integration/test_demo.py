@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from psg_client.demo import AUGMENTATIONS, Augmentation, Recipe, augment, main, run_demo
+from psg_client.demo import main, run_demo
+from psg_client.demo_training import AUGMENTATIONS, Augmentation, Recipe, augment
 from psg_server.background import BackgroundServer
 from psg_server.config import ServerConfig
 
