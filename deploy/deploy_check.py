@@ -464,7 +464,10 @@ def phase_faults(stack: Stack, notes: list[str], max_step_s: float) -> None:
     workers = stack.engine.containers("cpu-worker")
     if len(workers) < 3:
         raise CheckFailed(f"the fault phase needs 3 worker containers, has {len(workers)}")
-    stopped, killed = workers[0]["name"], workers[1]["name"]
+    # Two of the replicas added by --scale: podman-compose makes the frontend require the first
+    # replica (podman --requires), and podman will not start the frontend again (the restart
+    # phase) while that one is stopped.
+    stopped, killed = workers[-1]["name"], workers[-2]["name"]
     grace_s = stop_grace_period_s("cpu-worker")
     # Larger steps than elsewhere: every worker has a shard running most of the time.
     model, inputs, targets = _model_and_batch(seed=2, batch=FAULT_BATCH)
@@ -577,8 +580,13 @@ def stop_grace_period_s(service: str) -> float:
 
 def phase_restart(stack: Stack, notes: list[str]) -> None:
     expected = {stack.engine.ip_address(w["name"]) for w in stack.engine.containers("cpu-worker")}
-    stack.compose("restart", "frontend")
+    frontend = stack.engine.containers("frontend")[0]["name"]
+    started_before = stack.engine.inspect(frontend).get("State", {}).get("StartedAt")
     began = time.monotonic()
+    stack.compose("restart", "frontend")
+    if stack.engine.inspect(frontend).get("State", {}).get("StartedAt") == started_before:
+        raise CheckFailed(f"`restart frontend` did not restart {frontend}")
+    Report.note(notes, f"restarted {frontend} in {time.monotonic() - began:.1f} s")
     with stack.client() as client:
         def serving_every_worker() -> list[Any] | None:
             try:
@@ -592,7 +600,6 @@ def phase_restart(stack: Stack, notes: list[str]) -> None:
             raise CheckFailed(f"{len(expected)} live worker containers, but the pool has {len(workers)} workers")
         Report.note(notes, f"restarted frontend serves {len(workers)} worker(s), one per live worker container, "
                            f"{time.monotonic() - began:.0f} s after the restart")
-        frontend = stack.engine.containers("frontend")[0]["name"]
         started = [line.split("psg_server.supervisor: ", 1)[1] for line in _log(stack, frontend).splitlines()
                    if "psg_server.supervisor: pool:" in line and "live" in line]
         if started:
