@@ -61,7 +61,8 @@ DOCKERFILE_CPU = DEPLOY / "docker" / "Dockerfile.cpu"
 IMAGE = "psg:0.1.0-cpu"
 PROJECT = "psg-check"
 #: The model of the session: small enough for a shared 2-core host, big enough to shard.
-MODEL, MODEL_KWARGS = "mlp", {"in_features": 32, "hidden": [64], "num_classes": 10}
+IN_FEATURES, NUM_CLASSES = 32, 10
+MODEL, MODEL_KWARGS = "mlp", {"in_features": IN_FEATURES, "hidden": [64], "num_classes": NUM_CLASSES}
 #: How the check's steps run: batch (samples), clipping bound.
 BATCH, MAX_GRAD_NORM = 512, 4.0
 #: The fault phase's batch: steps long enough that the faults hit shards in flight.
@@ -152,12 +153,12 @@ def find_engine(choice: str, workdir: Path) -> Engine:
     docker or podman)."""
     problems = []
     if choice in ("auto", "docker") and shutil.which("docker"):
-        compose = _run(["docker", "compose", "version", "--short"], check=False)
+        plugin = _run(["docker", "compose", "version", "--short"], check=False)
         daemon = _run(["docker", "info", "--format", "{{.ServerVersion}}"], check=False)
-        if compose.returncode == 0 and daemon.returncode == 0:
+        if plugin.returncode == 0 and daemon.returncode == 0:
             return Engine("docker", ["docker"], ["docker", "compose"],
-                          f"Docker {daemon.stdout.strip()}, Compose {compose.stdout.strip()}")
-        problems.append("docker: " + ("no compose v2 plugin" if compose.returncode else "no reachable daemon"))
+                          f"Docker {daemon.stdout.strip()}, Compose {plugin.stdout.strip()}")
+        problems.append("docker: " + ("no compose v2 plugin" if plugin.returncode else "no reachable daemon"))
     if choice in ("auto", "podman") and shutil.which("podman"):
         if not shutil.which("podman-compose"):
             problems.append("podman: podman-compose is not on PATH (pip install podman-compose)")
@@ -369,8 +370,8 @@ def _model_and_batch(seed: int, batch: int = BATCH) -> tuple[Any, Any, Any]:
     torch.manual_seed(seed)
     model = registry.build(MODEL, registry.parse_kwargs(MODEL, json.dumps(MODEL_KWARGS)))
     generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(batch, MODEL_KWARGS["in_features"], generator=generator)  # (N, in_features)
-    targets = torch.randint(0, MODEL_KWARGS["num_classes"], (batch,), generator=generator)  # (N,)
+    inputs = torch.randn(batch, IN_FEATURES, generator=generator)  # (N, in_features)
+    targets = torch.randint(0, NUM_CLASSES, (batch,), generator=generator)  # (N,)
     return model, inputs, targets
 
 
