@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from psg_client.client import (GradientClient, GradientResult, RetryPolicy, ServiceError, Session,
                                TLSConfig)
+from psg_core.adaptive_clipping import QuantileClipping
 from psg_wire.adapters import LoraAdapter
 from psg_wire.codec import CodecError, CodecLimits, TensorLimitError
 from psg_wire.convert import WireDtypes
@@ -19,6 +20,7 @@ __all__ = [
     "GradientClient",
     "GradientResult",
     "LoraAdapter",
+    "QuantileClipping",
     "RetryPolicy",
     "ServiceError",
     "Session",

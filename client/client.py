@@ -15,7 +15,10 @@
 Inputs go positionally (a tensor, or a sequence of tensors) or by keyword (a mapping such as
 ``{"input_ids": ..., "attention_mask": ...}``, for the Hugging Face family). A session may add a LoRA
 adapter (``lora=LoraAdapter(...)``): its frozen base model is pushed once, every later version
-carries only the adapter, and only the adapter's gradients come back.
+carries only the adapter, and only the adapter's gradients come back. With
+``adaptive_clipping=QuantileClipping(...)`` the server moves the session's flat bound after every
+step towards a private quantile of the per-sample norms (:attr:`GradientResult.clip_bound`,
+:attr:`Session.clip_bound`).
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ from torch import nn
 
 from psg_client.batches import split_named_batch
 from psg_client.torch import apply_gradients, batch_tensors, check_parameters, parameter_tensors
+from psg_core.adaptive_clipping import QuantileClipping
 from psg_core.config import DPConfig
 from psg_core.errors import PsgError
 from psg_wire.adapters import LoraAdapter
 from psg_wire.codec import DEFAULT_CHUNK_BYTES, CodecLimits, FrameWire, TensorDecoder
-from psg_wire.convert import (PrivacyRequest, WireDtypes, dp_config_to_proto, lora_to_proto,
-                              parameter_spec_from_proto, privacy_to_proto, step_stats_from_proto,
-                              wire_dtypes_from_proto, wire_dtypes_to_proto)
+from psg_wire.convert import (PrivacyRequest, WireDtypes, adaptive_clipping_from_proto, adaptive_clipping_to_proto,
+                              dp_config_to_proto, lora_to_proto, parameter_spec_from_proto, privacy_to_proto,
+                              step_stats_from_proto, wire_dtypes_from_proto, wire_dtypes_to_proto)
 from psg_wire.convert import dp_config_from_proto
 from psg_wire.flat import FlatTensors
 from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME, Reason, parameter_name
@@ -133,6 +137,13 @@ class GradientResult:
     server_seconds: float = field(default=0.0, compare=False)
     #: Samples whose gradient was not finite, which the server dropped from the sum.
     num_dropped: int = 0
+    #: Adaptive clipping only (None otherwise): the flat bound this step's samples were clipped at.
+    clip_bound: float | None = None
+    #: Adaptive clipping only: the bound the session's next step clips at.
+    next_clip_bound: float | None = None
+    #: Adaptive clipping only: the released (noised) estimate of the fraction of samples
+    #: ``clip_bound`` left unclipped, which moved the bound.
+    unclipped_fraction: float | None = None
 
     def apply_to(self, model: nn.Module) -> None:
         """Fills ``p.grad`` of every trainable parameter, ready for ``optimizer.step()``."""
@@ -217,7 +228,8 @@ class GradientClient:
                        target_epsilon: float | None = None, accountant: str | None = None,
                        seed: int | None = None, secure_rng: bool = False, steps: int | None = None,
                        epochs: float | None = None, lora: LoraAdapter | None = None,
-                       wire: WireDtypes | None = None) -> Session:
+                       wire: WireDtypes | None = None,
+                       adaptive_clipping: QuantileClipping | None = None) -> Session:
         """Opens a session; see ``CreateSessionRequest`` in ``gradient_service.proto``.
 
         Args:
@@ -243,6 +255,13 @@ class GradientClient:
                 torch.bfloat16, gradients=torch.bfloat16)``): half the bytes of float32, each value
                 rounded to 8 significant bits (README, "Reduced precision on the wire"); the session
                 casts both ways, so tensors keep their dtypes here.
+            adaptive_clipping: a :class:`~psg_core.adaptive_clipping.QuantileClipping`: the
+                server starts the (flat) bound at ``config.max_grad_norm`` and moves it after every
+                step towards the target quantile of the per-sample norms, as
+                :class:`psg_core.DPStep` does in process; each step is still accounted at
+                ``config.noise_multiplier``, the gradient's noise being raised to pay for the
+                count. :attr:`GradientResult.clip_bound` and :attr:`Session.clip_bound` tell the
+                bound.
         """
         privacy = PrivacyRequest(accountant=accountant, sample_rate=sample_rate, delta=delta,
                                  target_epsilon=target_epsilon, steps=steps, epochs=epochs)
@@ -256,19 +275,25 @@ class GradientClient:
             request.lora.CopyFrom(lora_to_proto(lora))
         if wire is not None:
             request.wire.CopyFrom(wire_dtypes_to_proto(wire))
+        if adaptive_clipping is not None:
+            request.adaptive_clipping.CopyFrom(adaptive_clipping_to_proto(adaptive_clipping))
         reply = self.call(lambda stub, kw: stub.CreateSession(request, **kw))
         return Session(self, reply.session_id, reply.parameters,
                        config=dataclasses.replace(config, noise_multiplier=reply.noise_multiplier),
-                       wire=wire or WireDtypes())
+                       wire=wire or WireDtypes(), adaptive_clipping=adaptive_clipping,
+                       clip_bound=config.max_grad_norm if adaptive_clipping is not None else None)
 
     def session(self, session_id: str) -> Session:
         """Attaches to an existing session of this token (after a client or a server restart); push
         the parameters before the next step."""
         info = self.call(lambda stub, kw: stub.GetSession(pb.GetSessionRequest(session_id=session_id), **kw))
         config = dp_config_from_proto(info.dp) if info.HasField("dp") else None
+        adaptive = adaptive_clipping_from_proto(info.adaptive_clipping) if info.HasField("adaptive_clipping") \
+            else None
         return Session(self, session_id, info.parameters, config=config,
                        param_version=max(info.param_version, info.latest_param_version),
-                       frozen_held=info.frozen_version > 0, wire=wire_dtypes_from_proto(info.wire))
+                       frozen_held=info.frozen_version > 0, wire=wire_dtypes_from_proto(info.wire),
+                       adaptive_clipping=adaptive, clip_bound=info.clip_bound if adaptive is not None else None)
 
 
 class Session:
@@ -282,7 +307,8 @@ class Session:
 
     def __init__(self, client: GradientClient, session_id: str, parameters: Iterable[pb.ParameterSpec], *,
                  param_version: int = 0, config: DPConfig | None = None, frozen_held: bool = False,
-                 wire: WireDtypes = WireDtypes()) -> None:
+                 wire: WireDtypes = WireDtypes(), adaptive_clipping: QuantileClipping | None = None,
+                 clip_bound: float | None = None) -> None:
         self._client = client
         self.id = session_id
         specs = list(parameters)
@@ -300,6 +326,11 @@ class Session:
         self.config = config
         #: The dtypes parameters and gradients travel in (CreateSession's ``wire``).
         self.wire = wire
+        #: How the server adapts the session's flat bound; None = it stays ``config.max_grad_norm``.
+        self.adaptive_clipping = adaptive_clipping
+        #: With adaptive clipping, the bound the session's next step clips at, as the server last
+        #: said (at creation, attaching, or in a step's result); None without.
+        self.clip_bound = clip_bound
         self._pushed: list[tuple[str, torch.Tensor]] | None = None
 
     @property
@@ -458,6 +489,8 @@ class Session:
             result = client.call(invoke)
             if pushing:
                 self.param_version, self._frozen_held, self._pushed = version, True, push
+        if result.next_clip_bound is not None:
+            self.clip_bound = result.next_clip_bound
         return result
 
 

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -125,6 +125,10 @@ class Shard:
     worker: str | None = None
     #: Names of the keyword inputs: the last ``len(keywords)`` of ``inputs``.
     keywords: tuple[str, ...] = ()
+    #: The flat bound to clip this shard at in place of the spec's ``dp_config.max_grad_norm``
+    #: (a session with adaptive clipping: its current bound, which moves every step while the spec,
+    #: and with it the workers' resident model, stays); None = the spec's.
+    max_grad_norm: float | None = None
 
     def model_inputs(self, inputs: tuple[torch.Tensor, ...] | None = None) -> Any:
         """What :func:`psg_core.dp.dp_gradient` takes for ``inputs`` (default the shard's own,
@@ -247,8 +251,10 @@ class ShardRunner:
         inputs = tuple(t.to(self.device, non_blocking=True) for t in shard.inputs)
         targets = shard.targets.to(self.device, non_blocking=True)
         loaded = self._synchronize()
+        config = spec.dp_config if shard.max_grad_norm is None else \
+            replace(spec.dp_config, max_grad_norm=shard.max_grad_norm)
         result = dp_gradient(resident.model, shard.model_inputs(inputs), targets, loss_fn=resident.loss,
-                             config=spec.dp_config)
+                             config=config)
         flat = FlatTensors.pack(result.grads)  # one buffer for the sum, the transport and the reply
         norms = result.per_sample_norms
         computed = self._synchronize()

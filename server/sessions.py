@@ -10,6 +10,11 @@ With a :class:`~psg_server.state.SessionDatabase` (``--state-dir``), the store w
 it opens, closes or expires, and the step runner has it write each step's progress before the
 step's result goes out; :meth:`SessionStore.restore` reopens them after a restart (without their
 parameters, which clients push again).
+
+A session opened with adaptive clipping (``CreateSessionRequest.adaptive_clipping``) keeps its current
+flat bound (:attr:`Session.clip_bound`): every step clips at it and moves it as
+:class:`psg_core.DPStep` does in process (:mod:`psg_core.adaptive_clipping`); the bound is part of
+the progress written with each step.
 """
 
 from __future__ import annotations
@@ -24,9 +29,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch
+
 from psg_core.accounting import PrivacyAccountant
+from psg_core.adaptive_clipping import (QuantileClipping, gradient_noise_multiplier, private_unclipped_fraction,
+                                        updated_bound)
 from psg_core.calibration import calibrate_noise_multiplier
 from psg_core.config import DPConfig
+from psg_core.errors import ConfigError
+from psg_core.modes import Clipping
 from psg_core.privacy_step import PrivacyStep
 from psg_server.config import ServerConfig
 from psg_server.errors import (InvalidRequestError, LimitExceededError, ParametersMissingError,
@@ -38,11 +49,12 @@ from psg_server.models import ModelRegistry, ModelSignature, ParameterInfo
 from psg_wire.convert import dp_config_from_proto, lora_from_proto, parameter_spec_to_proto, privacy_from_proto
 from psg_server.state import SessionDatabase, SessionRecord
 from psg_wire.convert import WireDtypes, dp_config_to_proto, wire_dtypes_from_proto, wire_dtypes_to_proto
+from psg_wire.convert import adaptive_clipping_from_proto, adaptive_clipping_to_proto
 from psg_wire.names import input_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 
-__all__ = ["MAX_NOISE_MULTIPLIER", "MAX_NOISE_SCALE", "PrivacyPlan", "Session", "SessionStore", "open_session",
-           "parameter_specs", "restore_session", "signature_info"]
+__all__ = ["MAX_NOISE_MULTIPLIER", "MAX_NOISE_SCALE", "BoundUpdate", "PrivacyPlan", "Session", "SessionStore",
+           "open_session", "parameter_specs", "restore_session", "signature_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +72,25 @@ class PrivacyPlan:
     target_epsilon: float | None
 
 
+@dataclass(frozen=True)
+class BoundUpdate:
+    """What adaptive clipping released and decided in one step (:meth:`Session.adapt_bound`)."""
+
+    #: The flat bound the step's samples were clipped at.
+    bound: float
+    #: The private estimate of the fraction of samples ``bound`` left unclipped.
+    unclipped_fraction: float
+    #: The bound the next step clips at.
+    next_bound: float
+
+
 class Session:
     """One client's training run on the server (see the module docstring)."""
 
     def __init__(self, *, session_id: str, owner: str, spec: SessionSpec, parameters: list[ParameterInfo],
                  signature: ModelSignature | None, loss: LossEntry, expected_batch_size: int,
-                 privacy: PrivacyPlan, seed: int | None, secure_rng: bool) -> None:
+                 privacy: PrivacyPlan, seed: int | None, secure_rng: bool,
+                 adaptive_clipping: QuantileClipping | None = None) -> None:
         self.id = session_id
         self.owner = owner
         self.spec = spec
@@ -79,6 +104,11 @@ class Session:
                                                    expected_batch_size=expected_batch_size)
         self.seed = seed if seed is not None else secrets.randbits(64)
         self.secure_rng = secure_rng
+        #: How the flat bound adapts (CreateSessionRequest.adaptive_clipping); None = it stays fixed.
+        self.adaptive_clipping = adaptive_clipping
+        #: With adaptive clipping, the flat bound the next step clips at (it starts at
+        #: ``dp_config.max_grad_norm``); otherwise always ``dp_config.max_grad_norm``.
+        self.clip_bound = spec.dp_config.max_grad_norm
         #: Steps of one session run one at a time, so accounting follows step order.
         self.lock = asyncio.Lock()
         self.steps = 0
@@ -133,11 +163,48 @@ class Session:
         """:class:`BudgetExhaustedError` when one more step would exceed the budget; records nothing."""
         self.privacy_step.check_budget(self._accountant)
 
-    def record_step(self) -> int:
-        """Accounts a completed step and returns its 1-based index."""
+    @property
+    def noise_step(self) -> PrivacyStep:
+        """The privacy step that noises and normalises the next step's clipped sum: the session's
+        :attr:`privacy_step`, or with adaptive clipping the same at the current bound and with the
+        gradient's share of the noise multiplier (:func:`~psg_core.adaptive_clipping.gradient_noise_multiplier`;
+        the step is still accounted at :attr:`privacy_step`'s)."""
+        adaptive = self.adaptive_clipping
+        if adaptive is None:
+            return self.privacy_step
+        sigma = gradient_noise_multiplier(self.privacy_step.noise_multiplier, adaptive.count_noise_multiplier)
+        return replace(self.privacy_step, noise_multiplier=sigma, sensitivity=self.clip_bound)
+
+    @property
+    def draws_noise(self) -> bool:
+        """Whether a step draws random values: gradient noise (sigma > 0), or adaptive clipping's
+        count noise."""
+        return self.dp_config.noise_multiplier > 0 or self.adaptive_clipping is not None
+
+    def adapt_bound(self, per_sample_norms: torch.Tensor, *, generator: torch.Generator | None) -> BoundUpdate:
+        """Adaptive clipping's release for a step whose samples (``per_sample_norms``, every
+        sample of the logical batch) were clipped at :attr:`clip_bound`: the noised unclipped
+        fraction (its noise drawn from ``generator`` after the gradient's, or from the CSPRNG with
+        ``secure_rng``) and the next bound. Changes nothing: :meth:`record_step` applies it."""
+        adaptive = self.adaptive_clipping
+        if adaptive is None:
+            raise ConfigError(f"Session.adapt_bound: session {self.id!r} has no adaptive clipping")
+        fraction = private_unclipped_fraction(per_sample_norms, self.clip_bound,
+                                              count_noise_multiplier=adaptive.count_noise_multiplier,
+                                              expected_batch_size=self.expected_batch_size, generator=generator,
+                                              secure_rng=self.secure_rng)
+        return BoundUpdate(bound=self.clip_bound, unclipped_fraction=fraction,
+                           next_bound=updated_bound(self.clip_bound, unclipped_fraction=fraction, clipping=adaptive))
+
+    def record_step(self, update: BoundUpdate | None = None) -> int:
+        """Accounts a completed step (gradient and, with adaptive clipping, count together: one
+        mechanism at the session's sigma), moves the bound to ``update.next_bound`` when given and
+        returns the step's 1-based index."""
         if self._accountant is not None:
             self.privacy_step.account(self._accountant)
             self.epsilon_spent = self._accountant.epsilon(self.privacy.delta)
+        if update is not None:
+            self.clip_bound = update.next_bound
         self.steps += 1
         return self.steps
 
@@ -156,21 +223,28 @@ class Session:
                               delta=self.privacy.delta, parameters=parameter_specs(self.parameter_info),
                               dp=dp_config_to_proto(self.dp_config), latest_param_version=self.latest_version,
                               frozen_version=self.parameters.frozen_from if self.parameters else 0,
-                              wire=wire_dtypes_to_proto(self.wire))
+                              wire=wire_dtypes_to_proto(self.wire),
+                              adaptive_clipping=None if self.adaptive_clipping is None else
+                              adaptive_clipping_to_proto(self.adaptive_clipping),
+                              clip_bound=self.clip_bound if self.adaptive_clipping is not None else 0.0)
 
     def record(self) -> SessionRecord:
         """The session as the database keeps it."""
         ledger = None if self._accountant is None else json.dumps(self._accountant.state_dict())
         return SessionRecord(session_id=self.id, owner=self.owner, request=self.request.SerializeToString(),
                              steps=self.steps, ledger=ledger, epsilon_spent=self.epsilon_spent,
-                             param_version=self.latest_version, updated=time.time())
+                             param_version=self.latest_version, updated=time.time(),
+                             clip_bound=self.clip_bound if self.adaptive_clipping is not None else None)
 
     def resume(self, record: SessionRecord) -> None:
-        """Takes the progress of a stored session: steps, ledger, epsilon and parameter version."""
+        """Takes the progress of a stored session: steps, ledger, epsilon, parameter version and,
+        with adaptive clipping, the bound."""
         self.steps, self.latest_version = record.steps, record.param_version
         if self._accountant is not None and record.ledger is not None:
             self._accountant.load_state_dict(json.loads(record.ledger))
             self.epsilon_spent = record.epsilon_spent
+        if self.adaptive_clipping is not None and record.clip_bound is not None:
+            self.clip_bound = record.clip_bound
 
 
 def parameter_specs(parameters: list[ParameterInfo]) -> list[pb.ParameterSpec]:
@@ -263,14 +337,37 @@ def _check_scales(dp_config: DPConfig) -> None:
                                   "float32 noise would overflow")
 
 
-def _opened_request(request: pb.CreateSessionRequest, sigma: float, seed: int) -> pb.CreateSessionRequest:
-    """The request that reopens a session as it is: its sigma and seed fixed, nothing to calibrate."""
+def _adaptive_clipping(request: pb.CreateSessionRequest, dp_config: DPConfig) -> QuantileClipping | None:
+    """The session's adaptive clipping, checked against its (calibrated) DP configuration as
+    :class:`psg_core.DPStep` checks it: flat clipping only, the count's noise above sigma / 2."""
+    if not request.HasField("adaptive_clipping"):
+        return None
+    try:
+        adaptive = adaptive_clipping_from_proto(request.adaptive_clipping)
+    except ConfigError as err:
+        raise InvalidRequestError(f"CreateSession: adaptive_clipping: {err}") from None
+    if dp_config.clipping is not Clipping.FLAT:
+        raise InvalidRequestError(f"CreateSession: adaptive clipping moves one flat bound; got clipping="
+                                  f"{dp_config.clipping.value!r} (use clipping='flat')")
+    try:
+        gradient_noise_multiplier(dp_config.noise_multiplier, adaptive.count_noise_multiplier)
+    except ConfigError as err:
+        raise InvalidRequestError(f"CreateSession: adaptive_clipping: {err}") from None
+    return adaptive
+
+
+def _opened_request(request: pb.CreateSessionRequest, sigma: float, seed: int,
+                    adaptive: QuantileClipping | None) -> pb.CreateSessionRequest:
+    """The request that reopens a session as it is: its sigma and seed fixed, nothing to calibrate,
+    adaptive clipping's unset fields filled in."""
     opened = pb.CreateSessionRequest()
     opened.CopyFrom(request)
     opened.dp.noise_multiplier = sigma
     opened.privacy.ClearField("steps")
     opened.privacy.ClearField("epochs")
     opened.seed = seed
+    if adaptive is not None:
+        opened.adaptive_clipping.CopyFrom(adaptive_clipping_to_proto(adaptive))
     return opened
 
 
@@ -300,6 +397,7 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
         raise InvalidRequestError("CreateSession: expected_batch_size must be >= 1 (samples per step)")
     dp_config = _calibrated(request, dp_config, config.default_accountant)
     _check_scales(dp_config)
+    adaptive = _adaptive_clipping(request, dp_config)
     privacy = _privacy(request, dp_config, config.default_accountant)
     parameters = registry.describe(request.model, kwargs, max_bytes=config.max_model_bytes, lora=lora)
     if not any(p.requires_grad for p in parameters):
@@ -316,8 +414,9 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
     session = Session(session_id=session_id, owner=owner, spec=spec, parameters=parameters,
                       signature=registry.signature(request.model, kwargs), loss=loss,
                       expected_batch_size=request.expected_batch_size, privacy=privacy,
-                      seed=request.seed if request.HasField("seed") else None, secure_rng=request.secure_rng)
-    session.request = _opened_request(request, dp_config.noise_multiplier, session.seed)
+                      seed=request.seed if request.HasField("seed") else None, secure_rng=request.secure_rng,
+                      adaptive_clipping=adaptive)
+    session.request = _opened_request(request, dp_config.noise_multiplier, session.seed, adaptive)
     session.wire = wire
     return session
 
@@ -352,13 +451,14 @@ class SessionStore:
         return self._database is not None
 
     def persist(self, session: Session) -> None:
-        """Writes ``session``'s progress (steps, ledger, parameter version) to the database, durably;
-        the step runner calls it after accounting a step and before returning its result. Blocking
-        (an fsync): call it off the event loop."""
+        """Writes ``session``'s progress (steps, ledger, parameter version, adaptive clipping's
+        bound) to the database, durably; the step runner calls it after accounting a step and before
+        returning its result. Blocking (an fsync): call it off the event loop."""
         if self._database is not None:
             record = session.record()
             self._database.save_progress(session.id, steps=record.steps, ledger=record.ledger,
-                                         epsilon_spent=record.epsilon_spent, param_version=record.param_version)
+                                         epsilon_spent=record.epsilon_spent, param_version=record.param_version,
+                                         clip_bound=record.clip_bound)
 
     def restore(self, build: Callable[[SessionRecord], Session]) -> int:
         """Reopens the database's sessions with ``build`` (:func:`restore_session`); those idle

@@ -3,11 +3,12 @@
 
 One row per open session holds what cannot be rebuilt: the ``CreateSessionRequest`` as the session
 was opened (the sigma it chose, the seed it drew), its owner, and its progress: steps, the
-accountant's :meth:`~psg_core.accounting.PrivacyAccountant.state_dict` and the latest parameter
-version. The frontend writes the progress of a step *before* it returns the step's gradient, so a
-gradient a client received is always in the ledger after a restart (a step accounted but not
-delivered, when the process dies in between, over-counts epsilon, never under-counts it). Parameter
-tensors are not kept: after a restart, steps answer PARAMETERS_MISSING and the client pushes again.
+accountant's :meth:`~psg_core.accounting.PrivacyAccountant.state_dict`, the latest parameter
+version and, with adaptive clipping, the bound the next step clips at. The frontend writes the
+progress of a step *before* it returns the step's gradient, so a gradient a client received is
+always in the ledger after a restart (a step accounted but not delivered, when the process dies in
+between, over-counts epsilon, never under-counts it). Parameter tensors are not kept: after a
+restart, steps answer PARAMETERS_MISSING and the client pushes again.
 
 Every write is one committed transaction in WAL mode with ``synchronous=FULL``: durable when
 the call returns, even if the process is killed right after. One server owns a state directory at
@@ -44,8 +45,10 @@ logger = logging.getLogger(__name__)
 
 #: File name of the database inside the state directory.
 DATABASE_NAME = "sessions.sqlite3"
-#: Layout of the tables; a database of another version is refused rather than misread.
-SCHEMA_VERSION = 1
+#: Layout of the tables; a database of another version is refused rather than misread (one of
+#: version 1, before ``sessions.clip_bound``, is upgraded in place: its sessions have no adaptive
+#: clipping).
+SCHEMA_VERSION = 2
 _LOCK_NAME = "lock"
 
 _SCHEMA = """
@@ -64,9 +67,13 @@ CREATE TABLE IF NOT EXISTS sessions (
     epsilon_spent REAL NOT NULL,
     param_version INTEGER NOT NULL,
     -- wall-clock seconds of the last write, for idle expiry across restarts
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    -- adaptive clipping: the flat bound the next step clips at; NULL for a session without
+    clip_bound REAL
 );
 """
+# Version 1 -> 2: adaptive clipping's bound (NULL for every session of a version 1 database).
+_UPGRADE_FROM_1 = "ALTER TABLE sessions ADD COLUMN clip_bound REAL"
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,8 @@ class SessionRecord:
     param_version: int
     #: Wall-clock time (``time.time()``) of the last write.
     updated: float
+    #: Adaptive clipping: the bound the session's next step clips at; None without.
+    clip_bound: float | None = None
 
 
 class SessionDatabase:
@@ -141,6 +150,18 @@ class SessionDatabase:
         if row is None:
             self._open().execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
                                      (str(SCHEMA_VERSION),))
+        elif row[0] == "1":  # one transaction: the column and the version together, or neither
+            connection = self._open()
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                connection.execute(_UPGRADE_FROM_1)
+                connection.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+            except BaseException:
+                connection.execute("ROLLBACK")
+                raise
+            connection.execute("COMMIT")
+            logger.info("state: upgraded the session database %s from schema version 1 to %d", self.path,
+                        SCHEMA_VERSION)
         elif row[0] != str(SCHEMA_VERSION):
             raise ConfigError(f"psg-server: the session database {str(self.path)!r} has schema version "
                               f"{row[0]}; this server reads version {SCHEMA_VERSION}")
@@ -158,17 +179,19 @@ class SessionDatabase:
         with self._lock:
             self._open().execute(
                 "INSERT INTO sessions (session_id, owner, request, steps, ledger, epsilon_spent, param_version, "
-                "updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "updated, clip_bound) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (record.session_id, record.owner, record.request, record.steps, record.ledger,
-                 record.epsilon_spent, record.param_version, record.updated))
+                 record.epsilon_spent, record.param_version, record.updated, record.clip_bound))
 
     def save_progress(self, session_id: str, *, steps: int, ledger: str | None, epsilon_spent: float,
-                      param_version: int) -> None:
-        """Records a session's progress after a step; durable when it returns."""
+                      param_version: int, clip_bound: float | None = None) -> None:
+        """Records a session's progress after a step (with adaptive clipping, ``clip_bound``: the
+        bound its next step clips at); durable when it returns."""
         with self._lock:
             self._open().execute(
-                "UPDATE sessions SET steps = ?, ledger = ?, epsilon_spent = ?, param_version = ?, updated = ? "
-                "WHERE session_id = ?", (steps, ledger, epsilon_spent, param_version, time.time(), session_id))
+                "UPDATE sessions SET steps = ?, ledger = ?, epsilon_spent = ?, param_version = ?, clip_bound = ?, "
+                "updated = ? WHERE session_id = ?",
+                (steps, ledger, epsilon_spent, param_version, clip_bound, time.time(), session_id))
 
     def delete(self, session_id: str) -> None:
         """Forgets a closed or expired session."""
@@ -180,10 +203,11 @@ class SessionDatabase:
         """Every stored session, oldest write first."""
         with self._lock:
             rows = self._open().execute(
-                "SELECT session_id, owner, request, steps, ledger, epsilon_spent, param_version, updated "
-                "FROM sessions ORDER BY updated").fetchall()
+                "SELECT session_id, owner, request, steps, ledger, epsilon_spent, param_version, updated, "
+                "clip_bound FROM sessions ORDER BY updated").fetchall()
         return [SessionRecord(session_id=row[0], owner=row[1], request=bytes(row[2]), steps=row[3], ledger=row[4],
-                              epsilon_spent=row[5], param_version=row[6], updated=row[7]) for row in rows]
+                              epsilon_spent=row[5], param_version=row[6], updated=row[7], clip_bound=row[8])
+                for row in rows]
 
     def close(self) -> None:
         """Closes the database and releases the state directory."""

@@ -5,6 +5,10 @@ validate -> split the N samples (K rows together) into shards -> executor -> mer
 session's progress (with ``--state-dir``, before the reply: no accounted step is lost) -> reply.
 A logical batch sent in parts (:mod:`psg_server.accumulation`) runs everything up to the merge per
 part, and the rest once, on the last part.
+With adaptive clipping (:attr:`Session.adaptive_clipping <psg_server.sessions.Session>`), every
+shard (every part) is clipped at the session's current bound, and after the gradient's noise the
+same generator noises the count of unclipped samples of the whole logical batch, which moves the
+bound; the step is accounted once, the bound persisted with it.
 The privacy part (budget check, noise, normalisation, accounting) is
 :class:`psg_core.privacy_step.PrivacyStep`, the one :class:`psg_core.DPStep` runs in process.
 The result equals :func:`psg_core.dp.dp_gradient` on the whole batch, noised and normalised,
@@ -34,7 +38,7 @@ from psg_server.losses import prepare_targets
 from psg_server.metrics import Metrics
 from psg_server.models import InputSpec
 from psg_server.scheduler import cut_shards, plan_shards
-from psg_server.sessions import Session, SessionStore
+from psg_server.sessions import BoundUpdate, Session, SessionStore
 from psg_server.streams import (all_finite, check_push_version, parameter_check, parameter_set, read_header,
                                 read_tensors, tensor_messages)
 from psg_wire.codec import CodecLimits, HeaderCheck, TensorDecoder
@@ -292,6 +296,8 @@ class StepRunner:
                                     batch_first=config.batch_first)
                 if batch.keywords:
                     shards = [dataclasses.replace(shard, keywords=batch.keywords) for shard in shards]
+                if session.adaptive_clipping is not None:  # the spec keeps the bound the session opened with
+                    shards = [dataclasses.replace(shard, max_grad_norm=session.clip_bound) for shard in shards]
                 remaining = time_remaining()
                 timeout = self._config.step_timeout_seconds if remaining is None else \
                     min(self._config.step_timeout_seconds, remaining)
@@ -308,10 +314,10 @@ class StepRunner:
                                                    session_id=session.id)
             if total is not None:
                 with metrics.phase("noise"):
-                    grads = self._noise_and_normalise(session, total, step_seed)
+                    grads, update = self._release(session, total, step_seed)
                     reply = reply_tensors(grads, dtype=session.wire.gradients)
                 with metrics.phase("account"):
-                    step = await _account(session, session.record_step)
+                    step = await _account(session, functools.partial(session.record_step, update))
                     if self._store.persistent:  # before the result goes out: no accounted step is lost
                         await _off_loop(functools.partial(self._store.persist, session))
         metrics.samples.inc(merged.num_samples)
@@ -320,7 +326,7 @@ class StepRunner:
                                                            seconds=time.perf_counter() - started, pending=True))
             return
         stats = _stats(session, total, step=step, version=parameters.version,
-                       seconds=time.perf_counter() - started)
+                       seconds=time.perf_counter() - started, update=update)
         with metrics.phase("send"):
             if isinstance(reply, FlatTensors) and not header.grouped_reply:
                 reply = reply.views()  # a client that reads no groups: one header per tensor
@@ -335,15 +341,28 @@ class StepRunner:
                 yield message
 
     @staticmethod
-    def _noise_and_normalise(session: Session, merged: DPGradient,
-                             step_seed: int | None) -> dict[str, torch.Tensor]:
+    def _release(session: Session, merged: DPGradient,
+                 step_seed: int | None) -> tuple[dict[str, torch.Tensor], BoundUpdate | None]:
+        """What a step releases from the merged clipped sum of its logical batch: the gradient,
+        noised once (seeded per step) and normalised, and with adaptive clipping the bound's update,
+        its count noised by the same generator after the gradient (as :class:`psg_core.DPStep` does)."""
         generator = None
-        if session.dp_config.noise_multiplier > 0 and not session.secure_rng:
+        if session.draws_noise and not session.secure_rng:
             # On the device that holds the sum (a GPU's generator draws other values than the CPU's).
             device = next(iter(merged.grads.values())).device if merged.grads else torch.device("cpu")
             generator = torch.Generator(device=device).manual_seed(session.noise_seed(step_seed))
-        return session.privacy_step.noise_and_normalise(merged.grads, generator=generator,
-                                                        secure_rng=session.secure_rng)
+        grads = session.noise_step.noise_and_normalise(merged.grads, generator=generator,
+                                                       secure_rng=session.secure_rng)
+        update = None
+        if session.adaptive_clipping is not None:
+            update = session.adapt_bound(merged.per_sample_norms, generator=generator)
+        return grads, update
+
+    @staticmethod
+    def _noise_and_normalise(session: Session, merged: DPGradient,
+                             step_seed: int | None) -> dict[str, torch.Tensor]:
+        """The released gradient of :meth:`_release`."""
+        return StepRunner._release(session, merged, step_seed)[0]
 
 
 def _check_version(session: Session, header: pb.ComputeGradientsHeader) -> bool:
@@ -407,7 +426,7 @@ async def _off_loop(function: Callable[[], Any]) -> Any:
 
 
 def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
-           seconds: float, pending: bool = False) -> pb.StepStats:
+           seconds: float, pending: bool = False, update: BoundUpdate | None = None) -> pb.StepStats:
     norms = merged.per_sample_norms.detach().to(torch.float64).cpu()  # (N,)
     # A dropped sample's norm is NaN or infinite (its gradient was not finite): the quantiles are
     # those of the kept samples, as the sum and the loss are.
@@ -416,11 +435,16 @@ def _stats(session: Session, merged: DPGradient, *, step: int, version: int,
     # An empty (Poisson) batch has no norms: report no quantiles rather than invent some.
     values = _quantiles(norms) if norms.numel() else []
     kept = merged.num_samples - merged.num_dropped
+    # Adaptive clipping: the bound the samples were clipped at (a pending part's: the current one).
+    bound = update.bound if update is not None else \
+        session.clip_bound if session.adaptive_clipping is not None else None
     return step_stats_to_proto(StepReport(
         step=step, param_version=version, samples=merged.num_samples,
         mean_loss=merged.loss_sum / kept if kept else 0.0, norm_quantiles=dict(zip(NORM_QUANTILES, values)),
         fraction_clipped=merged.num_clipped / max(merged.num_samples, 1), epsilon_spent=session.epsilon_spent,
-        budget_left=session.budget_left, server_seconds=seconds, pending=pending, num_dropped=merged.num_dropped))
+        budget_left=session.budget_left, server_seconds=seconds, pending=pending, num_dropped=merged.num_dropped,
+        clip_bound=bound, next_clip_bound=None if update is None else update.next_bound,
+        unclipped_fraction=None if update is None else update.unclipped_fraction))
 
 
 

@@ -9,6 +9,7 @@ zero, an absent optional) is read and written here and nowhere else:
 * a parameter's ``(name, dtype, shape, requires_grad)`` <-> ``ParameterSpec``
 * :class:`~psg_wire.adapters.LoraAdapter` <-> ``LoraSettings``
 * :class:`WireDtypes` <-> ``WireSettings``
+* :class:`~psg_core.adaptive_clipping.QuantileClipping` <-> ``AdaptiveClippingSettings``
 
 >>> from psg_core.config import DPConfig
 >>> config = DPConfig(mode="ghost", augmentation_multiplicity=4, noise_multiplier=1.1)
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from psg_core.adaptive_clipping import QuantileClipping
 from psg_core.config import DPConfig
 from psg_core.errors import ConfigError
 from psg_wire.adapters import LoraAdapter
@@ -36,6 +38,8 @@ __all__ = [
     "PrivacyRequest",
     "StepReport",
     "WireDtypes",
+    "adaptive_clipping_from_proto",
+    "adaptive_clipping_to_proto",
     "dp_config_from_proto",
     "dp_config_to_proto",
     "lora_from_proto",
@@ -138,27 +142,40 @@ class StepReport:
     pending: bool = False
     #: Samples whose gradient was not finite, dropped from the sum (psg_core.clipping).
     num_dropped: int = 0
+    #: Adaptive clipping only (None otherwise): the flat bound the step's samples were clipped at.
+    clip_bound: float | None = None
+    #: Adaptive clipping only (None otherwise and for a pending part): the next step's bound.
+    next_clip_bound: float | None = None
+    #: Adaptive clipping only (None otherwise and for a pending part): the released, noised
+    #: estimate of the fraction of samples ``clip_bound`` left unclipped.
+    unclipped_fraction: float | None = None
+
+
+#: The optional fields of ``StepStats`` (unset = None in :class:`StepReport`).
+_OPTIONAL_STATS = ("clip_bound", "next_clip_bound", "unclipped_fraction")
 
 
 def step_stats_to_proto(report: StepReport) -> pb.StepStats:
-    """``StepStats`` of ``report`` (quantiles in the mapping's order)."""
+    """``StepStats`` of ``report`` (quantiles in the mapping's order; None leaves a field unset)."""
+    optional = {name: getattr(report, name) for name in _OPTIONAL_STATS if getattr(report, name) is not None}
     return pb.StepStats(step=report.step, param_version=report.param_version, samples=report.samples,
                         mean_loss=report.mean_loss,
                         norm_quantiles=[pb.NormQuantile(quantile=q, value=v)
                                         for q, v in report.norm_quantiles.items()],
                         fraction_clipped=report.fraction_clipped, epsilon_spent=report.epsilon_spent,
                         budget_left=report.budget_left, server_seconds=report.server_seconds,
-                        pending=report.pending, num_dropped=report.num_dropped)
+                        pending=report.pending, num_dropped=report.num_dropped, **optional)
 
 
 def step_stats_from_proto(stats: pb.StepStats) -> StepReport:
     """The :class:`StepReport` of ``stats``."""
+    optional = {name: getattr(stats, name) if stats.HasField(name) else None for name in _OPTIONAL_STATS}
     return StepReport(step=stats.step, param_version=stats.param_version, samples=stats.samples,
                       mean_loss=stats.mean_loss,
                       norm_quantiles={q.quantile: q.value for q in stats.norm_quantiles},
                       fraction_clipped=stats.fraction_clipped, epsilon_spent=stats.epsilon_spent,
                       budget_left=stats.budget_left, server_seconds=stats.server_seconds,
-                      pending=stats.pending, num_dropped=stats.num_dropped)
+                      pending=stats.pending, num_dropped=stats.num_dropped, **optional)
 
 
 # --------------------------------------------------------------------------------- ParameterSpec
@@ -239,3 +256,29 @@ def wire_dtypes_from_proto(settings: pb.WireSettings) -> WireDtypes:
                               f"{sorted(WIRE_DTYPES)}, got {name[:40]!r}")
         dtypes[which] = WIRE_DTYPES[name] if name else None
     return WireDtypes(**dtypes)
+
+
+# ---------------------------------------------------------------------- AdaptiveClippingSettings
+def adaptive_clipping_to_proto(clipping: QuantileClipping) -> pb.AdaptiveClippingSettings:
+    """``AdaptiveClippingSettings`` of ``clipping`` (every field given)."""
+    return pb.AdaptiveClippingSettings(target_quantile=clipping.target_quantile, learning_rate=clipping.learning_rate,
+                                       count_noise_multiplier=clipping.count_noise_multiplier)
+
+
+def adaptive_clipping_from_proto(settings: pb.AdaptiveClippingSettings) -> QuantileClipping:
+    """The :class:`~psg_core.adaptive_clipping.QuantileClipping` of ``settings``: a zero
+    ``target_quantile`` or ``learning_rate`` reads as QuantileClipping's default (0.5, 0.2);
+    ``count_noise_multiplier`` has no default (its scale is the batch's).
+
+    Raises:
+        ConfigError: a value out of range, or no ``count_noise_multiplier``.
+
+    >>> adaptive_clipping_from_proto(pb.AdaptiveClippingSettings(count_noise_multiplier=3.0))
+    QuantileClipping(target_quantile=0.5, learning_rate=0.2, count_noise_multiplier=3.0)
+    """
+    if settings.count_noise_multiplier == 0:
+        raise ConfigError("AdaptiveClippingSettings: count_noise_multiplier is required (> 0 and above half the "
+                          "noise multiplier; the paper suggests about expected_batch_size / 20)")
+    return QuantileClipping(target_quantile=settings.target_quantile or QuantileClipping.target_quantile,
+                            learning_rate=settings.learning_rate or QuantileClipping.learning_rate,
+                            count_noise_multiplier=settings.count_noise_multiplier)

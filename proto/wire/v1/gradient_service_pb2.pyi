@@ -174,7 +174,7 @@ class LoraSettings(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("model", "model_kwargs_json", "loss", "dp", "expected_batch_size", "privacy", "seed", "secure_rng", "lora", "wire")
+    __slots__ = ("model", "model_kwargs_json", "loss", "dp", "expected_batch_size", "privacy", "seed", "secure_rng", "lora", "wire", "adaptive_clipping")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class CreateSessionRequest(_message.Message):
     SECURE_RNG_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_CLIPPING_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_kwargs_json: str
     loss: str
@@ -195,7 +196,18 @@ class CreateSessionRequest(_message.Message):
     secure_rng: bool
     lora: LoraSettings
     wire: WireSettings
-    def __init__(self, model: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., expected_batch_size: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ..., seed: _Optional[int] = ..., secure_rng: _Optional[bool] = ..., lora: _Optional[_Union[LoraSettings, _Mapping]] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ...) -> None: ...
+    adaptive_clipping: AdaptiveClippingSettings
+    def __init__(self, model: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., expected_batch_size: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ..., seed: _Optional[int] = ..., secure_rng: _Optional[bool] = ..., lora: _Optional[_Union[LoraSettings, _Mapping]] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ..., adaptive_clipping: _Optional[_Union[AdaptiveClippingSettings, _Mapping]] = ...) -> None: ...
+
+class AdaptiveClippingSettings(_message.Message):
+    __slots__ = ("target_quantile", "learning_rate", "count_noise_multiplier")
+    TARGET_QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    target_quantile: float
+    learning_rate: float
+    count_noise_multiplier: float
+    def __init__(self, target_quantile: _Optional[float] = ..., learning_rate: _Optional[float] = ..., count_noise_multiplier: _Optional[float] = ...) -> None: ...
 
 class WireSettings(_message.Message):
     __slots__ = ("parameters_dtype", "gradients_dtype")
@@ -236,7 +248,7 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters", "frozen_version", "dp", "latest_param_version", "wire")
+    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters", "frozen_version", "dp", "latest_param_version", "wire", "adaptive_clipping", "clip_bound")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +261,8 @@ class SessionInfo(_message.Message):
     DP_FIELD_NUMBER: _ClassVar[int]
     LATEST_PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_CLIPPING_FIELD_NUMBER: _ClassVar[int]
+    CLIP_BOUND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     steps: int
@@ -261,7 +275,9 @@ class SessionInfo(_message.Message):
     dp: DPSettings
     latest_param_version: int
     wire: WireSettings
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., frozen_version: _Optional[int] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., latest_param_version: _Optional[int] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ...) -> None: ...
+    adaptive_clipping: AdaptiveClippingSettings
+    clip_bound: float
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., frozen_version: _Optional[int] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., latest_param_version: _Optional[int] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ..., adaptive_clipping: _Optional[_Union[AdaptiveClippingSettings, _Mapping]] = ..., clip_bound: _Optional[float] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -346,7 +362,7 @@ class NormQuantile(_message.Message):
     def __init__(self, quantile: _Optional[float] = ..., value: _Optional[float] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("step", "param_version", "samples", "mean_loss", "norm_quantiles", "fraction_clipped", "epsilon_spent", "budget_left", "server_seconds", "pending", "num_dropped")
+    __slots__ = ("step", "param_version", "samples", "mean_loss", "norm_quantiles", "fraction_clipped", "epsilon_spent", "budget_left", "server_seconds", "pending", "num_dropped", "clip_bound", "next_clip_bound", "unclipped_fraction")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +374,9 @@ class StepStats(_message.Message):
     SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CLIP_BOUND_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CLIP_BOUND_FIELD_NUMBER: _ClassVar[int]
+    UNCLIPPED_FRACTION_FIELD_NUMBER: _ClassVar[int]
     step: int
     param_version: int
     samples: int
@@ -369,7 +388,10 @@ class StepStats(_message.Message):
     server_seconds: float
     pending: bool
     num_dropped: int
-    def __init__(self, step: _Optional[int] = ..., param_version: _Optional[int] = ..., samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., norm_quantiles: _Optional[_Iterable[_Union[NormQuantile, _Mapping]]] = ..., fraction_clipped: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., server_seconds: _Optional[float] = ..., pending: _Optional[bool] = ..., num_dropped: _Optional[int] = ...) -> None: ...
+    clip_bound: float
+    next_clip_bound: float
+    unclipped_fraction: float
+    def __init__(self, step: _Optional[int] = ..., param_version: _Optional[int] = ..., samples: _Optional[int] = ..., mean_loss: _Optional[float] = ..., norm_quantiles: _Optional[_Iterable[_Union[NormQuantile, _Mapping]]] = ..., fraction_clipped: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., server_seconds: _Optional[float] = ..., pending: _Optional[bool] = ..., num_dropped: _Optional[int] = ..., clip_bound: _Optional[float] = ..., next_clip_bound: _Optional[float] = ..., unclipped_fraction: _Optional[float] = ...) -> None: ...
 
 class ComputeGradientsResponse(_message.Message):
     __slots__ = ("stats", "tensor", "chunk", "group", "result")
