@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import psg_core
+from tests.devices import to_device
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 Batch = tuple[tuple[Any, ...], torch.Tensor]
@@ -104,9 +105,17 @@ def check_against_oracle(model: nn.Module, inputs: Any, targets: torch.Tensor, *
                          loss: Callable[[str], LossFn] = mse_loss,
                          samples: Sequence[Batch] | None = None,
                          target_batch_dim: int | None = None,
+                         device: torch.device | str | None = None,
                          **wrap_kwargs: Any) -> dict[str, torch.Tensor]:
     """The standard layer test: hooks grad samples equal the oracle, and their sum (sum
-    reduction) or mean (mean reduction) equals the ordinary batch gradient."""
+    reduction) or mean (mean reduction) equals the ordinary batch gradient.
+
+    ``device``: where both run; the model (in place), the inputs, the targets and the given
+    ``samples`` are moved there first (tests/devices.py). None leaves them where they are.
+    """
+    if device is not None:
+        model, inputs, targets = to_device(model, device), to_device(inputs, device), to_device(targets, device)
+        samples = None if samples is None else to_device(list(samples), device)
     batch_dim = 0 if batch_first else 1
     if samples is None:
         samples = split_samples(inputs, targets, K, batch_dim=batch_dim,

@@ -29,6 +29,7 @@ from torch.nn.utils.rnn import PackedSequence
 import psg_core
 from psg_core import DPConfig, PsgError
 from tests.core.grid_cases import Batch, Case, all_cases
+from tests.devices import oracle_precision, to_device
 from tests.oracle import assert_close_scaled, hooks_grad_samples, microbatch_oracle
 
 __all__ = ["MODES", "SAMPLES", "Cell", "Outcome", "Result", "all_cases", "cells_of", "full_grid", "slice_grid",
@@ -113,14 +114,17 @@ def _double(value: Any) -> Any:
     return value
 
 
-def prepare(cell: Cell) -> tuple[nn.Module, Batch, torch.Tensor, dict[str, torch.Tensor]]:
-    """The model, batch, targets and oracle of a cell."""
+def prepare(cell: Cell, device: torch.device | str = "cpu"
+            ) -> tuple[nn.Module, Batch, torch.Tensor, dict[str, torch.Tensor]]:
+    """The model, batch, targets and oracle of a cell, on ``device`` (built on the CPU from the
+    case's seeds, then moved: every device sees the same numbers)."""
     case, K = cell.case, cell.K
-    model = case.build(cell.batch_first)
-    batch = case.batch(SAMPLES * K, cell.batch_first)
+    model = case.build(cell.batch_first).to(device)
+    built = case.batch(SAMPLES * K, cell.batch_first)
+    batch = Batch(to_device(built.args, device), lambda n, k: to_device(built.sample(n, k), device))
     with torch.no_grad():
         out = model(*batch.args)
-    targets = torch.randn(out.shape, generator=torch.Generator().manual_seed(14))
+    targets = torch.randn(out.shape, generator=torch.Generator().manual_seed(14)).to(device)
     dim = 0 if cell.batch_first else 1
     samples = [(_double(batch.sample(n, K)), targets.narrow(dim, n * K, K)) for n in range(SAMPLES)]
     expected = microbatch_oracle(model, samples, _loss(cell.reduction))
@@ -184,14 +188,14 @@ def assert_all_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.
                                    msg=_prefixed(f"{name} (zero up to rounding)"))
 
 
-def run_cell(cell: Cell) -> Result:
-    """What one cell does: the oracle's result, a refusal naming the layer, or a failure.
+def run_cell(cell: Cell, device: torch.device | str = "cpu") -> Result:
+    """What one cell does on ``device``: the oracle's result, a refusal naming the layer, or a failure.
 
     Warnings are recorded on the result, not raised (torch warns about ``padding="same"`` with
     even kernels in the oracle's forward too)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, batch, targets, expected = prepare(cell)
+        model, batch, targets, expected = prepare(cell, device)
         try:
             compute(cell, model, batch, targets, expected)
             result = Result(Outcome.PASS)
@@ -223,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slice", action="store_true", help="only the slice that `make test` runs")
     parser.add_argument("--family", help="only this layer family (e.g. Conv2d)")
     parser.add_argument("--messages", action="store_true", help="print each distinct refusal message")
+    parser.add_argument("--device", default="cpu", help="where the cells run (cpu, cuda; TF32 off on CUDA)")
     options = parser.parse_args(argv)
     cells = slice_grid() if options.slice else full_grid()
     if options.family:
@@ -233,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     messages: dict[tuple[str, str, str], list[str]] = {}
     refusals: collections.Counter[tuple[str, str, str]] = collections.Counter()
     for cell in cells:
-        result = run_cell(cell)
+        with oracle_precision(options.device):
+            result = run_cell(cell, options.device)
         warned.update(result.warnings)
         tally[(cell.mode, result.outcome.value)] += 1
         if result.outcome is Outcome.FAILURE:

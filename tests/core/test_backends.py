@@ -24,6 +24,7 @@ from psg_core.dp import dp_gradient
 from psg_core.errors import (BatchLayoutError, ConfigError, GradAccumulationError, PsgError,
                              UnsupportedModuleError)
 from psg_core.grad_sample import GRAD_SAMPLERS
+from tests.devices import to_device
 from tests.oracle import assert_close_scaled, microbatch_oracle, mse_loss, split_samples
 
 MODES = ["hooks", "functorch", "ew"]
@@ -70,31 +71,31 @@ class Gated(nn.Module):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_functorch_buffers_and_frozen_parameters(reduction: str) -> None:
+def test_functorch_buffers_and_frozen_parameters(reduction: str, device: torch.device) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(Standardise(4), nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    model = nn.Sequential(Standardise(4), nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).to(device)
     model[1].weight.requires_grad_(False)
-    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    x, y = torch.randn(6, 4).to(device), torch.randn(6, 2).to(device)
     grads = per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), mode="functorch",
                                  augmentation_multiplicity=2, loss_reduction=reduction)
     assert "1.weight" not in grads
     assert_all_close(grads, oracle(model, x, y, 2, reduction))
 
 
-def test_functorch_non_tensor_and_unbatched_arguments() -> None:
+def test_functorch_non_tensor_and_unbatched_arguments(device: torch.device) -> None:
     torch.manual_seed(1)
-    model, K = Gated(), 2
-    x, y, gate = torch.randn(3 * K, 4), torch.randn(3 * K, 3), torch.tensor([1.0, 0.5, -1.0])
+    model, K = Gated().to(device), 2
+    x, y, gate = to_device((torch.randn(3 * K, 4), torch.randn(3 * K, 3), torch.tensor([1.0, 0.5, -1.0])), device)
     grads = per_sample_gradients(model, (x, 0.7, gate), y, loss_fn=nn.MSELoss(), mode="functorch",
                                  augmentation_multiplicity=K)
     samples = [((x[n * K:(n + 1) * K], 0.7, gate), y[n * K:(n + 1) * K]) for n in range(3)]
     assert_all_close(grads, microbatch_oracle(model, samples, mse_loss("mean")))
 
 
-def test_functorch_per_sample_losses_and_zero_samples() -> None:
+def test_functorch_per_sample_losses_and_zero_samples(device: torch.device) -> None:
     torch.manual_seed(2)
-    model = mlp()
-    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    model = mlp().to(device)
+    x, y = torch.randn(8, 4).to(device), torch.randn(8, 2).to(device)
     out = compute_per_sample(model, x, y, loss_fn=nn.MSELoss(), mode="functorch", augmentation_multiplicity=2)
     expected = torch.stack([F.mse_loss(model(x[n * 2:n * 2 + 2]), y[n * 2:n * 2 + 2]) for n in range(4)])
     torch.testing.assert_close(out.per_sample_losses, expected.detach())
@@ -104,10 +105,10 @@ def test_functorch_per_sample_losses_and_zero_samples() -> None:
     assert empty.grads["0.weight"].shape == (0, 6, 4)
 
 
-def test_functorch_batchnorm() -> None:
+def test_functorch_batchnorm(device: torch.device) -> None:
     torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
-    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2)).to(device)
+    x, y = torch.randn(6, 4).to(device), torch.randn(6, 2).to(device)
     with pytest.raises(UnsupportedModuleError, match=r"'1' \(BatchNorm1d\).*training mode"):
         per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), mode="functorch")
     model.eval()  # running statistics: per-sample again, and its affine parameters are trainable
@@ -136,21 +137,22 @@ class TiedEmbeddingLM(nn.Module):
         return F.linear(self.embed(tokens), self.embed.weight)  # (B, T, 7)
 
 
-def test_ew_embedding_padding_row_and_tying() -> None:
+def test_ew_embedding_padding_row_and_tying(device: torch.device) -> None:
     torch.manual_seed(4)
-    model = nn.Sequential(nn.Embedding(7, 4, padding_idx=0), nn.Linear(4, 2))
-    tokens = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 6], [0, 6, 1]])  # padding in every sample
-    y = torch.randn(4, 3, 2)
+    model = nn.Sequential(nn.Embedding(7, 4, padding_idx=0), nn.Linear(4, 2)).to(device)
+    tokens = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 6], [0, 6, 1]], device=device)  # padding in every sample
+    y = torch.randn(4, 3, 2).to(device)
     grads = per_sample_gradients(model, tokens, y, loss_fn=nn.MSELoss(), mode="ew", augmentation_multiplicity=2)
     assert_all_close(grads, oracle(model, tokens, y, 2))
     with pytest.raises(UnsupportedModuleError, match="'embed.weight'.*padding_idx"):
-        per_sample_gradients(TiedEmbeddingLM(), tokens, torch.randn(4, 3, 7), loss_fn=nn.MSELoss(), mode="ew")
-    frequency = nn.Sequential(nn.Embedding(7, 4, scale_grad_by_freq=True), nn.Linear(4, 2))
+        per_sample_gradients(TiedEmbeddingLM().to(device), tokens, torch.randn(4, 3, 7, device=device),
+                             loss_fn=nn.MSELoss(), mode="ew")
+    frequency = nn.Sequential(nn.Embedding(7, 4, scale_grad_by_freq=True), nn.Linear(4, 2)).to(device)
     with pytest.raises(UnsupportedModuleError, match=r"'0' \(Embedding\).*scale_grad_by_freq"):
         per_sample_gradients(frequency, tokens, y, loss_fn=nn.MSELoss(), mode="ew")
 
 
-def test_ew_names_unsupported_layer_and_handles_fused_gru() -> None:
+def test_ew_names_unsupported_layer_and_handles_fused_gru(device: torch.device) -> None:
     torch.manual_seed(5)
 
     class SelfAttention(nn.Module):
@@ -176,28 +178,29 @@ def test_ew_names_unsupported_layer_and_handles_fused_gru() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.head(self.gru(x)[0])
 
-    model, x, y = GRUHead(), torch.randn(6, 5, 3), torch.randn(6, 5, 2)
+    model, x, y = to_device((GRUHead(), torch.randn(6, 5, 3), torch.randn(6, 5, 2)), device)
     grads = per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), mode="ew", augmentation_multiplicity=3)
     assert_all_close(grads, oracle(model, x, y, 3))
 
 
-def test_ew_zero_samples_and_seq_first_linear() -> None:
+def test_ew_zero_samples_and_seq_first_linear(device: torch.device) -> None:
     torch.manual_seed(6)
-    model = mlp()
-    empty = per_sample_gradients(model, torch.randn(0, 4), torch.randn(0, 2), loss_fn=nn.MSELoss(), mode="ew")
+    model = mlp().to(device)
+    empty = per_sample_gradients(model, torch.randn(0, 4, device=device), torch.randn(0, 2, device=device),
+                                 loss_fn=nn.MSELoss(), mode="ew")
     assert empty["2.bias"].shape == (0, 2)
-    x, y = torch.randn(5, 6, 4), torch.randn(5, 6, 2)  # (T, N*K, d)
+    x, y = torch.randn(5, 6, 4).to(device), torch.randn(5, 6, 2).to(device)  # (T, N*K, d)
     grads = per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), mode="ew", augmentation_multiplicity=2,
                                  loss_reduction="sum", batch_first=False)
     assert_all_close(grads, oracle(model, x, y, 2, "sum", batch_dim=1))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_ew_wrapper(reduction: str) -> None:
+def test_ew_wrapper(reduction: str, device: torch.device) -> None:
     torch.manual_seed(7)
-    model, K = mlp(), 2
+    model, K = mlp().to(device), 2
     reference = copy.deepcopy(model)
-    x, y = torch.randn(3 * K, 4), torch.randn(3 * K, 2)
+    x, y = torch.randn(3 * K, 4).to(device), torch.randn(3 * K, 2).to(device)
     wrapped = ExpandedWeightsGradSampleModule(model, loss_reduction=reduction, augmentation_multiplicity=K)
     F.mse_loss(wrapped(x), y, reduction=reduction).backward()
     F.mse_loss(reference(x), y, reduction=reduction).backward()
@@ -233,15 +236,15 @@ def assert_same_dp(result: Any, expected: Any) -> None:
     assert_all_close(result.grads, expected.grads)
 
 
-def test_ghost_is_not_a_per_sample_mode() -> None:
+def test_ghost_is_not_a_per_sample_mode(device: torch.device) -> None:
     with pytest.raises(ConfigError, match="ghost.*dp_gradient"):
         per_sample_gradients(mlp(), torch.randn(4, 4), torch.randn(4, 2), loss_fn=nn.MSELoss(), mode="ghost")
-    wrapped = wrap_model(mlp(), "ghost", max_grad_norm=0.1, augmentation_multiplicity=2)
+    wrapped = wrap_model(mlp().to(device), "ghost", max_grad_norm=0.1, augmentation_multiplicity=2)
     assert isinstance(wrapped, GhostClippingModule)
     with pytest.raises(ConfigError, match="never materialises"):
         wrapped.grad_samples()
     torch.manual_seed(8)
-    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    x, y = torch.randn(6, 4).to(device), torch.randn(6, 2).to(device)
     result = wrapped.dp_gradient(x, y, loss_fn=nn.MSELoss())
     assert_same_dp(result, reference_clip(wrapped._module, x, y, 2, max_grad_norm=0.1))
 
@@ -263,16 +266,16 @@ class SharedBlock(nn.Module):
 
 
 @pytest.mark.parametrize("plan", ["ghost", "materialise"])
-def test_ghost_repeated_and_tied_layers(plan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ghost_repeated_and_tied_layers(plan: str, monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     monkeypatch.setattr(ghost_module, "_ghost_is_cheaper", lambda layer, positions: plan == "ghost")
     torch.manual_seed(9)
-    model, K = SharedBlock(), 2
-    x, y = torch.randn(4 * K, 3, 5), torch.randn(4 * K, 3, 2)
+    model, K = SharedBlock().to(device), 2
+    x, y = torch.randn(4 * K, 3, 5).to(device), torch.randn(4 * K, 3, 2).to(device)
     assert_same_dp(ghost(model, x, y, augmentation_multiplicity=K, max_grad_norm=0.05),
                    reference_clip(model, x, y, K, max_grad_norm=0.05))
 
 
-def test_ghost_does_not_materialise_wide_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ghost_does_not_materialise_wide_layers(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     """The point of ghost: a wide Linear on short rows never gets an (N, d_out, d_in) tensor; on
     long sequences the materialised gradient is the cheaper one and is used."""
     calls: list[tuple[int, ...]] = []
@@ -285,22 +288,22 @@ def test_ghost_does_not_materialise_wide_layers(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(ghost_module, "call_grad_samples", spy)
     torch.manual_seed(10)
-    wide = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
-    x, y = torch.randn(8, 64), torch.randn(8, 1)
+    wide = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).to(device)
+    x, y = torch.randn(8, 64).to(device), torch.randn(8, 1).to(device)
     assert_same_dp(ghost(wide, x, y, augmentation_multiplicity=2), reference_clip(wide, x, y, 2, max_grad_norm=1.0))
     assert (64, 64) not in calls
-    narrow = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
-    x, y = torch.randn(4, 20, 3), torch.randn(4, 20, 1)  # T = 20 >> d: materialise
+    narrow = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).to(device)
+    x, y = torch.randn(4, 20, 3).to(device), torch.randn(4, 20, 1).to(device)  # T = 20 >> d: materialise
     assert_same_dp(ghost(narrow, x, y), reference_clip(narrow, x, y, 1, max_grad_norm=1.0))
     assert (3, 3) in calls
 
 
-def test_ghost_per_layer_bounds_and_untouched_model() -> None:
+def test_ghost_per_layer_bounds_and_untouched_model(device: torch.device) -> None:
     torch.manual_seed(11)
-    model = mlp()
+    model = mlp().to(device)
     for p in model.parameters():
         p.grad = torch.full_like(p, 7.0)
-    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    x, y = torch.randn(6, 4).to(device), torch.randn(6, 2).to(device)
     bounds = (0.05, 0.1, 0.02, 0.3)
     result = ghost(model, x, y, augmentation_multiplicity=3, clipping="per_layer", per_layer_max_grad_norms=bounds)
     assert_same_dp(result, reference_clip(model, x, y, 3, max_grad_norm=1.0, clipping="per_layer",
@@ -309,7 +312,7 @@ def test_ghost_per_layer_bounds_and_untouched_model() -> None:
                for p in model.parameters())
 
 
-def test_ghost_errors_and_empty_batch() -> None:
+def test_ghost_errors_and_empty_batch(device: torch.device) -> None:
     with pytest.raises(UnsupportedModuleError, match=r"'0' \(LSTM\).*fix_model"):
         ghost(nn.Sequential(nn.LSTM(3, 3)), torch.randn(2, 4, 3), torch.randn(2, 4, 3))
     with pytest.raises(UnsupportedModuleError, match=r"BatchNorm1d"):
@@ -321,25 +324,25 @@ def test_ghost_errors_and_empty_batch() -> None:
             self.table = nn.Embedding(5, 3)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.table(torch.arange(x.shape[1]))
+            return x + self.table(torch.arange(x.shape[1], device=x.device))
 
     # The lookup's input carries no batch: its per-sample gradients come from where its output
     # meets the batch (psg_core.provenance), not from a refusal.
-    table, x, y = PositionTable(), torch.randn(4, 5, 3), torch.randn(4, 5, 3)
+    table, x, y = to_device((PositionTable(), torch.randn(4, 5, 3), torch.randn(4, 5, 3)), device)
     assert_same_dp(ghost(table, x, y, augmentation_multiplicity=2, max_grad_norm=0.5),
                    reference_clip(table, x, y, 2, max_grad_norm=0.5))
     with pytest.raises(UnsupportedModuleError, match="scale_grad_by_freq"):
         ghost(nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True)), torch.tensor([[1, 2]] * 2),
               torch.randn(2, 2, 3))
-    empty = ghost(mlp(), torch.randn(0, 4), torch.randn(0, 2))
+    empty = ghost(mlp().to(device), torch.randn(0, 4, device=device), torch.randn(0, 2, device=device))
     assert empty.num_samples == 0 and empty.per_sample_norms.shape == (0,)
     assert float(empty.grads["0.weight"].abs().sum()) == 0.0
 
 
-def test_ghost_sparse_embedding() -> None:
+def test_ghost_sparse_embedding(device: torch.device) -> None:
     torch.manual_seed(12)
-    model = nn.Sequential(nn.Embedding(9, 4, sparse=True), nn.Linear(4, 1))
-    tokens, y = torch.randint(0, 9, (6, 5)), torch.randn(6, 5, 1)
+    model = nn.Sequential(nn.Embedding(9, 4, sparse=True), nn.Linear(4, 1)).to(device)
+    tokens, y = torch.randint(0, 9, (6, 5)).to(device), torch.randn(6, 5, 1).to(device)
     for clipping in ("flat", "per_layer"):
         result = ghost(model, tokens, y, augmentation_multiplicity=2, max_grad_norm=0.1, clipping=clipping)
         assert not result.grads["0.weight"].is_sparse
@@ -360,11 +363,11 @@ class SmallCNN(nn.Module):
 
 @pytest.mark.parametrize("clipping", ["flat", "automatic", "per_layer"])
 @pytest.mark.parametrize("K", [1, 3])
-def test_cross_backend_clipped_sums_agree(clipping: str, K: int) -> None:
+def test_cross_backend_clipped_sums_agree(clipping: str, K: int, device: torch.device) -> None:
     """dp_gradient with every backend, ghost included, gives the same clipped sum and norms."""
     torch.manual_seed(13 + K)
-    model = SmallCNN()
-    x, y = torch.randn(4 * K, 2, 4, 4), torch.randn(4 * K, 2)
+    model = SmallCNN().to(device)
+    x, y = torch.randn(4 * K, 2, 4, 4).to(device), torch.randn(4 * K, 2).to(device)
     results = {mode: dp_gradient(model, x, y, loss_fn=nn.MSELoss(),
                                  config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.2,
                                                  clipping=clipping))
@@ -389,7 +392,7 @@ def test_wrap_model_modes() -> None:
 
 
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ew"])
-def test_wrap_model_custom_parameter(mode: str) -> None:
+def test_wrap_model_custom_parameter(mode: str, device: torch.device) -> None:
     """A bare nn.Parameter: hooks strict refuses, hooks non-strict and functorch compute it,
     ew refuses at forward with the layer's name."""
     torch.manual_seed(15)
@@ -402,8 +405,8 @@ def test_wrap_model_custom_parameter(mode: str) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * self.weight
 
-    model, K = nn.Sequential(nn.Linear(4, 3), Scale()), 2
-    x, y = torch.randn(3 * K, 4), torch.randn(3 * K, 3)
+    model, K = nn.Sequential(nn.Linear(4, 3), Scale()).to(device), 2
+    x, y = torch.randn(3 * K, 4).to(device), torch.randn(3 * K, 3).to(device)
     if mode == "hooks":
         with pytest.raises(UnsupportedModuleError, match=r"'1' \(.*Scale\).*no registered grad sampler"):
             wrap_model(model, "hooks", augmentation_multiplicity=K)

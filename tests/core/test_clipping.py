@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from psg_core.clipping import AUTOMATIC_STABILITY, FLAT_EPSILON, ClipResult, clip_and_sum
@@ -130,39 +130,41 @@ def test_automatic_clipping_formula_and_count() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_norms_are_fp32_and_sums_keep_dtype(dtype: torch.dtype) -> None:
-    per_sample = {"w": scaled_rows([3.0, 0.25]).to(dtype), "b": torch.full((2, 2), 0.5, dtype=dtype)}
+def test_norms_are_fp32_and_sums_keep_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    per_sample = {"w": scaled_rows([3.0, 0.25]).to(device, dtype),
+                  "b": torch.full((2, 2), 0.5, dtype=dtype, device=device)}
     result = clip_and_sum(per_sample, max_grad_norm=1.0)
     assert result.per_sample_norms.dtype == torch.float32
     assert result.clip_factors.dtype == torch.float32
-    assert all(g.dtype == dtype for g in result.grads.values())
-    expected = torch.tensor([math.hypot(3.0, math.sqrt(0.5)), math.hypot(0.25, math.sqrt(0.5))])
+    assert all(g.dtype == dtype and g.device == device for g in result.grads.values())
+    expected = torch.tensor([math.hypot(3.0, math.sqrt(0.5)), math.hypot(0.25, math.sqrt(0.5))], device=device)
     tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
     torch.testing.assert_close(result.per_sample_norms, expected, rtol=tol, atol=tol)
 
 
-def test_fp16_norm_does_not_overflow() -> None:
+def test_fp16_norm_does_not_overflow(device: torch.device) -> None:
     # 300^2 * 4 = 360000 > fp16 max (65504): the norm must be accumulated in fp32.
-    per_sample = {"w": torch.full((1, 4), 300.0, dtype=torch.float16)}
+    per_sample = {"w": torch.full((1, 4), 300.0, dtype=torch.float16, device=device)}
     result = clip_and_sum(per_sample, max_grad_norm=1.0)
-    torch.testing.assert_close(result.per_sample_norms, torch.tensor([600.0]))
+    torch.testing.assert_close(result.per_sample_norms, torch.tensor([600.0], device=device))
     assert torch.isfinite(result.grads["w"]).all()
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
-def test_empty_batch_gives_zeros(clipping: str) -> None:
-    per_sample = {"w": torch.zeros(0, 3, 2), "b": torch.zeros(0, 3)}
+def test_empty_batch_gives_zeros(clipping: str, device: torch.device) -> None:
+    per_sample = {"w": torch.zeros(0, 3, 2, device=device), "b": torch.zeros(0, 3, device=device)}
     result = clip_and_sum(per_sample, max_grad_norm=1.0, clipping=clipping)
     assert result.per_sample_norms.shape == (0,) and result.per_sample_norms.dtype == torch.float32
     assert result.num_clipped == 0
     assert result.grads["w"].shape == (3, 2) and result.grads["b"].shape == (3,)
+    assert result.per_sample_norms.device == device and all(g.device == device for g in result.grads.values())
     assert all(torch.equal(g, torch.zeros_like(g)) for g in result.grads.values())
 
 
-def test_zero_gradient_gives_no_nan() -> None:
+def test_zero_gradient_gives_no_nan(device: torch.device) -> None:
     for clipping in ("flat", "per_layer", "automatic"):
-        result = clip_and_sum({"w": torch.zeros(3, 2)}, max_grad_norm=0.5, clipping=clipping)
-        assert torch.equal(result.grads["w"], torch.zeros(2))
+        result = clip_and_sum({"w": torch.zeros(3, 2, device=device)}, max_grad_norm=0.5, clipping=clipping)
+        assert torch.equal(result.grads["w"], torch.zeros(2, device=device))
         assert result.num_clipped == 0
 
 
@@ -181,15 +183,16 @@ def test_validation_errors_name_the_value() -> None:
         clip_and_sum({"w": torch.ones(2, 3, dtype=torch.int64)}, max_grad_norm=1.0)
 
 
-@settings(max_examples=20, deadline=None)
+# The device fixture holds no state between examples (a device, and TF32 off on CUDA).
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(0, 6), shapes=st.lists(st.lists(st.integers(1, 3), min_size=0, max_size=2),
                                             min_size=1, max_size=3),
        clipping=st.sampled_from(["flat", "per_layer", "automatic"]), C=st.floats(0.05, 5.0),
        scale=st.floats(0.01, 20.0), seed=st.integers(0, 2**16))
 def test_matches_float64_reference(n: int, shapes: list[list[int]], clipping: str, C: float, scale: float,
-                                   seed: int) -> None:
+                                   seed: int, device: torch.device) -> None:
     g = torch.Generator().manual_seed(seed)
-    per_sample = {f"p{i}": torch.randn(n, *shape, generator=g) * scale for i, shape in enumerate(shapes)}
+    per_sample = {f"p{i}": (torch.randn(n, *shape, generator=g) * scale).to(device) for i, shape in enumerate(shapes)}
     result = clip_and_sum(per_sample, max_grad_norm=C, clipping=clipping)
     layer_norms = torch.stack([t.double().reshape(n, math.prod(t.shape[1:])).norm(dim=1)
                                for t in per_sample.values()], 1)

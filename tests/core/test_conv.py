@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -71,13 +71,13 @@ def _ids(cases: list[tuple[str, Any, Any]]) -> list[str]:
 
 
 def _run_layer_case(make: Callable[[], nn.Module], row_shape: tuple[int, ...], K: int,
-                    loss_reduction: str, *, n_samples: int = 2, seed: int = 0) -> None:
+                    loss_reduction: str, device: torch.device, *, n_samples: int = 2, seed: int = 0) -> None:
     torch.manual_seed(seed)
     model = make()
     x = torch.randn(n_samples * K, *row_shape)
     with torch.no_grad():
         y = torch.randn_like(model(x))
-    check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction)
+    check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction, device=device)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
@@ -85,16 +85,16 @@ def _run_layer_case(make: Callable[[], nn.Module], row_shape: tuple[int, ...], K
 @pytest.mark.parametrize(("name", "make", "row_shape"), CONV_CASES, ids=_ids(CONV_CASES))
 @SAME_EVEN_KERNEL
 def test_conv_oracle(name: str, make: Callable[[], nn.Module], row_shape: tuple[int, ...], K: int,
-                     loss_reduction: str) -> None:
-    _run_layer_case(make, row_shape, K, loss_reduction)
+                     loss_reduction: str, device: torch.device) -> None:
+    _run_layer_case(make, row_shape, K, loss_reduction, device)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize(("name", "make", "row_shape"), TRANSPOSE_CASES, ids=_ids(TRANSPOSE_CASES))
 def test_conv_transpose_oracle(name: str, make: Callable[[], nn.Module], row_shape: tuple[int, ...],
-                               K: int, loss_reduction: str) -> None:
-    _run_layer_case(make, row_shape, K, loss_reduction)
+                               K: int, loss_reduction: str, device: torch.device) -> None:
+    _run_layer_case(make, row_shape, K, loss_reduction, device)
 
 
 class _DeconvToSize(nn.Module):
@@ -110,14 +110,14 @@ class _DeconvToSize(nn.Module):
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
-def test_conv_transpose_output_size(K: int, loss_reduction: str) -> None:
-    _run_layer_case(_DeconvToSize, (2, 3, 4), K, loss_reduction)
+def test_conv_transpose_output_size(K: int, loss_reduction: str, device: torch.device) -> None:
+    _run_layer_case(_DeconvToSize, (2, 3, 4), K, loss_reduction, device)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("layer_type", ["conv2d", "conv_transpose1d"])
-def test_conv_frozen_weight(layer_type: str, K: int, loss_reduction: str) -> None:
+def test_conv_frozen_weight(layer_type: str, K: int, loss_reduction: str, device: torch.device) -> None:
     torch.manual_seed(3)
     if layer_type == "conv2d":
         layer: nn.Module = nn.Conv2d(2, 3, 3, padding=1)
@@ -128,7 +128,7 @@ def test_conv_frozen_weight(layer_type: str, K: int, loss_reduction: str) -> Non
     layer.weight.requires_grad_(False)
     with torch.no_grad():
         y = torch.randn_like(layer(x))
-    actual = check_against_oracle(layer, x, y, K=K, loss_reduction=loss_reduction)
+    actual = check_against_oracle(layer, x, y, K=K, loss_reduction=loss_reduction, device=device)
     assert set(actual) == {"bias"}
     assert getattr(layer.weight, "grad_sample", None) is None
 
@@ -152,16 +152,18 @@ def _cross_entropy(reduction: str) -> Callable[[torch.Tensor, torch.Tensor], tor
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
-def test_cnn_end_to_end(K: int, loss_reduction: str) -> None:
+def test_cnn_end_to_end(K: int, loss_reduction: str, device: torch.device) -> None:
     torch.manual_seed(4)
     model = _SmallCNN()
     x = torch.randn(3 * K, 1, 8, 8)
     y = torch.randint(0, 3, (3 * K,))
-    actual = check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction, loss=_cross_entropy)
+    actual = check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction, loss=_cross_entropy,
+                                  device=device)
     assert actual["features.0.weight"].shape == (3, 4, 1, 3, 3)
 
 
-@settings(max_examples=12, deadline=None)
+# The device fixture holds no state between examples (a device, and TF32 off on CUDA).
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 3), K=st.integers(1, 3), groups=st.integers(1, 2), c_in_per=st.integers(1, 2),
        c_out_per=st.integers(1, 2), kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)),
        stride=st.tuples(st.integers(1, 2), st.integers(1, 2)),
@@ -172,7 +174,7 @@ def test_cnn_end_to_end(K: int, loss_reduction: str) -> None:
 def test_conv2d_shapes(n: int, K: int, groups: int, c_in_per: int, c_out_per: int,
                        kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
                        padding: int, spatial: tuple[int, int], bias: bool, padding_mode: str,
-                       reduction: str) -> None:
+                       reduction: str, device: torch.device) -> None:
     for size, k, d in zip(spatial, kernel, dilation):
         assume(size + 2 * padding >= d * (k - 1) + 1)
     torch.manual_seed(n * 10 + K)
@@ -181,7 +183,7 @@ def test_conv2d_shapes(n: int, K: int, groups: int, c_in_per: int, c_out_per: in
     x = torch.randn(n * K, groups * c_in_per, *spatial)
     with torch.no_grad():
         y = torch.randn_like(layer(x))
-    check_against_oracle(layer, x, y, K=K, loss_reduction=reduction)
+    check_against_oracle(layer, x, y, K=K, loss_reduction=reduction, device=device)
 
 
 @pytest.mark.parametrize(("name", "make", "row_shape"), CONV_CASES, ids=_ids(CONV_CASES))

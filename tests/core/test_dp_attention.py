@@ -251,7 +251,8 @@ def attention_samples(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def run_attention_check(rewrite: DPMultiheadAttention, *, K: int, loss_reduction: str,
-                        batch_first: bool, mask: str = "none", self_attention: bool = False) -> None:
+                        batch_first: bool, device: torch.device, mask: str = "none",
+                        self_attention: bool = False) -> None:
     if rewrite.k_proj.bias is not None and rewrite.seq_bias_k is None and not rewrite.add_zero_attn:
         # Softmax ignores a shift shared by all keys, so the key bias's true gradient is zero and
         # a relative comparison would only compare rounding noise.
@@ -265,42 +266,43 @@ def run_attention_check(rewrite: DPMultiheadAttention, *, K: int, loss_reduction
     samples = attention_samples(q, k, v, key_padding_mask, attn_mask, targets, K, batch_first)
     check_against_oracle(AttentionOutput(rewrite), (q, k, v, key_padding_mask, attn_mask), targets,
                          K=K, loss_reduction=loss_reduction, batch_first=batch_first,
-                         samples=samples)
+                         samples=samples, device=device)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_grad_samples(loss_reduction: str, K: int, batch_first: bool) -> None:
+def test_grad_samples(loss_reduction: str, K: int, batch_first: bool, device: torch.device) -> None:
     torch.manual_seed(20)
     rewrite = DPMultiheadAttention(EMBED, HEADS, batch_first=batch_first)
-    run_attention_check(rewrite, K=K, loss_reduction=loss_reduction, batch_first=batch_first,
+    run_attention_check(rewrite, K=K, loss_reduction=loss_reduction, batch_first=batch_first, device=device,
                         self_attention=True)
 
 
 @pytest.mark.parametrize("mask", ["padding_bool", "attn3d_float", "both_bool"])
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_grad_samples_masks(mask: str, K: int, batch_first: bool) -> None:
+def test_grad_samples_masks(mask: str, K: int, batch_first: bool, device: torch.device) -> None:
     torch.manual_seed(21)
     rewrite = DPMultiheadAttention(EMBED, HEADS, batch_first=batch_first)
-    run_attention_check(rewrite, K=K, loss_reduction="mean", batch_first=batch_first, mask=mask)
+    run_attention_check(rewrite, K=K, loss_reduction="mean", batch_first=batch_first, device=device, mask=mask)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_grad_samples_bias_kv_and_kvdim(loss_reduction: str, K: int, batch_first: bool) -> None:
+def test_grad_samples_bias_kv_and_kvdim(loss_reduction: str, K: int, batch_first: bool,
+                                        device: torch.device) -> None:
     torch.manual_seed(22)
     rewrite = DPMultiheadAttention(EMBED, HEADS, add_bias_kv=True, add_zero_attn=True, kdim=5,
                                    vdim=3, batch_first=batch_first)
-    run_attention_check(rewrite, K=K, loss_reduction=loss_reduction, batch_first=batch_first,
+    run_attention_check(rewrite, K=K, loss_reduction=loss_reduction, batch_first=batch_first, device=device,
                         mask="both_float")
 
 
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_sequence_bias_grad_samples(K: int, batch_first: bool) -> None:
+def test_sequence_bias_grad_samples(K: int, batch_first: bool, device: torch.device) -> None:
     torch.manual_seed(23)
     model = nn.Sequential(nn.Linear(EMBED, EMBED), SequenceBias(EMBED, batch_first=batch_first),
                           nn.Tanh())
@@ -308,4 +310,4 @@ def test_sequence_bias_grad_samples(K: int, batch_first: bool) -> None:
     y = sequence(2 * K, TGT + 1, EMBED, batch_first)
     for loss_reduction in REDUCTIONS:
         check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction,
-                             batch_first=batch_first)
+                             batch_first=batch_first, device=device)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -72,9 +72,9 @@ def assert_same(actual: DPGradient, expected: DPGradient, *, rtol: float = 1e-4)
 @pytest.mark.parametrize("clipping", CLIPPINGS)
 @pytest.mark.parametrize("K", [1, 3])
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
-def test_matches_clipped_oracle(clipping: str, K: int, loss_reduction: str) -> None:
-    model = mlp()
-    x, y = torch.randn(5 * K, 4), torch.randn(5 * K, 3)
+def test_matches_clipped_oracle(clipping: str, K: int, loss_reduction: str, device: torch.device) -> None:
+    model = mlp().to(device)
+    x, y = torch.randn(5 * K, 4).to(device), torch.randn(5 * K, 3).to(device)
     # C between the per-sample norms, so that some samples are clipped and some are not.
     _, norms, _, _ = clipped_oracle(model, x, y, K=K, loss_reduction=loss_reduction, C=1.0, clipping="flat")
     C = float(norms.sort().values[2:4].mean())
@@ -95,9 +95,9 @@ def test_matches_clipped_oracle(clipping: str, K: int, loss_reduction: str) -> N
 
 @pytest.mark.parametrize("mode", OTHER_MODES)
 @pytest.mark.parametrize("clipping", CLIPPINGS)
-def test_backends_agree_with_hooks(mode: str, clipping: str) -> None:
-    model = mlp(1)
-    x, y = torch.randn(8, 4), torch.randn(8, 3)
+def test_backends_agree_with_hooks(mode: str, clipping: str, device: torch.device) -> None:
+    model = mlp(1).to(device)
+    x, y = torch.randn(8, 4).to(device), torch.randn(8, 3).to(device)
     kwargs = dict(max_grad_norm=0.3, clipping=clipping, augmentation_multiplicity=2)
     expected = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=DPConfig(mode="hooks", **kwargs))
     actual = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=DPConfig(mode=mode, **kwargs))
@@ -124,12 +124,13 @@ def token_cross_entropy(reduction: str):
 
 @pytest.mark.parametrize("mode", ["hooks", *OTHER_MODES])
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_sequence_model_with_integer_targets_agrees_with_oracle(mode: str, batch_first: bool) -> None:
+def test_sequence_model_with_integer_targets_agrees_with_oracle(mode: str, batch_first: bool,
+                                                                device: torch.device) -> None:
     torch.manual_seed(2)
-    model = TinyTagger()
+    model = TinyTagger().to(device)
     K, n, T, C = 2, 3, 4, 0.5
     shape = (n * K, T) if batch_first else (T, n * K)
-    tokens, labels = torch.randint(0, 11, shape), torch.randint(0, 3, shape)
+    tokens, labels = torch.randint(0, 11, shape).to(device), torch.randint(0, 3, shape).to(device)
     config = DPConfig(mode=mode, max_grad_norm=C, augmentation_multiplicity=K, batch_first=batch_first)
     if mode == "ew" and not batch_first:
         # torch's ExpandedWeights embedding only knows batch-first inputs: a clear error.
@@ -149,10 +150,11 @@ def test_sequence_model_with_integer_targets_agrees_with_oracle(mode: str, batch
 
 @pytest.mark.parametrize("mode", ["hooks", *OTHER_MODES])
 @pytest.mark.parametrize("clipping", CLIPPINGS)
-def test_empty_batch_gives_zeros(mode: str, clipping: str) -> None:
-    model = mlp()
+def test_empty_batch_gives_zeros(mode: str, clipping: str, device: torch.device) -> None:
+    model = mlp().to(device)
     config = DPConfig(mode=mode, clipping=clipping, augmentation_multiplicity=3)
-    result = dp_gradient(model, torch.zeros(0, 4), torch.zeros(0, 3), loss_fn=nn.MSELoss(), config=config)
+    result = dp_gradient(model, torch.zeros(0, 4, device=device), torch.zeros(0, 3, device=device),
+                         loss_fn=nn.MSELoss(), config=config)
     assert result.num_samples == 0 and result.num_clipped == 0 and result.loss_sum == 0.0
     assert result.per_sample_norms.shape == (0,) and result.per_sample_norms.dtype == torch.float32
     for name, p in model.named_parameters():
@@ -219,10 +221,10 @@ def test_frozen_parameters_are_left_out() -> None:
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
-def test_shard_results_merge_to_the_whole_batch(mode: str) -> None:
-    model = mlp(3)
+def test_shard_results_merge_to_the_whole_batch(mode: str, device: torch.device) -> None:
+    model = mlp(3).to(device)
     K = 2
-    x, y = torch.randn(7 * K, 4), torch.randn(7 * K, 3)
+    x, y = torch.randn(7 * K, 4).to(device), torch.randn(7 * K, 3).to(device)
     config = DPConfig(mode=mode, max_grad_norm=0.25, augmentation_multiplicity=K)
     whole = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
     cuts = [0, 3 * K, 3 * K, 7 * K]  # includes an empty shard
@@ -254,13 +256,15 @@ def test_l2_sensitivity() -> None:
     assert l2_sensitivity(DPConfig(clipping="per_layer", per_layer_max_grad_norms=(1.0, 2.0, 2.0))) == 3.0
 
 
-@settings(max_examples=10, deadline=None)
+# The device fixture holds no state between examples (a device, and TF32 off on CUDA).
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 4), K=st.integers(1, 3), C=st.floats(0.01, 3.0),
        clipping=st.sampled_from(CLIPPINGS), seed=st.integers(0, 1000))
-def test_random_shapes_match_oracle(n: int, K: int, C: float, clipping: str, seed: int) -> None:
+def test_random_shapes_match_oracle(n: int, K: int, C: float, clipping: str, seed: int,
+                                    device: torch.device) -> None:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 2))
-    x, y = torch.randn(n * K, 3), torch.randn(n * K, 2)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 2)).to(device)
+    x, y = torch.randn(n * K, 3).to(device), torch.randn(n * K, 2).to(device)
     result = dp_gradient(model, x, y, loss_fn=nn.MSELoss(),
                          config=DPConfig(max_grad_norm=C, clipping=clipping, augmentation_multiplicity=K))
     sums, norms, clipped, _ = clipped_oracle(model, x, y, K=K, loss_reduction="mean", C=C, clipping=clipping)
@@ -376,16 +380,17 @@ def test_dp_sgd_with_poisson_batches_learns() -> None:
 
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ew", "ghost"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
-def test_a_sample_with_a_non_finite_gradient_is_dropped(mode: str, clipping: str) -> None:
+def test_a_sample_with_a_non_finite_gradient_is_dropped(mode: str, clipping: str, device: torch.device) -> None:
     """One record with finite but overflowing inputs must not poison the step: its gradient is
     not finite, so it is left out of the sum (and counted), never summed as NaN."""
     torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).to(device)
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     x[2:4] = 3e38  # sample 1 of 4 (K = 2): its outputs and squared error overflow
+    x, y = x.to(device), y.to(device)
     config = DPConfig(mode=mode, augmentation_multiplicity=2, max_grad_norm=0.5, clipping=clipping)
     result = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
-    keep = torch.tensor([True, True, False, False, True, True, True, True])
+    keep = torch.tensor([True, True, False, False, True, True, True, True], device=device)
     expected = dp_gradient(model, x[keep], y[keep], loss_fn=nn.MSELoss(), config=config)
     assert result.num_dropped == 1 and result.num_samples == 4
     assert not bool(torch.isfinite(result.per_sample_norms[1]))

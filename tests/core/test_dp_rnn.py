@@ -223,18 +223,18 @@ def sequence_batch(rows: int, batch_first: bool) -> torch.Tensor:
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_lstm_grad_samples(loss_reduction: str, K: int, batch_first: bool) -> None:
+def test_lstm_grad_samples(loss_reduction: str, K: int, batch_first: bool, device: torch.device) -> None:
     torch.manual_seed(10)
     model = Classifier(DPLSTM(INPUT, HIDDEN, batch_first=batch_first), batch_first=batch_first)
     x = sequence_batch(2 * K, batch_first)
     y = torch.randn(2 * K, 2)
     check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction, batch_first=batch_first,
-                         target_batch_dim=0)
+                         target_batch_dim=0, device=device)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("K", KS)
-def test_bidirectional_two_layer_grad_samples(kind: str, K: int) -> None:
+def test_bidirectional_two_layer_grad_samples(kind: str, K: int, device: torch.device) -> None:
     torch.manual_seed(11)
     batch_first = K == 1  # both layouts across the parametrisation
     rnn = make_dp(kind, INPUT, HIDDEN, 2, batch_first=batch_first, bidirectional=True)
@@ -243,7 +243,7 @@ def test_bidirectional_two_layer_grad_samples(kind: str, K: int) -> None:
     y = torch.randn(2 * K, 2)
     for loss_reduction in REDUCTIONS:
         check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction,
-                             batch_first=batch_first, target_batch_dim=0)
+                             batch_first=batch_first, target_batch_dim=0, device=device)
 
 
 def packed_samples(padded: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor, K: int,
@@ -267,7 +267,8 @@ def packed_samples(padded: torch.Tensor, lengths: torch.Tensor, targets: torch.T
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("bidirectional", [False, True])
-def test_packed_grad_samples(kind: str, loss_reduction: str, K: int, bidirectional: bool) -> None:
+def test_packed_grad_samples(kind: str, loss_reduction: str, K: int, bidirectional: bool,
+                             device: torch.device) -> None:
     torch.manual_seed(12)
     batch_first = bidirectional  # both layouts across the parametrisation
     rnn = make_dp(kind, INPUT, HIDDEN, 1 + int(bidirectional), batch_first=batch_first,
@@ -280,12 +281,12 @@ def test_packed_grad_samples(kind: str, loss_reduction: str, K: int, bidirection
     y = torch.randn(rows, 2)
     # A PackedSequence is a tuple, so it goes in a 1-tuple of arguments.
     check_against_oracle(model, (packed,), y, K=K, loss_reduction=loss_reduction,
-                         batch_first=batch_first, samples=packed_samples(padded, lengths, y, K))
+                         batch_first=batch_first, samples=packed_samples(padded, lengths, y, K), device=device)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("K", KS)
-def test_given_state_grad_samples(kind: str, K: int) -> None:
+def test_given_state_grad_samples(kind: str, K: int, device: torch.device) -> None:
     torch.manual_seed(13)
     rnn = make_dp(kind, INPUT, HIDDEN, 1, batch_first=True, bidirectional=True)
     model = Classifier(rnn, batch_first=True)
@@ -296,7 +297,7 @@ def test_given_state_grad_samples(kind: str, K: int) -> None:
     hx = random_state(kind, 2, rows)
     y = torch.randn(rows, 2)
     check_against_oracle(model, (packed, hx), y, K=K, loss_reduction="mean",
-                         samples=packed_samples(padded, lengths, y, K, hx))
+                         samples=packed_samples(padded, lengths, y, K, hx), device=device)
 
 
 def test_hooks_accept_rewrites_and_reject_torch_layers() -> None:

@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -22,7 +22,7 @@ KS = [1, 3]
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("padding_idx", [None, 2, -1])
 def test_embedding_sequence(loss_reduction: str, K: int, batch_first: bool,
-                            padding_idx: int | None) -> None:
+                            padding_idx: int | None, device: torch.device) -> None:
     torch.manual_seed(0)
     vocab = 7  # small, so tokens repeat within and across samples
     model = nn.Sequential(nn.Embedding(vocab, 4, padding_idx=padding_idx), nn.Tanh(), nn.Linear(4, 3))
@@ -31,29 +31,31 @@ def test_embedding_sequence(loss_reduction: str, K: int, batch_first: bool,
     tokens.view(-1)[::4] = 2 if padding_idx is None else padding_idx % vocab
     targets = torch.randn(*shape, 3)
     grads = check_against_oracle(model, tokens, targets, K=K, loss_reduction=loss_reduction,
-                                 batch_first=batch_first)
+                                 batch_first=batch_first, device=device)
     if padding_idx is not None:
         assert grads["0.weight"][:, padding_idx].abs().max() == 0
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
-def test_embedding_one_token_per_row_and_extra_dims(loss_reduction: str, K: int) -> None:
+def test_embedding_one_token_per_row_and_extra_dims(loss_reduction: str, K: int, device: torch.device) -> None:
     torch.manual_seed(1)
     model = nn.Embedding(6, 3, max_norm=1.0)
     flat = torch.randint(0, 6, (4 * K,))
-    check_against_oracle(model, flat, torch.randn(4 * K, 3), K=K, loss_reduction=loss_reduction)
+    check_against_oracle(model, flat, torch.randn(4 * K, 3), K=K, loss_reduction=loss_reduction, device=device)
     grid = torch.randint(0, 6, (2 * K, 3, 2))
-    check_against_oracle(model, grid, torch.randn(2 * K, 3, 2, 3), K=K, loss_reduction=loss_reduction)
+    check_against_oracle(model, grid, torch.randn(2 * K, 3, 2, 3), K=K, loss_reduction=loss_reduction,
+                         device=device)
 
 
-def test_embedding_sparse_matches_dense() -> None:
+def test_embedding_sparse_matches_dense(device: torch.device) -> None:
     torch.manual_seed(2)
     dense = nn.Embedding(8, 3)
     sparse = nn.Embedding(8, 3, sparse=True)
     sparse.load_state_dict(dense.state_dict())
-    tokens = torch.randint(0, 8, (6, 4))
-    targets = torch.randn(6, 4, 3)
+    dense, sparse = dense.to(device), sparse.to(device)
+    tokens = torch.randint(0, 8, (6, 4)).to(device)
+    targets = torch.randn(6, 4, 3).to(device)
     results = [hooks_grad_samples(m, tokens, targets, mse_loss("sum"), K=2, loss_reduction="sum",
                                   batch_first=True)[0]["weight"] for m in (dense, sparse)]
     torch.testing.assert_close(results[1], results[0])
@@ -124,12 +126,13 @@ def _bag_samples(tokens: torch.Tensor, lengths: list[int], weights: torch.Tensor
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("padding_idx", [None, 1])
-def test_embedding_bag_2d(loss_reduction: str, K: int, mode: str, padding_idx: int | None) -> None:
+def test_embedding_bag_2d(loss_reduction: str, K: int, mode: str, padding_idx: int | None,
+                          device: torch.device) -> None:
     torch.manual_seed(3)
     model = _BagHead(nn.EmbeddingBag(6, 4, mode=mode, padding_idx=padding_idx))
     tokens = torch.randint(0, 6, (3 * K, 4))
     tokens[0] = 1  # a bag of padding only when padding_idx=1
-    check_against_oracle(model, tokens, torch.randn(3 * K, 2), K=K, loss_reduction=loss_reduction)
+    check_against_oracle(model, tokens, torch.randn(3 * K, 2), K=K, loss_reduction=loss_reduction, device=device)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
@@ -138,7 +141,7 @@ def test_embedding_bag_2d(loss_reduction: str, K: int, mode: str, padding_idx: i
 @pytest.mark.parametrize("include_last_offset", [False, True])
 @pytest.mark.parametrize("by_keyword", [False, True])
 def test_embedding_bag_offsets(loss_reduction: str, K: int, mode: str, include_last_offset: bool,
-                               by_keyword: bool) -> None:
+                               by_keyword: bool, device: torch.device) -> None:
     torch.manual_seed(4)
     bag = nn.EmbeddingBag(7, 3, mode=mode, include_last_offset=include_last_offset, padding_idx=0)
     model = _BagHead(bag, by_keyword=by_keyword)
@@ -147,13 +150,14 @@ def test_embedding_bag_offsets(loss_reduction: str, K: int, mode: str, include_l
     targets = torch.randn(3 * K, 2)
     samples = _bag_samples(tokens, lengths, None, targets, K, include_last_offset)
     check_against_oracle(model, (tokens, offsets), targets, K=K, loss_reduction=loss_reduction,
-                         samples=samples)
+                         samples=samples, device=device)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("by_keyword", [False, True])
-def test_embedding_bag_per_sample_weights(loss_reduction: str, K: int, by_keyword: bool) -> None:
+def test_embedding_bag_per_sample_weights(loss_reduction: str, K: int, by_keyword: bool,
+                                          device: torch.device) -> None:
     torch.manual_seed(5)
     model = _BagHead(nn.EmbeddingBag(6, 3, mode="sum", padding_idx=2), by_keyword=by_keyword)
     tokens, lengths = _random_bags(2 * K, 6, seed=10 + K)
@@ -161,14 +165,14 @@ def test_embedding_bag_per_sample_weights(loss_reduction: str, K: int, by_keywor
     targets = torch.randn(2 * K, 2)
     samples = _bag_samples(tokens, lengths, weights, targets, K, False)
     check_against_oracle(model, (tokens, _offsets(lengths, False), weights), targets, K=K,
-                         loss_reduction=loss_reduction, samples=samples)
+                         loss_reduction=loss_reduction, samples=samples, device=device)
     # 2-D input: the weights have the input's shape.
     grid = torch.randint(0, 6, (2 * K, 3))
     grid_weights = torch.rand(2 * K, 3)
     check_against_oracle(model, (grid, None, grid_weights), targets, K=K,
                          loss_reduction=loss_reduction,
                          samples=[((grid[n * K:n * K + K], None, grid_weights[n * K:n * K + K]),
-                                   targets[n * K:n * K + K]) for n in range(2)])
+                                   targets[n * K:n * K + K]) for n in range(2)], device=device)
 
 
 class _TimeMajorWithBag(nn.Module):
@@ -185,7 +189,7 @@ class _TimeMajorWithBag(nn.Module):
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
-def test_embedding_bag_in_time_major_model(loss_reduction: str, K: int) -> None:
+def test_embedding_bag_in_time_major_model(loss_reduction: str, K: int, device: torch.device) -> None:
     torch.manual_seed(6)
     tokens, lengths = _random_bags(3 * K, 6, seed=20 + K)
     offsets = _offsets(lengths, False)
@@ -195,7 +199,7 @@ def test_embedding_bag_in_time_major_model(loss_reduction: str, K: int) -> None:
                for n, (args, _) in enumerate(_bag_samples(tokens, lengths, None, targets[0], K,
                                                           False))]
     check_against_oracle(_TimeMajorWithBag(), (tokens, offsets, x), targets, K=K,
-                         loss_reduction=loss_reduction, batch_first=False, samples=samples)
+                         loss_reduction=loss_reduction, batch_first=False, samples=samples, device=device)
 
 
 def test_embedding_bag_rows_are_bags() -> None:
@@ -220,13 +224,14 @@ def test_embedding_bag_scale_grad_by_freq_is_rejected() -> None:
 
 
 # ---------------------------------------------------------------------------------- shapes
-@settings(max_examples=12, deadline=None)
+# The device fixture holds no state between examples (a device, and TF32 off on CUDA).
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 3), K=st.integers(1, 3), vocab=st.integers(2, 6), dim=st.integers(1, 4),
        mode=st.sampled_from(["sum", "mean", "max"]), padding=st.booleans(),
        include_last_offset=st.booleans(), seed=st.integers(0, 1000),
        reduction=st.sampled_from(REDUCTIONS))
 def test_embedding_bag_shapes(n: int, K: int, vocab: int, dim: int, mode: str, padding: bool,
-                              include_last_offset: bool, seed: int, reduction: str) -> None:
+                              include_last_offset: bool, seed: int, reduction: str, device: torch.device) -> None:
     torch.manual_seed(seed)
     bag = nn.EmbeddingBag(vocab, dim, mode=mode, include_last_offset=include_last_offset,
                           padding_idx=0 if padding else None)
@@ -235,5 +240,5 @@ def test_embedding_bag_shapes(n: int, K: int, vocab: int, dim: int, mode: str, p
     targets = torch.randn(n * K, 2)
     samples = _bag_samples(tokens, lengths, None, targets, K, include_last_offset)
     grads = check_against_oracle(model, (tokens, _offsets(lengths, include_last_offset)), targets,
-                                 K=K, loss_reduction=reduction, samples=samples)
+                                 K=K, loss_reduction=reduction, samples=samples, device=device)
     assert grads["bag.weight"].shape == (n, vocab, dim)

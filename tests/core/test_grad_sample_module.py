@@ -52,15 +52,16 @@ def test_empty_batch_gives_empty_grad_samples() -> None:
         assert p.grad_sample.shape == (0, *p.shape)
 
 
-def test_frozen_parameters_get_no_grad_sample() -> None:
+def test_frozen_parameters_get_no_grad_sample(device: torch.device) -> None:
     model = mlp()
     model[0].weight.requires_grad_(False)
-    actual = check_against_oracle(model, torch.randn(4, 4), torch.randn(4, 3), K=2, loss_reduction="mean")
+    actual = check_against_oracle(model, torch.randn(4, 4), torch.randn(4, 3), K=2, loss_reduction="mean",
+                                  device=device)
     assert "0.weight" not in actual
     assert getattr(model[0].weight, "grad_sample", None) is None
 
 
-def test_parameter_used_twice_gets_both_uses() -> None:
+def test_parameter_used_twice_gets_both_uses(device: torch.device) -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -72,10 +73,10 @@ def test_parameter_used_twice_gets_both_uses() -> None:
     for K in (1, 3):
         for reduction in ("mean", "sum"):
             check_against_oracle(Tied(), torch.randn(2 * K, 3), torch.randn(2 * K, 3), K=K,
-                                 loss_reduction=reduction)
+                                 loss_reduction=reduction, device=device)
 
 
-def test_shared_parameter_across_modules() -> None:
+def test_shared_parameter_across_modules(device: torch.device) -> None:
     class Shared(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -86,12 +87,13 @@ def test_shared_parameter_across_modules() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.b(torch.relu(self.a(x)))
 
-    check_against_oracle(Shared(), torch.randn(6, 3), torch.randn(6, 3), K=2, loss_reduction="mean")
+    check_against_oracle(Shared(), torch.randn(6, 3), torch.randn(6, 3), K=2, loss_reduction="mean",
+                         device=device)
 
 
-def test_inplace_activation_after_layer() -> None:
+def test_inplace_activation_after_layer(device: torch.device) -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
-    check_against_oracle(model, torch.randn(6, 3), torch.randn(6, 2), K=3, loss_reduction="sum")
+    check_against_oracle(model, torch.randn(6, 3), torch.randn(6, 2), K=3, loss_reduction="sum", device=device)
 
 
 def test_accumulation_forbidden_by_default() -> None:
@@ -185,20 +187,21 @@ def test_strict_rejects_unsupported_module_with_path_and_type() -> None:
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 @pytest.mark.parametrize("K", [1, 3])
 @pytest.mark.parametrize("force_functorch", [False, True])
-def test_functorch_fallback_matches_oracle(loss_reduction: str, K: int, force_functorch: bool) -> None:
+def test_functorch_fallback_matches_oracle(loss_reduction: str, K: int, force_functorch: bool,
+                                           device: torch.device) -> None:
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(4, 5), BareScale(5), nn.Linear(5, 3))
     check_against_oracle(model, torch.randn(2 * K, 4), torch.randn(2 * K, 3), K=K,
-                         loss_reduction=loss_reduction, strict=False, force_functorch=force_functorch)
+                         loss_reduction=loss_reduction, strict=False, force_functorch=force_functorch, device=device)
 
 
 @pytest.mark.parametrize("K", [1, 2])
-def test_functorch_fallback_batch_second(K: int) -> None:
+def test_functorch_fallback_batch_second(K: int, device: torch.device) -> None:
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(4, 5), BareScale(5), nn.Linear(5, 3))
     x = torch.randn(6, 2 * K, 4)  # (T, N*K, d)
     y = torch.randn(6, 2 * K, 3)
-    check_against_oracle(model, x, y, K=K, loss_reduction="mean", batch_first=False, strict=False)
+    check_against_oracle(model, x, y, K=K, loss_reduction="mean", batch_first=False, strict=False, device=device)
 
 
 def test_batchnorm_always_rejected() -> None:
@@ -212,7 +215,7 @@ def test_fused_layers_rejected() -> None:
         GradSampleModule(nn.LSTM(3, 4))
 
 
-def test_opacus_style_sampler_without_k_is_folded() -> None:
+def test_opacus_style_sampler_without_k_is_folded(device: torch.device) -> None:
     class Scale(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -230,7 +233,7 @@ def test_opacus_style_sampler_without_k_is_folded() -> None:
             for reduction in ("mean", "sum"):
                 check_against_oracle(nn.Sequential(Scale(), nn.Tanh(), nn.Linear(3, 2)),
                                      torch.randn(2 * K, 3), torch.randn(2 * K, 2), K=K,
-                                     loss_reduction=reduction)
+                                     loss_reduction=reduction, device=device)
     finally:
         GRAD_SAMPLERS.unregister(Scale)
 
@@ -278,9 +281,9 @@ def test_no_grad_forward_captures_nothing() -> None:
     assert model[0].weight.grad_sample.shape[0] == 3
 
 
-def test_per_sample_gradients_functional_leaves_model_untouched() -> None:
-    model = mlp()
-    x, y = torch.randn(6, 4), torch.randn(6, 3)
+def test_per_sample_gradients_functional_leaves_model_untouched(device: torch.device) -> None:
+    model = mlp().to(device)
+    x, y = torch.randn(6, 4).to(device), torch.randn(6, 3).to(device)
     grads = psg_core.per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(), augmentation_multiplicity=2)
     assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
     assert not any(m._forward_hooks for m in model.modules())

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from psg_core.coverage import REFUSALS
 from tests.core.layer_grid import MODES, Cell, Outcome, all_cases, full_grid, run_cell, slice_grid
@@ -91,8 +92,8 @@ CELLS = [_param(cell) for cell in (full_grid() if FULL_GRID else slice_grid())]
 
 
 @pytest.mark.parametrize("cell", CELLS)
-def test_layer_grid_cell(cell: Cell) -> None:
-    result = run_cell(cell)
+def test_layer_grid_cell(cell: Cell, device: torch.device) -> None:
+    result = run_cell(cell, device)
     if result.outcome is Outcome.FAILURE:
         pytest.fail(f"{cell.id}: {result.detail}", pytrace=False)
     stated = stated_refusals(cell)

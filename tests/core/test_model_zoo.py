@@ -25,6 +25,7 @@ from psg_core.clipping import clip_and_sum
 from psg_core.config import DPConfig
 from psg_core.errors import UnsupportedModuleError
 from psg_core.layers import DPGRU, DPLSTM, DPMultiheadAttention
+from tests.devices import to_device
 from tests.oracle import assert_close_scaled, microbatch_oracle, split_samples
 
 N_SAMPLES = 3
@@ -203,13 +204,14 @@ def _id(case: tuple[str, int, str, bool]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _case(name: str, K: int, reduction: str, batch_first: bool
+def _case(name: str, K: int, reduction: str, batch_first: bool, device: torch.device
           ) -> tuple[nn.Module, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Model, batch and oracle per-sample gradients (computed once per configuration)."""
+    """Model, batch and oracle per-sample gradients on ``device`` (computed once per configuration
+    and device; built on the CPU from the same seed, so every device sees the same numbers)."""
     entry = ENTRIES[name]
     torch.manual_seed(sum(map(ord, name)) + 10 * K + batch_first)
-    model = entry.build(batch_first)
-    inputs, targets = entry.batch(N_SAMPLES * K, batch_first)
+    model = entry.build(batch_first).to(device)
+    inputs, targets = to_device(entry.batch(N_SAMPLES * K, batch_first), device)
     batch_dim = 0 if batch_first else 1
     expected = microbatch_oracle(model, split_samples(inputs, targets, K, batch_dim=batch_dim),
                                  entry.loss(reduction))
@@ -236,10 +238,10 @@ _SLOW_VMAP = "ignore:There is a performance drop:UserWarning"
 @pytest.mark.filterwarnings(_SLOW_VMAP)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", GRID, ids=_id)
-def test_zoo_per_sample_gradients(case: tuple[str, int, str, bool], mode: str) -> None:
+def test_zoo_per_sample_gradients(case: tuple[str, int, str, bool], mode: str, device: torch.device) -> None:
     name, K, reduction, batch_first = case
     entry = ENTRIES[name]
-    model, inputs, targets, expected = _case(*case)
+    model, inputs, targets, expected = _case(*case, device)
 
     def run() -> dict[str, torch.Tensor]:
         return per_sample_gradients(model, inputs, targets, loss_fn=entry.loss("none"), mode=mode,
@@ -259,7 +261,7 @@ PLANS = ["auto", "ghost", "materialise"]
 
 
 @pytest.mark.parametrize("case", GRID, ids=_id)
-def test_zoo_ghost(case: tuple[str, int, str, bool], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_zoo_ghost(case: tuple[str, int, str, bool], monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     """Ghost norms and clipped sums equal the oracle's, for every clipping rule and both plans
     of the 2T^2 vs p*d rule (cycled over the grid so each model meets each)."""
     name, K, reduction, batch_first = case
@@ -267,7 +269,7 @@ def test_zoo_ghost(case: tuple[str, int, str, bool], monkeypatch: pytest.MonkeyP
     clipping, plan = CLIPPINGS[index % 3], PLANS[(index // 3 + index) % 3]
     if plan != "auto":
         monkeypatch.setattr(ghost_module, "_ghost_is_cheaper", lambda layer, positions: plan == "ghost")
-    model, inputs, targets, expected = _case(*case)
+    model, inputs, targets, expected = _case(*case, device)
     norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)  # (N,)
     smallest = norms.sort().values
     bound = float(smallest[0] + smallest[1]) / 2  # the smallest sample unclipped, the rest clipped

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -29,34 +29,35 @@ def _randomise(model: nn.Module) -> nn.Module:
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_layer_norm_sequence(loss_reduction: str, K: int, batch_first: bool, bias: bool) -> None:
+def test_layer_norm_sequence(loss_reduction: str, K: int, batch_first: bool, bias: bool,
+                             device: torch.device) -> None:
     torch.manual_seed(0)
     model = _randomise(nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5, bias=bias, eps=1e-3),
                                      nn.Linear(5, 2)))
     shape = (2 * K, 3, 4) if batch_first else (3, 2 * K, 4)
     check_against_oracle(model, torch.randn(shape), torch.randn(*shape[:2], 2), K=K,
-                         loss_reduction=loss_reduction, batch_first=batch_first)
+                         loss_reduction=loss_reduction, batch_first=batch_first, device=device)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_layer_norm_multi_dim_shape(loss_reduction: str, K: int, batch_first: bool) -> None:
+def test_layer_norm_multi_dim_shape(loss_reduction: str, K: int, batch_first: bool, device: torch.device) -> None:
     torch.manual_seed(1)
     model = _randomise(nn.Sequential(nn.LayerNorm([3, 4]), nn.Linear(4, 2)))
     shape = (2 * K, 2, 3, 4) if batch_first else (2, 2 * K, 3, 4)
     check_against_oracle(model, torch.randn(shape), torch.randn(*shape[:3], 2), K=K,
-                         loss_reduction=loss_reduction, batch_first=batch_first)
+                         loss_reduction=loss_reduction, batch_first=batch_first, device=device)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
-def test_layer_norm_without_affine_and_2d_input(loss_reduction: str, K: int) -> None:
+def test_layer_norm_without_affine_and_2d_input(loss_reduction: str, K: int, device: torch.device) -> None:
     torch.manual_seed(2)
     model = _randomise(nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6, elementwise_affine=False),
                                      nn.Linear(6, 4), nn.LayerNorm(4)))
     grads = check_against_oracle(model, torch.randn(4 * K, 3), torch.randn(4 * K, 4), K=K,
-                                 loss_reduction=loss_reduction)
+                                 loss_reduction=loss_reduction, device=device)
     assert set(grads) == {"0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"}
 
 
@@ -66,13 +67,13 @@ def test_layer_norm_without_affine_and_2d_input(loss_reduction: str, K: int) -> 
 @pytest.mark.parametrize("eps", [None, 0.1])
 @pytest.mark.parametrize("normalized_shape", [[4], [2, 4]])
 def test_rms_norm(loss_reduction: str, K: int, batch_first: bool, eps: float | None,
-                  normalized_shape: list[int]) -> None:
+                  normalized_shape: list[int], device: torch.device) -> None:
     torch.manual_seed(3)
     model = _randomise(nn.Sequential(nn.RMSNorm(normalized_shape, eps=eps), nn.Linear(4, 3)))
     shape = (2 * K, 3, 2, 4) if batch_first else (3, 2 * K, 2, 4)
     x = 0.3 * torch.randn(shape)  # small inputs, so eps=0.1 matters
     check_against_oracle(model, x, torch.randn(*shape[:3], 3), K=K, loss_reduction=loss_reduction,
-                         batch_first=batch_first)
+                         batch_first=batch_first, device=device)
 
 
 # ------------------------------------------------------------------------ GroupNorm, InstanceNorm
@@ -80,12 +81,13 @@ def test_rms_norm(loss_reduction: str, K: int, batch_first: bool, eps: float | N
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("spatial", [(5,), (3, 2)])
-def test_group_norm(loss_reduction: str, K: int, groups: int, spatial: tuple[int, ...]) -> None:
+def test_group_norm(loss_reduction: str, K: int, groups: int, spatial: tuple[int, ...],
+                    device: torch.device) -> None:
     torch.manual_seed(4)
     model = _randomise(nn.Sequential(nn.GroupNorm(groups, 4, eps=1e-3), nn.Flatten(),
                                      nn.Linear(4 * math.prod(spatial), 2)))
     x = torch.randn(2 * K, 4, *spatial)
-    check_against_oracle(model, x, torch.randn(2 * K, 2), K=K, loss_reduction=loss_reduction)
+    check_against_oracle(model, x, torch.randn(2 * K, 2), K=K, loss_reduction=loss_reduction, device=device)
 
 
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
@@ -95,7 +97,7 @@ def test_group_norm(loss_reduction: str, K: int, groups: int, spatial: tuple[int
                                                 (nn.InstanceNorm3d, (2, 2, 3))])
 @pytest.mark.parametrize("running_stats", ["none", "train", "eval"])
 def test_instance_norm(loss_reduction: str, K: int, layer_type: type[nn.Module],
-                       spatial: tuple[int, ...], running_stats: str) -> None:
+                       spatial: tuple[int, ...], running_stats: str, device: torch.device) -> None:
     torch.manual_seed(5)
     norm = layer_type(3, affine=True, track_running_stats=running_stats != "none")
     if running_stats == "eval":
@@ -103,7 +105,7 @@ def test_instance_norm(loss_reduction: str, K: int, layer_type: type[nn.Module],
         norm.eval()
     model = _randomise(nn.Sequential(norm, nn.Flatten(), nn.Linear(3 * math.prod(spatial), 2)))
     x = torch.randn(2 * K, 3, *spatial)
-    check_against_oracle(model, x, torch.randn(2 * K, 2), K=K, loss_reduction=loss_reduction)
+    check_against_oracle(model, x, torch.randn(2 * K, 2), K=K, loss_reduction=loss_reduction, device=device)
 
 
 class _TimeMajorConvNorm(nn.Module):
@@ -123,13 +125,13 @@ class _TimeMajorConvNorm(nn.Module):
 @pytest.mark.parametrize("loss_reduction", REDUCTIONS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("norm", ["group", "instance"])
-def test_channel_norms_in_time_major_model(loss_reduction: str, K: int, norm: str) -> None:
+def test_channel_norms_in_time_major_model(loss_reduction: str, K: int, norm: str, device: torch.device) -> None:
     torch.manual_seed(6)
     layer = nn.GroupNorm(2, 4) if norm == "group" else nn.InstanceNorm1d(4, affine=True)
     model = _randomise(_TimeMajorConvNorm(layer))
     x = torch.randn(5, 2 * K, 2)  # (T, B, 2)
     check_against_oracle(model, x, torch.randn(5, 2 * K, 3), K=K, loss_reduction=loss_reduction,
-                         batch_first=False)
+                         batch_first=False, device=device)
 
 
 def test_instance_norm_unbatched_input_is_rejected() -> None:
@@ -139,17 +141,18 @@ def test_instance_norm_unbatched_input_is_rejected() -> None:
 
 
 # ---------------------------------------------------------------------------------- shapes
-@settings(max_examples=12, deadline=None)
+# The device fixture holds no state between examples (a device, and TF32 off on CUDA).
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 3), K=st.integers(1, 3), extra=st.lists(st.integers(1, 3), max_size=2),
        # >= 2 features: LayerNorm of a single feature is identically 0 (no gradient to compare)
        normalized=st.lists(st.integers(2, 4), min_size=1, max_size=2), bias=st.booleans(),
        rms=st.booleans(), reduction=st.sampled_from(REDUCTIONS), seed=st.integers(0, 1000))
 def test_trailing_norm_shapes(n: int, K: int, extra: list[int], normalized: list[int], bias: bool,
-                              rms: bool, reduction: str, seed: int) -> None:
+                              rms: bool, reduction: str, seed: int, device: torch.device) -> None:
     torch.manual_seed(seed)
     layer = nn.RMSNorm(normalized) if rms else nn.LayerNorm(normalized, bias=bias)
     model = _randomise(layer)
     shape = (n * K, *extra, *normalized)
     grads = check_against_oracle(model, torch.randn(shape), torch.randn(shape), K=K,
-                                 loss_reduction=reduction)
+                                 loss_reduction=reduction, device=device)
     assert grads["weight"].shape == (n, *normalized)

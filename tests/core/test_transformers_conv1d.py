@@ -62,18 +62,18 @@ def _token_loss(reduction: str) -> Any:
     return lambda logits, targets: F.cross_entropy(logits.transpose(1, 2), targets, reduction=reduction)
 
 
-def _gpt2_case(K: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def _gpt2_case(K: int, device: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(K)
     model = _LanguageModel()
     tokens = torch.randint(0, VOCAB, (N_SAMPLES * K, T))
     targets = torch.randint(0, VOCAB, (N_SAMPLES * K, T))
-    return model, tokens, targets
+    return model.to(device), tokens.to(device), targets.to(device)
 
 
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_gpt2_hooks_match_the_oracle(K: int, reduction: str) -> None:
-    model, tokens, targets = _gpt2_case(K)
+def test_gpt2_hooks_match_the_oracle(K: int, reduction: str, device: torch.device) -> None:
+    model, tokens, targets = _gpt2_case(K, device)
     # GradSampleModule(strict=True): every GPT-2 layer has a sampler, Conv1D included.
     check_against_oracle(model, tokens, targets, K=K, loss_reduction=reduction, loss=_token_loss, strict=True)
     expected = microbatch_oracle(model, split_samples(tokens, targets, K), _token_loss(reduction))
@@ -86,8 +86,8 @@ def test_gpt2_hooks_match_the_oracle(K: int, reduction: str) -> None:
 
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_gpt2_ghost_matches_the_oracle(K: int, reduction: str) -> None:
-    model, tokens, targets = _gpt2_case(K)
+def test_gpt2_ghost_matches_the_oracle(K: int, reduction: str, device: torch.device) -> None:
+    model, tokens, targets = _gpt2_case(K, device)
     expected = microbatch_oracle(model, split_samples(tokens, targets, K), _token_loss(reduction))
     norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)  # (N,)
     smallest = norms.sort().values
@@ -115,7 +115,7 @@ class _Projections(nn.Module):
 
 @pytest.mark.parametrize("plan", ["ghost", "materialise"])
 @pytest.mark.parametrize("K", [1, 2])
-def test_conv1d_ghost_plans(plan: str, K: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_conv1d_ghost_plans(plan: str, K: int, monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     """Gram factors and the materialised grad sampler give the same norms and clipped sums."""
     planned: list[nn.Module] = []
 
@@ -125,8 +125,8 @@ def test_conv1d_ghost_plans(plan: str, K: int, monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(ghost_module, "_ghost_is_cheaper", cheaper)
     torch.manual_seed(K)
-    model = _Projections()
-    x, y = torch.randn(N_SAMPLES * K, 6, 4), torch.randn(N_SAMPLES * K, 6, 3)
+    model = _Projections().to(device)
+    x, y = torch.randn(N_SAMPLES * K, 6, 4).to(device), torch.randn(N_SAMPLES * K, 6, 3).to(device)
     expected = microbatch_oracle(model, split_samples(x, y, K), lambda out, t: F.mse_loss(out, t, reduction="sum"))
     reference = clip_and_sum(expected, max_grad_norm=0.5, clipping="per_layer")
     result = dp_gradient(model, x, y, loss_fn=nn.MSELoss(reduction="none"),
@@ -138,8 +138,8 @@ def test_conv1d_ghost_plans(plan: str, K: int, monkeypatch: pytest.MonkeyPatch) 
         assert_close_scaled(result.grads[name], reference.grads[name], name=name)
 
 
-def test_conv1d_grad_sample_batch_second() -> None:
+def test_conv1d_grad_sample_batch_second(device: torch.device) -> None:
     torch.manual_seed(0)
     model = _Projections()
     x, y = torch.randn(6, 2 * N_SAMPLES, 4), torch.randn(6, 2 * N_SAMPLES, 3)
-    check_against_oracle(model, x, y, K=2, loss_reduction="mean", batch_first=False)
+    check_against_oracle(model, x, y, K=2, loss_reduction="mean", batch_first=False, device=device)
