@@ -82,23 +82,36 @@ class _Size:
     vocab: int = 1
     #: depth (conv stages, encoder blocks, LSTM layers).
     depth: int = 1
+    #: the LSTM's hidden size when it differs from its input (embedding) width; 0: the width.
+    hidden: int = 0
 
 
-# "full" is the reported benchmark; "quick" fits a 2-core CPU in a few minutes; "tiny" keeps the
-# rot-guard test fast.
+# "full" is the reported CPU benchmark; "quick" fits a 2-core CPU in a few minutes; "tiny" keeps the
+# rot-guard test fast. "gpu" is the reported GPU benchmark (the shapes of the GPU-speed issue: a
+# 4-conv GroupNorm CNN at batch 256, a d-512 4-block transformer at T 128 and batch 64, a 20k x 64
+# bag model at batch 512, an LSTM 128 -> 256 at T 64 and batch 128); "gpu16" is the same models at
+# 1/16 of those batches, the form its CPU targets are stated at.
 _SIZES: dict[str, dict[str, _Size]] = {
     "cnn": {"full": _Size(samples=64, width=32, depth=3),
             "quick": _Size(samples=16, width=16, depth=3),
-            "tiny": _Size(samples=2, width=8, depth=2)},
+            "tiny": _Size(samples=2, width=8, depth=2),
+            "gpu": _Size(samples=256, width=96, depth=2),
+            "gpu16": _Size(samples=16, width=96, depth=2)},
     "transformer": {"full": _Size(samples=32, width=128, length=64, vocab=2000, depth=2),
                     "quick": _Size(samples=8, width=64, length=32, vocab=1000, depth=2),
-                    "tiny": _Size(samples=2, width=8, length=5, vocab=20, depth=1)},
+                    "tiny": _Size(samples=2, width=8, length=5, vocab=20, depth=1),
+                    "gpu": _Size(samples=64, width=512, length=128, vocab=8000, depth=4),
+                    "gpu16": _Size(samples=4, width=512, length=128, vocab=8000, depth=4)},
     "lstm": {"full": _Size(samples=32, width=128, length=32, vocab=2000, depth=1),
              "quick": _Size(samples=8, width=64, length=16, vocab=1000, depth=1),
-             "tiny": _Size(samples=2, width=8, length=4, vocab=20, depth=1)},
+             "tiny": _Size(samples=2, width=8, length=4, vocab=20, depth=1),
+             "gpu": _Size(samples=128, width=128, hidden=256, length=64, vocab=8000, depth=1),
+             "gpu16": _Size(samples=8, width=128, hidden=256, length=64, vocab=8000, depth=1)},
     "embedding_bag": {"full": _Size(samples=64, width=64, length=16, vocab=10000),
                       "quick": _Size(samples=16, width=32, length=16, vocab=4000),
-                      "tiny": _Size(samples=2, width=8, length=3, vocab=20)},
+                      "tiny": _Size(samples=2, width=8, length=3, vocab=20),
+                      "gpu": _Size(samples=512, width=64, length=16, vocab=20000),
+                      "gpu16": _Size(samples=32, width=64, length=16, vocab=20000)},
 }
 _CLASSES = 10
 
@@ -227,11 +240,12 @@ class LSTMClassifier(nn.Module):
     """
 
     def __init__(self, *, vocab: int, dim: int, layers: int, lstm: type[nn.Module],
-                 classes: int = _CLASSES) -> None:
+                 classes: int = _CLASSES, hidden: int = 0) -> None:
         super().__init__()
+        hidden = hidden or dim
         self.embedding = nn.Embedding(vocab, dim)
-        self.lstm = lstm(dim, dim, num_layers=layers, batch_first=True)
-        self.head = nn.Linear(dim, classes)
+        self.lstm = lstm(dim, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         output, _ = self.lstm(self.embedding(tokens))  # (B, T, d)
@@ -239,7 +253,8 @@ class LSTMClassifier(nn.Module):
 
 
 def _build_lstm(variant: Variant, size: _Size) -> nn.Module:
-    return LSTMClassifier(vocab=size.vocab, dim=size.width, layers=size.depth, lstm=_lstm_class(variant))
+    return LSTMClassifier(vocab=size.vocab, dim=size.width, layers=size.depth, lstm=_lstm_class(variant),
+                          hidden=size.hidden)
 
 
 # ------------------------------------------------------------------------------ EmbeddingBag

@@ -33,8 +33,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="smaller models and batches, 3 timed rounds (= --size quick)")
-    parser.add_argument("--size", choices=("full", "quick", "tiny"), default=None,
-                        help="model scale (default full; tiny is for smoke tests)")
+    parser.add_argument("--size", choices=("full", "quick", "tiny", "gpu", "gpu16"), default=None,
+                        help="model scale (default: full on CPU, gpu on CUDA; tiny is for smoke tests; "
+                             "gpu16 is the GPU models at 1/16 of their batch, for a CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--models", nargs="+", choices=model_names(), default=None,
                         help="models of the training suite (default: all)")
@@ -73,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         logger.error("benchmarks: --device cuda, but torch sees no CUDA device")
         return 2
-    size = args.size or ("quick" if args.quick else "full")
-    small = size != "full"
+    size = args.size or ("quick" if args.quick else ("gpu" if args.device == "cuda" else "full"))
+    small = size in ("quick", "tiny")
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else 0)
     options = RunOptions(device=args.device, size=size, models=tuple(args.models or ()),
                          warmup=args.warmup if args.warmup is not None else 1,

@@ -47,6 +47,9 @@ def no_autocast() -> Iterator[None]:
     ...         (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
     torch.float32
     """
+    if not autocast_active():  # the common case, on every hooked call: nothing to switch off
+        yield
+        return
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autocast("cpu", enabled=False))
         if torch.cuda.is_available():

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from psg_core._layout import STATE_BATCH_AXIS
 from psg_core.errors import UnsupportedModuleError
 
-__all__ = ["BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN"]
+__all__ = ["rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN"]
 
 #: The batch axis of a batched tensor whose layout the tracker could not follow.
 UNKNOWN = -1
@@ -57,6 +57,24 @@ def active_tracker() -> BatchTracker | None:
     """The tracker of the forward pass running in this thread, if any."""
     stack = getattr(_TLS, "stack", None)
     return stack[-1] if stack else None
+
+
+def rowwise(fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
+    """``fn(*tensors)`` for row-wise math on batch-first tensors that reads no parameter (a
+    recurrent cell's gates), without following the batch op by op: when every input carries the
+    batch on axis 0 (one row per entry), the outputs are declared so too. Anything else (an
+    input without the batch, another axis, no tracker) runs ``fn`` tracked as usual.
+
+    A recurrent layer runs a dozen such ops per time step; tracking each costs more than the op.
+    """
+    tracker = active_tracker()
+    if tracker is None or any(tracker._batched.get(t) != (0, 1) for t in tensors):
+        return fn(*tensors)
+    with torch._C.DisableTorchFunction():
+        out = fn(*tensors)
+    for t in _tensors(out, []):
+        tracker.mark(t, 0)
+    return out
 
 
 _METADATA: set[Any] = {

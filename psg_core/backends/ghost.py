@@ -105,7 +105,7 @@ class _LayerState:
     buffer: list[GhostFactors] = field(default_factory=list)
     #: a ghost layer's batch-first ``(activations, output gradients)`` per call, kept for its
     #: weight's clipped sum once the clipping factors are known.
-    kept: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kept: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     done: bool = False
 
 
@@ -181,7 +181,9 @@ class _GhostBookkeeping:
                 f"dimension {captured.batch_dim}, but the batch has {self.rows} (N*K); the ghost backend needs "
                 "every layer with trainable parameters to see the batch's rows")
         # Gram factors need the layer's one output gradient and its rows on the batch axis.
-        norm = GHOST_NORMS.lookup(layer) if not captured.custom_rows and captured.num_outputs == 1 else None
+        norm = GHOST_NORMS.lookup(layer) if captured.num_outputs == 1 else None
+        if norm is not None and captured.custom_rows and not norm.whole_call:
+            norm = None
         first = captured.args[0] if captured.args else None
         positions = (norm.positions(layer, first, output, captured.batch_dim)
                      if norm is not None and isinstance(first, torch.Tensor) else None)
@@ -227,13 +229,16 @@ class _GhostBookkeeping:
         return True
 
     @staticmethod
-    def _ghost_inputs(call: _Call, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A ghost call's batch-first ``(N*K, ...)`` input and output gradient, in the parameters'
-        precision (autocast leaves half-precision gradients: see psg_core.precision)."""
+    def _ghost_inputs(call: _Call, grad: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """A ghost call's batch-first ``(N*K, ...)`` input (the whole call for a ``whole_call``
+        family) and output gradient, in the parameters' precision (autocast leaves
+        half-precision gradients: see psg_core.precision)."""
         bd = call.captured.batch_dim
         dtype = layer_dtype(call.layer)
-        a = to_compute(call.captured.args[0].movedim(bd, 0), dtype)  # (N*K, ...)
         g = to_compute(cast(torch.Tensor, call.captured.unmerge(grad)).movedim(bd, 0), dtype)  # (N*K, ...)
+        if call.norm is not None and call.norm.whole_call:
+            return call.captured, g
+        a = to_compute(call.captured.args[0].movedim(bd, 0), dtype)  # (N*K, ...)
         return a, g
 
     def _norm_contribution(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
@@ -328,15 +333,34 @@ class _GhostBookkeeping:
                 continue
             row_factors = factors[weight].repeat_interleave(self.K)  # (N*K,)
             row_dropped = None if dropped is None else dropped.repeat_interleave(self.K)  # (N*K,)
-            for a, g in state.kept:
-                scaled = zero_dropped(g, row_dropped) * row_factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
-                if row_dropped is not None and a.is_floating_point():
-                    a = zero_dropped(a, row_dropped)  # an overflowing input row: inf * 0 would be NaN
+            for a, g, calls in _stacked_calls(state.kept):
+                scaled = zero_dropped(g, row_dropped.repeat(calls) if row_dropped is not None else None) \
+                    * row_factors.repeat(calls).view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
+                if row_dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
+                    # an overflowing input row: inf * 0 would be NaN
+                    a = zero_dropped(a, row_dropped.repeat(calls))
                 total = norm.weight_sum(layer, a, scaled)
                 current = sums.get(weight)
                 sums[weight] = total if current is None else current + total
             state.kept = []
         return sums
+
+
+def _stacked_calls(kept: list[tuple[Any, torch.Tensor]]) -> Iterator[tuple[Any, torch.Tensor, int]]:
+    """A layer's kept ``(input, output gradient)`` calls, those of one shape stacked along the rows:
+    ``weight_sum`` is a sum over rows, so one kernel over ``calls * N*K`` rows replaces one small
+    kernel and one accumulation per call (a recurrent cell's T steps). Yields ``(a, g, calls)``."""
+    groups: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for a, g in kept:
+        if not isinstance(a, torch.Tensor):  # a whole call (EmbeddingBag): summed one by one
+            yield a, g, 1
+            continue
+        groups.setdefault((a.shape, a.dtype, g.shape, g.dtype), []).append((a, g))
+    for group in groups.values():
+        if len(group) == 1:
+            yield group[0][0], group[0][1], 1
+        else:
+            yield torch.cat([a for a, _ in group]), torch.cat([g for _, g in group]), len(group)
 
 
 # ------------------------------------------------------------------------------ entry point

@@ -17,6 +17,7 @@ the rows of its tokens, so its squared norm is ``sum_{s,t} [token_s == token_t] 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -204,20 +205,40 @@ def embedding_bag_grad_sample(layer: nn.EmbeddingBag, activations: list[Any],
         return {}
     _reject_batch_mixing(layer, "embedding_bag_grad_sample")
     inputs, offsets, per_sample_weights = _bag_call(activations, kwargs)
-    if inputs.is_nested:
+    if layer.mode == "max":
+        tokens, bag, bags = _bag_of_token(_flat_input(inputs), offsets, layer.include_last_offset)  # (M,), (M,)
+        counted = bag >= 0  # (M,)
+        if layer.padding_idx is not None:
+            counted = counted & (tokens != layer.padding_idx)
+        return {layer.weight: _max_grad_sample(layer, tokens, bag, counted, backprops, bags, K)}
+    tokens, bag_index, values, bags = _bag_entries(layer, activations, kwargs, backprops)
+    grad = _per_sample_scatter(tokens, bag_index // K, values, bags // K, layer.num_embeddings)  # (N, V, d)
+    return {layer.weight: grad}
+
+
+def _flat_input(inputs: Any) -> torch.Tensor:
+    if not isinstance(inputs, torch.Tensor) or inputs.is_nested:
         raise UnsupportedModuleError("embedding_bag_grad_sample: nested-tensor input is not "
                                      "supported; pass a flat input with offsets")
-    tokens, bag, bags = _bag_of_token(inputs, offsets, layer.include_last_offset)  # (M,), (M,)
+    return inputs
+
+
+def _bag_entries(layer: nn.EmbeddingBag, args: Sequence[Any], kwargs: dict[str, Any], backprops: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Mode "sum"/"mean": each token's table row and bag, and the ``(M, d)`` gradient it sends to
+    that row (0 for padding and tokens after the last offset), with the number of bags.
+
+    Every token takes part, the ones not counted with value 0: selecting the counted ones would
+    need their number on the host (a device sync).
+    """
+    inputs, offsets, per_sample_weights = _bag_call(list(args), kwargs)
+    tokens, bag, bags = _bag_of_token(_flat_input(inputs), offsets, layer.include_last_offset)  # (M,), (M,)
     counted = bag >= 0  # (M,)
     if layer.padding_idx is not None:
         counted = counted & (tokens != layer.padding_idx)
-    if layer.mode == "max":
-        return {layer.weight: _max_grad_sample(layer, tokens, bag, counted, backprops, bags, K)}
     weight = counted.to(backprops.dtype)  # (M,)
     if per_sample_weights is not None:
         weight = weight * per_sample_weights.reshape(-1).to(backprops.dtype)
-    # Every token takes part, the ones not counted (padding, past the last offset) with value 0:
-    # selecting the counted ones would need their number on the host (a device sync).
     bag_index = bag.clamp(min=0)  # (M,)
     if layer.mode == "mean":
         sizes = backprops.new_zeros(bags).index_add_(0, bag_index, counted.to(backprops.dtype))  # (B,)
@@ -226,6 +247,37 @@ def embedding_bag_grad_sample(layer: nn.EmbeddingBag, activations: list[Any],
         raise UnsupportedModuleError(
             f"embedding_bag_grad_sample: unknown EmbeddingBag mode {layer.mode!r}")
     values = torch.where(counted[:, None], backprops[bag_index] * weight[:, None], 0)  # (M, d)
-    grad = _per_sample_scatter(torch.where(counted, tokens, 0), bag_index // K, values, bags // K,
-                               layer.num_embeddings)  # (N, V, d)
-    return {layer.weight: grad}
+    return torch.where(counted, tokens, 0), bag_index, values, bags
+
+
+# The ghost norm of EmbeddingBag (modes sum and mean): sample n's gradient scatters its tokens'
+# weighted bag gradients into table rows; summing the entries of each (sample, row) pair gives
+# the norm from (M, d) numbers instead of the (N, V, d) gradient. Mode max keeps the materialised
+# gradient (its rows are chosen per feature).
+def _bag_positions(layer: nn.EmbeddingBag, tokens: torch.Tensor, output: Any, batch_dim: int) -> int | None:
+    return None if layer.mode == "max" else 1
+
+
+def _bag_weight_sum(layer: nn.EmbeddingBag, call: Any, backprop: torch.Tensor) -> torch.Tensor:
+    """``(V, d)``: the table's gradient summed over the call's bags (as torch's backward)."""
+    tokens, _, values, _ = _bag_entries(layer, call.args, call.kwargs, backprop)
+    out = values.new_zeros(layer.weight.shape).index_add_(0, tokens, values)  # (V, d)
+    return out.to(layer.weight.dtype)
+
+
+@register_ghost_norm(nn.EmbeddingBag, weight_sum=_bag_weight_sum, positions=_bag_positions,
+                     is_cheaper=lambda layer, positions: True, whole_call=True)
+def embedding_bag_ghost_factors(layer: nn.EmbeddingBag, call: Any, backprop: torch.Tensor,
+                                K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
+    """Each token's (sample, table row) and the gradient it sends there (modes sum and mean).
+
+    >>> from types import SimpleNamespace
+    >>> layer = nn.EmbeddingBag(10, 3, mode="sum")
+    >>> call = SimpleNamespace(args=(torch.tensor([1, 1, 2]), torch.tensor([0, 2])), kwargs={})
+    >>> factors, _ = embedding_bag_ghost_factors(layer, call, torch.ones(2, 3), 1)
+    >>> factors.sq_norms(torch.float32).tolist()  # sample 0: row 1 gets 2 * (1, 1, 1)
+    [12.0, 3.0]
+    """
+    _reject_batch_mixing(layer, "embedding_bag_ghost_factors")
+    tokens, bag_index, values, bags = _bag_entries(layer, call.args, call.kwargs, backprop)
+    return GhostFactors.keyed(bag_index // K, tokens, values, bags // K), {}

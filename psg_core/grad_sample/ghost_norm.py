@@ -46,6 +46,9 @@ class FactorKind(enum.Enum):
     DOT = "dot"
     #: a lookup table: ``grad[n][v] = sum_{t: left[n, t] == v} right[n, t]`` (Embedding).
     INDEX = "index"
+    #: a lookup table with any number of entries per sample: ``left (2, M)`` holds each entry's
+    #: sample and table row, ``grad[n][v] = sum_{m: left[:, m] == (n, v)} right[m]`` (EmbeddingBag).
+    KEYED = "keyed"
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,13 @@ class GhostFactors:
 
     ``DOT``: ``left (N, G, T, I)``, ``right (N, G, T, O)``. ``INDEX``: ``left (N, T)`` token ids,
     ``right (N, T, d)`` output gradients (rows that get no gradient, e.g. padding, zeroed).
+    ``KEYED``: ``left (2, M)`` (sample, token id) of M entries, ``right (M, d)``, ``samples`` N.
     """
 
     kind: FactorKind
     left: torch.Tensor
     right: torch.Tensor
+    samples: int = 0
 
     @classmethod
     def dot(cls, left: torch.Tensor, right: torch.Tensor) -> GhostFactors:
@@ -76,11 +81,24 @@ class GhostFactors:
                               f"{tuple(tokens.shape)} and {tuple(right.shape)}")
         return cls(FactorKind.INDEX, tokens, right)
 
+    @classmethod
+    def keyed(cls, sample: torch.Tensor, tokens: torch.Tensor, right: torch.Tensor, samples: int) -> GhostFactors:
+        """A lookup table's gradient from M entries: their ``(M,)`` samples and table rows and
+        ``(M, d)`` gradients; ``samples`` is N. Entries that get no gradient carry zeros."""
+        if sample.shape != tokens.shape or tokens.dim() != 1 or right.dim() != 2 \
+                or right.shape[0] != tokens.shape[0]:
+            raise ConfigError(f"GhostFactors.keyed: expected (M,), (M,) and (M, d), got {tuple(sample.shape)}, "
+                              f"{tuple(tokens.shape)} and {tuple(right.shape)}")
+        return cls(FactorKind.KEYED, torch.stack([sample, tokens]), right, samples)
+
     @staticmethod
     def concat(parts: Sequence[GhostFactors]) -> GhostFactors:
         """The factors of several calls of one layer, along T (the norm of the summed gradient)."""
         if len(parts) == 1:
             return parts[0]
+        if parts[0].kind is FactorKind.KEYED:
+            return GhostFactors(FactorKind.KEYED, torch.cat([p.left for p in parts], 1),
+                                torch.cat([p.right for p in parts], 0), parts[0].samples)
         axis = 2 if parts[0].kind is FactorKind.DOT else 1
         return GhostFactors(parts[0].kind, torch.cat([p.left for p in parts], axis),
                             torch.cat([p.right for p in parts], axis))
@@ -94,6 +112,8 @@ class GhostFactors:
         True
         """
         right = self.right.to(dtype)
+        if self.kind is FactorKind.KEYED:
+            return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
         if self.kind is FactorKind.DOT:
             left = self.left.to(dtype)
             gram_left = left @ left.transpose(-1, -2)  # (N, G, T, T)
@@ -102,6 +122,30 @@ class GhostFactors:
         same_token = self.left.unsqueeze(2) == self.left.unsqueeze(1)  # (N, T, T)
         gram_right = right @ right.transpose(-1, -2)  # (N, T, T)
         return (gram_right * same_token).sum((1, 2)).clamp_min(0)
+
+
+def _keyed_sq_norms(sample: torch.Tensor, tokens: torch.Tensor, right: torch.Tensor, samples: int) -> torch.Tensor:
+    """``(N,)``: ``sum_n sum_v ||sum_{m: (sample, token)_m = (n, v)} right[m]||^2``.
+
+    Entries sorted by (sample, token) make each table row of each sample one run; the runs are
+    summed into an ``(M, d)`` buffer (never the ``(N, V, d)`` gradient), with fixed shapes only:
+    no count of distinct keys is read on the host.
+
+    >>> right = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]])
+    >>> _keyed_sq_norms(torch.tensor([0, 0, 1]), torch.tensor([4, 4, 4]), right, 2).tolist()  # (1+2)^2, 3^2
+    [9.0, 9.0]
+    """
+    count = tokens.shape[0]
+    if count == 0:
+        return right.new_zeros(samples)
+    key = sample * (tokens.max() + 1) + tokens  # (M,), stays on the device
+    key, order = key.sort()
+    is_start = torch.ones_like(key, dtype=torch.bool)
+    is_start[1:] = key[1:] != key[:-1]
+    run = is_start.cumsum(0) - 1  # (M,) the run of each sorted entry
+    sums = right.new_zeros(count, right.shape[1]).index_add_(0, run, right[order])  # (M, d), runs first
+    run_sample = torch.zeros_like(run).scatter_(0, run, sample[order])  # (M,)
+    return right.new_zeros(samples).index_add_(0, run_sample, sums.square().sum(1))
 
 
 #: ``factors(layer, activation, backprop, K) -> (GhostFactors, {other parameter: (N, *shape)})``.
@@ -131,6 +175,10 @@ class GhostNormEntry:
     #: the attribute holding the parameter the factors describe.
     parameter: str = "weight"
     chooser: ChooseFn | None = None
+    #: ``activation`` is the whole call (a :class:`~psg_core.backends.capture.LayerCall`: its
+    #: args and kwargs), for layers whose rows are not their first input's (EmbeddingBag with
+    #: offsets).
+    whole_call: bool = False
 
     def weight(self, layer: nn.Module) -> torch.Tensor | None:
         """The parameter whose norm the factors give (None if the layer has none)."""
@@ -161,7 +209,8 @@ class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
 
     def register(self, *layer_types: LayerKey, weight_sum: WeightSumFn, positions: PositionsFn,
                  is_cheaper: CostRule | None = None, parameter: str = "weight",
-                 replace: bool = False, choose: ChooseFn | None = None) -> Callable[[_Factors], _Factors]:
+                 replace: bool = False, choose: ChooseFn | None = None,
+                 whole_call: bool = False) -> Callable[[_Factors], _Factors]:
         """Decorator registering a factor function; see :func:`register_ghost_norm`."""
         self.check_keys(layer_types)
         for name, piece in (("weight_sum", weight_sum), ("positions", positions)):
@@ -176,7 +225,7 @@ class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
         def decorator(fn: _Factors) -> _Factors:
             self.add(layer_types, lambda layer_type: GhostNormEntry(
                 fn, layer_type, weight_sum=weight_sum, positions=positions, cost_rule=is_cheaper,
-                parameter=parameter, chooser=choose), replace=replace)
+                parameter=parameter, chooser=choose, whole_call=whole_call), replace=replace)
             return fn
 
         return decorator
@@ -188,7 +237,8 @@ GHOST_NORMS = GhostNormRegistry()
 
 def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positions: PositionsFn,
                         is_cheaper: CostRule | None = None, parameter: str = "weight",
-                        replace: bool = False, choose: ChooseFn | None = None) -> Callable[[_Factors], _Factors]:
+                        replace: bool = False, choose: ChooseFn | None = None,
+                        whole_call: bool = False) -> Callable[[_Factors], _Factors]:
     """Registers how the ghost backend gets per-sample norms of ``layer_types``' weight.
 
     The decorated function is ``factors(layer, activation, backprop, K)``: from the layer's
@@ -210,6 +260,9 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positio
         choose: ``(layer, activation, backprop, K) -> bool | None``, asked instead of
             ``is_cheaper`` when the layer is called once per pass, with that call's tensors
             (None: ask ``is_cheaper``).
+        whole_call: ``factors``, ``weight_sum`` and ``choose`` get the whole call (a
+            :class:`~psg_core.backends.capture.LayerCall`: ``.args``, ``.kwargs``) in place of the
+            first input, and the layer may count its rows itself (EmbeddingBag with offsets).
 
     A layer ``y = x @ W`` (weight ``(d_in, d_out)``), with its grad sampler and its ghost norm:
 
@@ -243,4 +296,5 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positio
     >>> GHOST_NORMS.unregister(RightMatmul); psg_core.GRAD_SAMPLERS.unregister(RightMatmul)
     """
     return GHOST_NORMS.register(*layer_types, weight_sum=weight_sum, positions=positions,
-                                is_cheaper=is_cheaper, parameter=parameter, replace=replace, choose=choose)
+                                is_cheaper=is_cheaper, parameter=parameter, replace=replace, choose=choose,
+                                whole_call=whole_call)

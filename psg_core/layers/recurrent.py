@@ -27,6 +27,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from psg_core._layout import ALWAYS_BATCH_FIRST, STATE_BATCH_AXIS
 from psg_core.errors import ConfigError, UnsupportedModuleError
+from psg_core.provenance import rowwise
 
 __all__ = ["RNNLinear", "DPRNNCell", "DPGRUCell", "DPLSTMCell", "DPRNN", "DPGRU", "DPLSTM"]
 
@@ -110,6 +111,33 @@ class _DPCellBase(nn.Module):
         return (input, True) if input.dim() == 2 else (input.unsqueeze(0), False)
 
 
+# The cells' gate math: row-wise, parameter-free (the parameters are in ih and hh, hooked Linear
+# layers), so the batch tracker need not follow it op by op (psg_core.provenance.rowwise).
+def _rnn_tanh_update(input_gates: torch.Tensor, hidden_gates: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(input_gates + hidden_gates)  # (B, H)
+
+
+def _rnn_relu_update(input_gates: torch.Tensor, hidden_gates: torch.Tensor) -> torch.Tensor:
+    return torch.relu(input_gates + hidden_gates)  # (B, H)
+
+
+def _gru_update(input_gates: torch.Tensor, hidden_gates: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    x_r, x_z, x_n = input_gates.chunk(3, dim=1)  # (B, H) each
+    h_r, h_z, h_n = hidden_gates.chunk(3, dim=1)  # (B, H) each
+    reset = torch.sigmoid(x_r + h_r)
+    update = torch.sigmoid(x_z + h_z)
+    candidate = torch.tanh(x_n + reset * h_n)
+    return (1.0 - update) * candidate + update * h  # (B, H)
+
+
+def _lstm_update(input_gates: torch.Tensor, hidden_gates: torch.Tensor, c: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    i, f, g, o = (input_gates + hidden_gates).chunk(4, dim=1)  # (B, H) each
+    c_next = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)  # (B, H)
+    h_next = torch.sigmoid(o) * torch.tanh(c_next)  # (B, H)
+    return h_next, c_next
+
+
 class DPRNNCell(_DPCellBase):
     """``nn.RNNCell`` from two Linear layers: ``h' = act(ih(x) + hh(h))``.
 
@@ -127,8 +155,8 @@ class DPRNNCell(_DPCellBase):
         super().__init__(input_size, hidden_size, bias, device, dtype)
 
     def step(self, input_gates: torch.Tensor, state: State) -> State:
-        pre = input_gates + self.hh(cast(torch.Tensor, state))  # (B, H)
-        return torch.tanh(pre) if self.nonlinearity == "tanh" else torch.relu(pre)
+        update = _rnn_tanh_update if self.nonlinearity == "tanh" else _rnn_relu_update
+        return cast(torch.Tensor, rowwise(update, input_gates, self.hh(cast(torch.Tensor, state))))  # (B, H)
 
     def forward(self, input: torch.Tensor, hx: torch.Tensor | None = None) -> torch.Tensor:
         x, batched = self._batched(input)  # (B, F)
@@ -148,12 +176,7 @@ class DPGRUCell(_DPCellBase):
 
     def step(self, input_gates: torch.Tensor, state: State) -> State:
         h = cast(torch.Tensor, state)  # (B, H)
-        x_r, x_z, x_n = input_gates.chunk(3, dim=1)  # (B, H) each
-        h_r, h_z, h_n = self.hh(h).chunk(3, dim=1)  # (B, H) each
-        reset = torch.sigmoid(x_r + h_r)
-        update = torch.sigmoid(x_z + h_z)
-        candidate = torch.tanh(x_n + reset * h_n)
-        return (1.0 - update) * candidate + update * h  # (B, H)
+        return cast(torch.Tensor, rowwise(_gru_update, input_gates, self.hh(h), h))  # (B, H)
 
     def forward(self, input: torch.Tensor, hx: torch.Tensor | None = None) -> torch.Tensor:
         x, batched = self._batched(input)  # (B, F)
@@ -178,11 +201,7 @@ class DPLSTMCell(_DPCellBase):
 
     def step(self, input_gates: torch.Tensor, state: State) -> State:
         h, c = cast(tuple[torch.Tensor, torch.Tensor], state)  # (B, H) each
-        gates = input_gates + self.hh(h)  # (B, 4H)
-        i, f, g, o = gates.chunk(4, dim=1)  # (B, H) each
-        c_next = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)  # (B, H)
-        h_next = torch.sigmoid(o) * torch.tanh(c_next)  # (B, H)
-        return h_next, c_next
+        return cast(State, rowwise(_lstm_update, input_gates, self.hh(h), c))
 
     def forward(self, input: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,10 +329,12 @@ class _DPRNNBase(nn.Module):
                        mask: torch.Tensor | None, reverse: bool) -> tuple[torch.Tensor, State]:
         """``sequence`` (B, T, F) -> outputs (B, T, H) and the final state."""
         steps = sequence.shape[1]
-        input_gates = cell.ih(sequence)  # (B, T, gates*H), one call for all steps
+        # One input projection for all steps, split once: indexing step by step would make its
+        # backward scatter every step's gradient into a zeroed (B, T, gates*H) buffer (T^2 work).
+        input_gates = cell.ih(sequence).unbind(1)  # T x (B, gates*H)
         outputs: list[torch.Tensor] = [sequence.new_empty(0)] * steps
         for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
-            new_state = cell.step(input_gates[:, t], state)
+            new_state = cell.step(input_gates[t], state)
             if mask is None:
                 state = new_state
             else:

@@ -142,9 +142,11 @@ def test_ghost_norm_registry_rules() -> None:
 
 
 def test_builtin_ghost_norms() -> None:
-    assert {nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-            nn.ConvTranspose3d} == set(GHOST_NORMS)
-    assert GHOST_NORMS.lookup(nn.LayerNorm) is None and GHOST_NORMS.lookup(nn.EmbeddingBag) is None
+    assert {nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+            nn.ConvTranspose2d, nn.ConvTranspose3d} == set(GHOST_NORMS)
+    assert GHOST_NORMS.lookup(nn.LayerNorm) is None
+    bag = GHOST_NORMS.lookup(nn.EmbeddingBag)
+    assert bag is not None and bag.whole_call  # its rows are its offsets' bags, not its input's
     grouped = GHOST_NORMS.lookup(nn.Conv2d)
     assert grouped is not None
     conv = nn.Conv2d(4, 4, 3, groups=2)  # 72 weights: 2 groups * 2 * T^2 <= 72 up to T = 4
