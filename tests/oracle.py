@@ -68,7 +68,8 @@ def microbatch_oracle(model: nn.Module, samples: Sequence[Batch], loss_fn: LossF
         grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (name, p), g in zip(params.items(), grads):
             per_name[name].append(torch.zeros_like(p) if g is None else g)
-    return {name: (torch.stack(gs) if gs else torch.zeros(0, *params[name].shape, dtype=dtype))
+    return {name: (torch.stack(gs) if gs else torch.zeros(0, *params[name].shape, dtype=dtype,
+                                                          device=params[name].device))
             for name, gs in per_name.items()}
 
 

@@ -208,8 +208,9 @@ class Classifier(nn.Module):
     def forward(self, x: torch.Tensor | PackedSequence, hx: Any = None) -> torch.Tensor:
         output, _ = self.rnn(x, hx)
         if isinstance(output, PackedSequence):
-            padded, lengths = pad_packed_sequence(output, batch_first=True)  # (B, T, F)
-            last = padded[torch.arange(padded.shape[0]), lengths - 1]  # (B, F)
+            padded, lengths = pad_packed_sequence(output, batch_first=True)  # (B, T, F); lengths on the CPU
+            rows = torch.arange(padded.shape[0], device=padded.device)
+            last = padded[rows, (lengths - 1).to(padded.device)]  # (B, F)
             last = last.unsqueeze(1 if self.batch_first else 0)
         else:
             last = output[:, -1:] if self.batch_first else output[-1:]  # (B, 1, F) / (1, B, F)
