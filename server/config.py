@@ -122,7 +122,8 @@ class ServerConfig:
     cpus_per_worker: int = 1
     #: Where shards compute: "auto" (a GPU when there is one: the in-process executor's current CUDA
     #: device, one GPU per Ray worker when the cluster has GPUs), "cpu", "cuda" or "cuda:<i>" (Ray
-    #: workers: any "cuda" means one GPU each, whatever the index).
+    #: workers: any "cuda" means one GPU each, whatever the index). Ray workers share the GPUs when
+    #: ``num_workers`` exceeds them; "cpu" asks Ray for none.
     device: str = "auto"
     #: Ray cluster to join (``host:port``); None starts an embedded local Ray.
     ray_address: str | None = None
@@ -334,7 +335,7 @@ def build_parser(defaults: Mapping[str, object] | None = None) -> argparse.Argum
     add("--device", metavar="auto|cpu|cuda[:i]",
         help="where shards compute: auto = a GPU when there is one (in-process: the current CUDA device; Ray: "
              "one GPU per worker when the cluster has GPUs), cpu, or cuda / cuda:<i> (in-process: that GPU; "
-             "Ray: one GPU per worker, whatever the index)")
+             "Ray: one GPU per worker, whatever the index; more --workers than GPUs share them)")
     add("--ray-address", metavar="HOST:PORT", help="Ray cluster to join",
         shown="RAY_ADDRESS, else start an embedded local Ray")
     add("--step-timeout-seconds", type=float, metavar="SECONDS",

@@ -3,7 +3,9 @@
 Ray stays behind this class: the frontend sees an executor that runs shards, lists workers and
 their throughputs, and raises psg errors. One :class:`~psg_server.worker.GradientWorker` actor runs
 per GPU (``num_gpus=1``) when the cluster has GPUs, otherwise per ``cpus_per_worker`` CPU cores
-(with as many torch threads). Without an address the pool starts an embedded local Ray
+(with as many torch threads); a fixed number of GPU workers above the cluster's GPUs shares them
+(``num_gpus`` a fraction: :mod:`psg_server.placement`), and a worker Ray cannot place within
+``place_timeout_s`` is an error, not a wait without end. Without an address the pool starts an embedded local Ray
 (``address="local"``, never someone else's instance); ``ray_address`` joins a cluster.
 
 The pool is a facade over three parts:
@@ -73,13 +75,18 @@ class WorkerPool:
         ray_address: a cluster to join (``host:port`` or ``ray://...``); None starts an embedded
             local Ray, shut down again by :meth:`close`. When this process is already connected
             to Ray (``ray.init`` was called), the pool uses that connection and leaves it open.
-        use_gpus: None = when the cluster has GPUs; False forces CPU workers.
+        use_gpus: None = when the cluster has GPUs; False forces CPU workers (no GPU asked of
+            Ray); True requires GPUs. GPU workers get a GPU each, or share them when
+            ``num_workers`` exceeds the cluster's GPUs (:func:`psg_server.placement.gpus_per_worker`).
         worker_wait_s: how long a step that lost its last live worker midway waits for a
             replacement (a step that finds none live when it starts fails at once).
         start_timeout_s: how long :meth:`start` waits for the actors to come up; the pool keeps
             waiting for late ones in the background.
         probe_interval_s: seconds between liveness probes.
         probe_timeout_s: a worker that does not answer a probe this long is replaced.
+        place_timeout_s: a worker that has not come up this long after it was created (Ray could
+            not place it) is killed with an error saying what it asked for and what the cluster
+            has; :meth:`start` raises that error when no worker came up.
         max_shard_attempts: tries of one shard on lost workers before the step fails.
         ray_init_kwargs: extra ``ray.init`` arguments (num_cpus, object_store_memory...).
     """
@@ -87,7 +94,7 @@ class WorkerPool:
     def __init__(self, *, plugins: Sequence[str] = (), num_workers: int | None = None,
                  cpus_per_worker: int = 1, ray_address: str | None = None, use_gpus: bool | None = None,
                  worker_wait_s: float = 30.0, start_timeout_s: float = 120.0, probe_interval_s: float = 1.0,
-                 probe_timeout_s: float = 30.0, max_shard_attempts: int = 3,
+                 probe_timeout_s: float = 30.0, place_timeout_s: float = 90.0, max_shard_attempts: int = 3,
                  ray_init_kwargs: Mapping[str, Any] | None = None) -> None:
         if num_workers is not None and num_workers < 1:
             raise ValueError(f"WorkerPool: num_workers must be >= 1 or None, got {num_workers}")
@@ -103,7 +110,7 @@ class WorkerPool:
         self._owns_ray = False
         self._supervisor = ActorSupervisor(plugins=tuple(plugins), cpus_per_worker=cpus_per_worker,
                                            start_timeout_s=start_timeout_s, probe_interval_s=probe_interval_s,
-                                           probe_timeout_s=probe_timeout_s)
+                                           probe_timeout_s=probe_timeout_s, place_timeout_s=place_timeout_s)
         self._parameters = ParameterRefs()
         self._dispatcher = ShardDispatcher(self._supervisor, self._parameters, max_attempts=max_shard_attempts,
                                            worker_wait_s=worker_wait_s)
@@ -120,11 +127,21 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Connects to (or starts) Ray and starts the actors; returns when they are all up, or
-        after ``start_timeout_s`` with whichever are up (the rest keep starting)."""
+        after ``start_timeout_s`` with whichever are up (the rest keep starting).
+
+        Raises:
+            NoWorkersError: Ray cannot be joined or started, ``use_gpus`` is True on a cluster
+                without a GPU, or no worker came up because Ray could place none (the pool is
+                closed again, and an embedded Ray shut down).
+        """
         if self._supervisor.running:
             return
         await asyncio.get_running_loop().run_in_executor(None, self._connect)
-        await self._supervisor.start(count=self._num_workers, use_gpu=self._use_gpus)
+        try:
+            await self._supervisor.start(count=self._num_workers, use_gpu=self._use_gpus)
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
         """Stops the actors (and the embedded Ray, if the pool started it)."""

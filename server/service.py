@@ -389,7 +389,8 @@ def _default_executor(config: ServerConfig, registry: ModelRegistry) -> ShardExe
     if config.executor == "ray":
         from psg_server.pool import WorkerPool  # Ray is imported only when the pool is used
 
-        # "cuda:<i>" names a GPU of this process; Ray gives each worker one GPU of its own.
+        # "cuda:<i>" names a GPU of this process; Ray gives each worker a GPU of its own, or a share
+        # of one when --workers exceeds the cluster's GPUs (psg_server.placement).
         use_gpus = {"auto": None, "cpu": False}.get(config.device, True)
         return WorkerPool(plugins=registry.plugins, num_workers=config.num_workers,
                           cpus_per_worker=config.cpus_per_worker, ray_address=config.ray_address, use_gpus=use_gpus)

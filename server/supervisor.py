@@ -9,7 +9,14 @@ that left for a while). Workers that join a running cluster get actors, and work
 take theirs along, without a restart of the frontend.
 
 Each actor is placed on a node chosen here (hard node affinity): the live node with the most room
-for another actor, never one that drains. A node where an actor became unreachable (its raylet or
+for another actor, never one that drains. A GPU actor asks Ray for a whole GPU, or, when a fixed
+number of workers outnumbers the cluster's GPUs, for a share of one
+(:func:`psg_server.placement.gpus_per_worker`: ``ceil(workers / gpus)`` actors per GPU), decided
+once from the nodes the pool first sees; a node's room counts its CPUs too. An actor that has not
+come up within ``place_timeout_s`` (Ray could not place it: the resources it asks for are held by
+others, or exist on no node) is killed with an error that says what it asked for and what the
+cluster has, and its slot is retried with the backoff below; when no actor at all came up that way,
+:meth:`ActorSupervisor.start` raises that error instead of returning a pool that never serves. A node where an actor became unreachable (its raylet or
 container gone: Ray answers ActorUnavailableError long before it declares the node dead, tens of
 seconds later) gets no actor for a while; one where an actor died otherwise (its process killed,
 the node fine) comes after the other nodes with room.
@@ -44,6 +51,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from psg_server.cluster import NodeView, live_nodes
 from psg_server.errors import NoWorkersError
 from psg_server.executor import WorkerDescription
+from psg_server.placement import gpus_per_worker, whole_gpus, workers_per_gpu
 from psg_server.scheduler import observe_rate
 from psg_server.transport import as_future
 from psg_server.worker import CONTROL_GROUP, GradientWorker
@@ -118,13 +126,16 @@ class ActorSupervisor:
         start_timeout_s: how long :meth:`start` waits for the actors to come up.
         probe_interval_s: seconds between liveness probes and between reads of the cluster's nodes.
         probe_timeout_s: an actor that does not answer a probe this long is replaced.
+        place_timeout_s: an actor that has not come up this long after it was created (Ray could
+            not place it, or its start hangs) is killed with an error naming what it asked for.
     """
 
     def __init__(self, *, plugins: tuple[str, ...], cpus_per_worker: int, start_timeout_s: float,
-                 probe_interval_s: float, probe_timeout_s: float) -> None:
+                 probe_interval_s: float, probe_timeout_s: float, place_timeout_s: float = 90.0) -> None:
         self._plugins = plugins
         self._cpus_per_worker = cpus_per_worker
         self._start_timeout_s = start_timeout_s
+        self._place_timeout_s = place_timeout_s
         self._probe_interval_s = probe_interval_s
         self._probe_timeout_s = probe_timeout_s
         self._slots: dict[int, _Slot] = {}
@@ -132,6 +143,12 @@ class ActorSupervisor:
         self._count: int | None = None
         #: GPU or CPU actors; None until the cluster shows a node with a GPU or CPUs to decide by.
         self._use_gpu: bool | None = None
+        #: GPU actors: the share of a GPU each asks Ray for, and how many share one GPU; decided
+        #: once, from the first view of the nodes (:meth:`_decide_gpu_share`).
+        self._gpu_share: float | None = None
+        self._per_gpu = 1
+        #: The last error of an actor that did not come up within place_timeout_s.
+        self._placement_error: str | None = None
         #: The live nodes by id, as last read; None before the first read (Ray then places actors).
         self._nodes: dict[str, NodeView] | None = None
         #: Node id -> when an actor was last lost there (see LOST_NODE_PENALTY_S).
@@ -180,7 +197,9 @@ class ActorSupervisor:
         up (the rest keep starting).
 
         Raises:
-            NoWorkersError: ``use_gpu`` is True and no live node has a GPU.
+            NoWorkersError: ``use_gpu`` is True and no live node has a GPU; or no actor came up
+                because every one that was started failed to be placed within ``place_timeout_s``
+                (the message says what they asked for and what the cluster has).
         """
         if self._running:
             return
@@ -190,15 +209,24 @@ class ActorSupervisor:
         self._count, self._use_gpu = count, use_gpu
         self._changed = asyncio.Event()
         self._running = True
+        self._placement_error = None
         if count is not None:
             self._slots = {index: _Slot(index) for index in range(count)}
         self._apply(nodes)
         starting = [task for slot in self._slots.values() for task in slot.tasks]
         if starting:
             await asyncio.wait(starting, timeout=self._start_timeout_s)
+        if not self.live() and self._placement_error is not None:
+            error = self._placement_error
+            await self.close()
+            raise NoWorkersError(f"WorkerPool.start: no worker came up: {error}")
         self._monitor = asyncio.create_task(self._watch(), name="psg-pool-monitor")
         logger.info("pool: %d of %d %s worker(s) live%s", len(self.live()), len(self._slots), self._kind(),
                     "" if count is not None else ", following the cluster's nodes")
+        waiting = sum(1 for slot in self._slots.values() if slot.actor is None and not slot.failures)
+        if waiting and self._nodes is not None:
+            logger.warning("pool: the cluster's nodes have no room for %d more %s worker(s) (%s); they start when "
+                           "a node with room joins", waiting, self._kind(), self._cluster_resources())
 
     async def close(self) -> None:
         """Stops the monitor and kills the actors."""
@@ -219,6 +247,7 @@ class ActorSupervisor:
                 slot.actor = None
         self._slots = {}
         self._actor_class = None
+        self._gpu_share, self._per_gpu = None, 1
         self._notify()
 
     async def wait_for_live(self, timeout_s: float) -> None:
@@ -314,6 +343,8 @@ class ActorSupervisor:
             self._unreachable = {node: when for node, when in self._unreachable.items() if node in self._nodes}
             if self._use_gpu is None:
                 self._use_gpu = self._decide_device()
+            if self._use_gpu and self._gpu_share is None:
+                self._decide_gpu_share()
         self._resize()
         now = time.monotonic()
         if self._use_gpu is not None:
@@ -329,13 +360,27 @@ class ActorSupervisor:
             return False
         return None  # nothing to run on yet: decide when a worker joins
 
+    def _decide_gpu_share(self) -> None:
+        """Sizes the GPU actors' requests by the usable nodes' GPUs (once; a cluster that shows no
+        whole GPU yet leaves it undecided, and no GPU actor starts until one does)."""
+        gpus = whole_gpus(node.resources.get("GPU", 0) for node in (self._nodes or {}).values() if not node.draining)
+        if gpus < 1:
+            return
+        self._gpu_share = gpus_per_worker(self._count, gpus, use_gpu=True)
+        self._per_gpu = workers_per_gpu(self._count, gpus)
+        if self._per_gpu > 1:
+            logger.warning("pool: %d GPU workers on %d GPU(s): %d share each GPU (num_gpus=%g each)", self._count,
+                           gpus, self._per_gpu, self._gpu_share)
+
     def _capacity(self, node: NodeView) -> int:
-        """How many actors ``node`` has room for, ours and others'."""
+        """How many actors ``node`` has room for, ours and others': its GPUs times the actors that
+        share one (GPU actors; as many as its CPUs hold, too), or its CPUs over ``cpus_per_worker``."""
         if node.draining or self._use_gpu is None:
             return 0
+        by_cpus = int(node.resources.get("CPU", 0) // self._cpus_per_worker)
         if self._use_gpu:
-            return int(node.resources.get("GPU", 0))
-        return int(node.resources.get("CPU", 0) // self._cpus_per_worker)
+            return min(int(node.resources.get("GPU", 0)) * self._per_gpu, by_cpus)
+        return by_cpus
 
     def _resize(self) -> None:
         """Follows the cluster (no fixed count): as many slots as the usable nodes have room for.
@@ -405,6 +450,16 @@ class ActorSupervisor:
         return {True: "GPU", False: f"{self._cpus_per_worker}-CPU", None: "(CPU or GPU, once a node has room)"}[
             self._use_gpu]
 
+    def _request(self) -> dict[str, float]:
+        """The resources each actor asks Ray for."""
+        return {"CPU": float(self._cpus_per_worker), "GPU": (self._gpu_share or 0.0) if self._use_gpu else 0.0}
+
+    def _cluster_resources(self) -> str:
+        """The usable nodes' CPUs and GPUs, as last read (for messages)."""
+        usable = [node for node in (self._nodes or {}).values() if not node.draining]
+        totals = {name: sum(node.resources.get(name, 0) for node in usable) for name in ("CPU", "GPU")}
+        return f"{len(usable)} usable node(s) with {totals['CPU']:g} CPU, {totals['GPU']:g} GPU"
+
     # ----------------------------------------------------------------------------------- actors
     def _notify(self) -> None:
         if self._changed is not None:
@@ -412,12 +467,14 @@ class ActorSupervisor:
             self._changed = asyncio.Event() if self._running else None
 
     def _spawn(self, slot: _Slot) -> None:
+        if self._use_gpu and self._gpu_share is None:
+            return  # no view of the nodes' GPUs yet to size the request by; _apply tries again
         node_id = self._place()
         if node_id == _NO_ROOM:
             return  # the slot stays empty; _apply tries again when the nodes change
         if self._actor_class is None:
             self._actor_options = {
-                "num_cpus": self._cpus_per_worker, "num_gpus": 1 if self._use_gpu else 0,
+                "num_cpus": self._cpus_per_worker, "num_gpus": self._gpu_share if self._use_gpu else 0,
                 # The supervisor replaces dead actors itself (possibly elsewhere); the dispatch
                 # loop retries their shards.
                 "max_restarts": 0, "max_task_retries": 0,
@@ -444,10 +501,19 @@ class ActorSupervisor:
 
     async def _come_up(self, slot: _Slot, actor: SupervisedActor) -> None:
         try:
-            description = await as_future(actor.handle.describe.remote())
+            description = await asyncio.wait_for(as_future(actor.handle.describe.remote()), self._place_timeout_s)
+        except ray_errors.ActorUnschedulableError as error:  # Ray refused the request outright
+            if slot.actor is actor and self._running:
+                refusal = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                await self._not_placed(slot, actor, f"cannot be placed ({refusal})")
+            return
         except ray_errors.RayError as error:
             logger.warning("pool: worker %d failed to start: %s", slot.index, error)
             self.evict(actor, "failed to start")
+            return
+        except asyncio.TimeoutError:
+            if slot.actor is actor and self._running:
+                await self._not_placed(slot, actor, f"did not come up within {self._place_timeout_s:g} s")
             return
         if slot.actor is actor and self._running:
             actor.description = description
@@ -457,6 +523,39 @@ class ActorSupervisor:
             slot.failures = 0
             logger.info("pool: worker %s up on %s (%s)", description.id, description.device, description.node)
             self._notify()
+
+    async def _not_placed(self, slot: _Slot, actor: SupervisedActor, what: str) -> None:
+        """An actor Ray did not place (``what``: refused, or not up within ``place_timeout_s``):
+        logs the error (what it asks for, where, what the cluster has and has free, Ray's state of
+        the actor), keeps it for :meth:`start`, and evicts the actor (its slot backs off)."""
+        def ask_ray() -> tuple[str, dict[str, float]]:
+            state = "unknown"
+            try:  # the GCS actor table (Ray's public state API needs the dashboard)
+                from ray._private import state as ray_state
+
+                state = str(ray_state.actors(actor.handle._actor_id.hex()).get("State", "unknown"))
+            except Exception as error:  # noqa: BLE001 - only words for the message
+                logger.debug("pool: reading worker %d's state failed: %s", slot.index, error)
+            try:
+                free = {name: float(value) for name, value in ray.available_resources().items()
+                        if name in ("CPU", "GPU")}
+            except Exception:  # noqa: BLE001 - only words for the message
+                free = {}
+            return state, free
+
+        state, free = await asyncio.get_running_loop().run_in_executor(None, ask_ray)
+        if slot.actor is not actor or not self._running:
+            return  # replaced or closed meanwhile
+        request = ", ".join(f"{value:g} {name}" for name, value in self._request().items() if value)
+        where = f"on node {actor.node_id[:12]}" if actor.node_id else "anywhere"
+        free_text = ", ".join(f"{free.get(name, 0.0):g} {name}" for name in ("CPU", "GPU"))
+        self._placement_error = (
+            f"worker {slot.index} {what} (Ray's state: {state}): it asks Ray for {request} {where}, and the "
+            f"cluster has {self._cluster_resources()} ({free_text} free). Ray places an actor only where all it "
+            "asks for is free, and waits until it is: other actors or jobs hold what it needs, or no node has "
+            "it. Use fewer --workers or --cpus-per-worker, --device cpu, or free the cluster's GPUs")
+        logger.error("pool: %s", self._placement_error)
+        self.evict(actor, "not placed")
 
     @staticmethod
     def _kill(actor: SupervisedActor) -> None:

@@ -55,7 +55,8 @@ class GradientWorker:
         name: the worker's name in ``GetServerInfo`` (the pool uses ``ray-worker-<slot>``).
         plugins: model plugin modules to load, as the frontend's registry did.
         num_threads: torch intra-op threads (the CPU cores Ray reserved for this worker).
-        use_gpu: run on the GPU Ray assigned to this actor (``num_gpus=1``).
+        use_gpu: run on the GPU Ray assigned to this actor (``num_gpus`` 1, or a share of the GPU
+            when the pool has more workers than GPUs: :mod:`psg_server.placement`).
     """
 
     def __init__(self, *, name: str, plugins: Sequence[str] = (), num_threads: int = 1,

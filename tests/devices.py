@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-__all__ = ["CUDA_AVAILABLE", "CUDA_REQUIRED", "DEVICES", "cuda_param", "oracle_precision", "to_device"]
+__all__ = ["CUDA_AVAILABLE", "CUDA_REQUIRED", "DEVICES", "cuda_param", "oracle_precision", "requires_cuda",
+           "to_device"]
 
 _T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: Whether torch sees a CUDA device in this process.
 CUDA_AVAILABLE = torch.cuda.is_available()
@@ -41,12 +43,23 @@ CUDA_REQUIRED = os.environ.get("PSG_REQUIRE_CUDA") == "1"
 _NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False (PSG_REQUIRE_CUDA=1 makes this a failure)"
 
 
-def cuda_param(*values: Any, id: str | None = None) -> Any:  # noqa: A002 - pytest.param's own name
-    """``pytest.param(*values)`` marked ``cuda`` and skipped where there is no CUDA device."""
+def _cuda_marks() -> list[pytest.MarkDecorator]:
     marks = [pytest.mark.cuda]
     if not CUDA_REQUIRED:
         marks.append(pytest.mark.skipif(not CUDA_AVAILABLE, reason=_NO_CUDA))
-    return pytest.param(*values, marks=marks, id=id)
+    return marks
+
+
+def cuda_param(*values: Any, id: str | None = None) -> Any:  # noqa: A002 - pytest.param's own name
+    """``pytest.param(*values)`` marked ``cuda`` and skipped where there is no CUDA device."""
+    return pytest.param(*values, marks=_cuda_marks(), id=id)
+
+
+def requires_cuda(test: _F) -> _F:
+    """A test that is about CUDA itself: marked ``cuda`` and skipped where there is no CUDA device."""
+    for mark in _cuda_marks():
+        test = mark(test)
+    return test
 
 
 #: Every device an oracle test runs on (see the module docstring).

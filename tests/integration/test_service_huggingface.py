@@ -209,7 +209,7 @@ def test_lora_through_the_embedded_ray_pool(ray_session: Any) -> None:
 
     config = DPConfig(max_grad_norm=0.05)
     model = hf_model(GPT2, lora=GPT2_LORA)
-    pool = WorkerPool(num_workers=2, start_timeout_s=120.0)
+    pool = WorkerPool(num_workers=2, start_timeout_s=120.0, use_gpus=False)  # compared with the CPU
     with serve(executor=pool, max_shard_samples=2) as running, client_for(running) as client:
         assert [w.id for w in client.server_info().workers] == ["ray-worker-0", "ray-worker-1"]
         with client.create_session("hf_causal_lm", model_kwargs=GPT2, loss="causal_lm", expected_batch_size=4,

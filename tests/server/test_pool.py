@@ -31,6 +31,7 @@ from psg_server.errors import NoWorkersError
 from psg_server.executor import InProcessExecutor, ParameterSet, SessionSpec, Shard
 from psg_server.models import default_registry
 from psg_server.scheduler import ShardPlan, cut_shards, plan_shards, proportional_sizes
+from tests.devices import requires_cuda
 from tests.server.service_harness import FAST_RETRY, MLP_KWARGS, build, client_for, local_dp, mlp_batch, serve
 from tests.waiting import wait_for_lines, wait_until
 
@@ -68,8 +69,12 @@ def loop_thread() -> Iterator[LoopThread]:
 
 
 def make_pool(loop_thread: LoopThread, **kwargs: Any) -> Any:
+    """A started pool with ``kwargs``' workers, CPU workers unless told otherwise: the tests compare
+    with references computed on the CPU, and must run the same on a GPU host (the session's Ray
+    sees its GPUs: GPU workers there are the business of the tests that ask for them)."""
     from psg_server.pool import WorkerPool
 
+    kwargs.setdefault("use_gpus", False)
     kwargs.setdefault("plugins", (PLUGIN,))
     kwargs.setdefault("probe_interval_s", 0.5)
     kwargs.setdefault("start_timeout_s", 60.0)
@@ -96,7 +101,7 @@ def signals() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def reference(loop_thread: LoopThread) -> Iterator[InProcessExecutor]:
-    executor = InProcessExecutor(default_registry((PLUGIN,)), num_workers=1)
+    executor = InProcessExecutor(default_registry((PLUGIN,)), num_workers=1, device="cpu")  # "auto" takes a GPU
     loop_thread.call(executor.start())
     yield executor
     loop_thread.call(executor.close())
@@ -135,13 +140,13 @@ def slow_model(session_id: str, started_file: Path) -> tuple[SessionSpec, torch.
     return spec, default_registry((PLUGIN,)).build("slow_mlp", kwargs)
 
 
-def assert_same(results: list[DPGradient], expected: DPGradient) -> None:
+def assert_same(results: list[DPGradient], expected: DPGradient, *, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     merged = DPGradient.merge(results)
     assert merged.grads.keys() == expected.grads.keys()
     for name, grad in merged.grads.items():
-        torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(merged.per_sample_norms, expected.per_sample_norms, rtol=1e-5, atol=1e-6)
-    assert merged.loss_sum == pytest.approx(expected.loss_sum, rel=1e-5)
+        torch.testing.assert_close(grad, expected.grads[name], rtol=rtol, atol=atol)
+    torch.testing.assert_close(merged.per_sample_norms, expected.per_sample_norms, rtol=rtol, atol=atol)
+    assert merged.loss_sum == pytest.approx(expected.loss_sum, rel=rtol)
     assert (merged.num_samples, merged.num_clipped) == (expected.num_samples, expected.num_clipped)
 
 
@@ -393,8 +398,8 @@ def test_the_pool_follows_the_live_nodes_without_a_restart(ray_session: Any, loo
     table = NodeTable(ray_session.get_runtime_context().get_node_id(), cpus=2.0)
     monkeypatch.setattr(supervisor, "live_nodes", table)
     # No num_workers: as many actors as the live nodes have room for. The session's Ray has 8 CPUs
-    # in its resource totals; the node table says 2.
-    pool = WorkerPool(plugins=(PLUGIN,), probe_interval_s=0.2, start_timeout_s=60.0)
+    # in its resource totals; the node table says 2. CPU workers, which the table counts.
+    pool = WorkerPool(plugins=(PLUGIN,), probe_interval_s=0.2, start_timeout_s=60.0, use_gpus=False)
     loop_thread.call(pool.start())
     try:
         assert [w.id for w in pool.workers()] == ["ray-worker-0", "ray-worker-1"]
@@ -466,6 +471,85 @@ def test_placement_skips_draining_nodes_and_puts_nodes_that_lost_an_actor_last()
     assert [supervisor._capacity(node) for node in supervisor._nodes.values()] == [2]
 
 
+class _Holder:
+    """An actor that only holds the resources it was created with."""
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+def test_a_worker_ray_cannot_place_is_a_clear_error_not_a_wait(ray_session: Any, loop_thread: LoopThread) -> None:
+    """Other actors hold every free CPU of the session's Ray (as the pool fixture's workers held the
+    only GPU of a GPU host): the worker stays pending in Ray. It is killed after place_timeout_s,
+    and start() says what it asked for and what the cluster has, instead of waiting for ever."""
+    from psg_server.pool import WorkerPool
+
+    free = int(ray_session.available_resources().get("CPU", 0))
+    holder = ray_session.remote(_Holder).options(num_cpus=free).remote() if free else None
+    try:
+        if holder is not None:
+            ray_session.get(holder.ping.remote(), timeout=60)
+        pool = WorkerPool(plugins=(PLUGIN,), num_workers=1, use_gpus=False, place_timeout_s=2.0, start_timeout_s=60.0,
+                          probe_interval_s=0.2)
+        started = time.monotonic()
+        with pytest.raises(NoWorkersError) as failure:
+            loop_thread.call(pool.start())
+        assert time.monotonic() - started < 30  # the deadline, not start_timeout_s
+        message = str(failure.value)
+        assert message.startswith("WorkerPool.start: no worker came up: worker 0 did not come up within 2 s"), message
+        assert "it asks Ray for 1 CPU on node" in message and "(0 CPU, " in message, message  # none free
+        assert "--device cpu" in message
+        assert not pool.ready and not live_actors(pool)
+    finally:
+        if holder is not None:
+            ray_session.kill(holder, no_restart=True)
+    # The pending actor was killed: the CPUs come back free once the holder is gone.
+    wait_until(lambda: int(ray_session.available_resources().get("CPU", 0)) >= free, 60, "the CPUs free again")
+
+
+def test_a_worker_no_node_can_hold_is_a_clear_error(ray_session: Any, loop_thread: LoopThread,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node table promises a node of 64 CPUs; Ray's node has 8, so a 16-CPU worker is
+    infeasible there: Ray refuses it at once, and start() says so."""
+    from psg_server import supervisor
+    from psg_server.pool import WorkerPool
+
+    monkeypatch.setattr(supervisor, "live_nodes", NodeTable(ray_session.get_runtime_context().get_node_id(), cpus=64))
+    pool = WorkerPool(plugins=(PLUGIN,), num_workers=1, cpus_per_worker=16, use_gpus=False, start_timeout_s=60.0,
+                      probe_interval_s=0.2)
+    started = time.monotonic()
+    with pytest.raises(NoWorkersError, match=r"^WorkerPool.start: no worker came up: worker 0 cannot be placed \(") \
+            as failure:
+        loop_thread.call(pool.start())
+    assert time.monotonic() - started < 30
+    assert "it asks Ray for 16 CPU on node" in str(failure.value) and "64 CPU, 0 GPU" in str(failure.value)
+    assert not pool.ready
+
+
+@requires_cuda
+def test_gpu_workers_outnumbering_the_gpus_share_them(ray_session: Any, loop_thread: LoopThread,
+                                                      reference: InProcessExecutor) -> None:
+    """One worker more than the session's Ray has GPUs (2 on a 1-GPU host): with a GPU each, the last
+    could never be placed; they share, all come up on a GPU, and a step is exact."""
+    gpus = int(ray_session.cluster_resources().get("GPU", 0))
+    if gpus < 1:
+        pytest.skip("torch sees a CUDA device, but the session's Ray counts no GPU")
+    pool = make_pool(loop_thread, num_workers=gpus + 1, use_gpus=True)
+    try:
+        workers = pool.workers()
+        assert len(workers) == gpus + 1 and all(w.device.startswith("cuda:") for w in workers), workers
+        config = DPConfig(augmentation_multiplicity=2, max_grad_norm=0.5)
+        spec = session_spec(config, session_id="shared-gpus")
+        parameters = parameters_of(build(seed=5))
+        shards = shards_for(config, 2 * (gpus + 1), gpus + 1)
+        results = loop_thread.call(pool.run(spec, parameters, shards))
+        expected = DPGradient.merge(loop_thread.call(reference.run(spec, parameters, shards)))
+        assert_same(results, expected, rtol=1e-4, atol=1e-5)  # GPU against the CPU reference
+        assert all(rate is not None for rate in pool.throughputs().values())  # every worker took a shard
+    finally:
+        loop_thread.call(pool.close())
+
+
 def test_deadline_cancels_in_flight_shards(ray_session: Any, loop_thread: LoopThread, signals: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     pool = make_pool(loop_thread, num_workers=1)
@@ -502,7 +586,7 @@ def test_no_live_worker_is_unavailable_and_not_serving_until_one_returns(
     from psg_server.pool import WorkerPool
 
     # The server starts the pool on its own loop and closes it when it stops.
-    pool = WorkerPool(num_workers=1, probe_interval_s=0.2)  # the default worker_wait_s, 30 s
+    pool = WorkerPool(num_workers=1, probe_interval_s=0.2, use_gpus=False)  # the default worker_wait_s, 30 s
     supervisor = pool._supervisor
     spawn = supervisor._spawn
     try:
