@@ -18,6 +18,7 @@ import torch
 import psg_core
 from psg_core import DPConfig, PsgError, UnsupportedModuleError, dp_gradient, per_sample_gradients
 from tests.core import hf_models as hf
+from tests.devices import to_device
 from tests.oracle import assert_close_scaled
 
 pytest.importorskip("peft")
@@ -36,10 +37,11 @@ RTOL, ATOL = 1e-3, 1e-5
 
 
 @functools.cache
-def _case(family: str, variant: str, K: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor,
-                                                      dict[str, torch.Tensor]]:
-    model = hf.build(family, lora=variant == "lora")
-    inputs, labels = hf.batch(family, N * K)
+def _case(family: str, variant: str, K: int, device: torch.device
+          ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+    """Model, batch and oracle on ``device`` (built on the CPU from fixed seeds, then moved)."""
+    model = hf.build(family, lora=variant == "lora").to(device)
+    inputs, labels = to_device(hf.batch(family, N * K), device)
     return model, inputs, labels, hf.oracle(model, inputs, labels, K)
 
 
@@ -58,8 +60,9 @@ def _check(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], wh
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["hooks", "functorch"])
-def test_per_sample_gradients_match_the_oracle(mode: str, family: str, variant: str, K: int) -> None:
-    model, inputs, labels, expected = _case(family, variant, K)
+def test_per_sample_gradients_match_the_oracle(mode: str, family: str, variant: str, K: int,
+                                               device: torch.device) -> None:
+    model, inputs, labels, expected = _case(family, variant, K, device)
     if mode == "functorch" and family == "bloom":
         # BLOOM's GELU is an autograd.Function without a vmap rule: refused, naming the module.
         with pytest.raises(UnsupportedModuleError, match=r"gelu_impl.*BloomGelu"):
@@ -72,8 +75,8 @@ def test_per_sample_gradients_match_the_oracle(mode: str, family: str, variant: 
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_grad_sample_module_matches_the_oracle(family: str, variant: str, K: int) -> None:
-    model, inputs, labels, expected = _case(family, variant, K)
+def test_grad_sample_module_matches_the_oracle(family: str, variant: str, K: int, device: torch.device) -> None:
+    model, inputs, labels, expected = _case(family, variant, K, device)
     # Full fine-tuning meets norms without a registered sampler (LlamaRMSNorm, T5LayerNorm, ...):
     # strict=False computes those with the per-layer torch.func fallback.
     wrapped = psg_core.GradSampleModule(model, strict=variant == "lora", augmentation_multiplicity=K)
@@ -90,8 +93,8 @@ def test_grad_sample_module_matches_the_oracle(family: str, variant: str, K: int
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_ghost_clipped_sum_matches_the_oracle(family: str, variant: str, K: int) -> None:
-    model, inputs, labels, expected = _case(family, variant, K)
+def test_ghost_clipped_sum_matches_the_oracle(family: str, variant: str, K: int, device: torch.device) -> None:
+    model, inputs, labels, expected = _case(family, variant, K, device)
     bound = 0.05  # small enough that every sample is clipped
     reference = psg_core.clip_and_sum({n: g.to(torch.float32) for n, g in expected.items()}, max_grad_norm=bound)
     result = dp_gradient(model, inputs, labels, loss_fn=hf.loss_fn,
@@ -102,9 +105,9 @@ def test_ghost_clipped_sum_matches_the_oracle(family: str, variant: str, K: int)
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_ew_is_right_or_refuses(family: str, variant: str) -> None:
+def test_ew_is_right_or_refuses(family: str, variant: str, device: torch.device) -> None:
     """ExpandedWeights knows only torch's own per-sample ops: a result, or a PsgError naming the layer."""
-    model, inputs, labels, expected = _case(family, variant, 2)
+    model, inputs, labels, expected = _case(family, variant, 2, device)
     try:
         grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode="ew", augmentation_multiplicity=2)
     except PsgError as err:
@@ -113,8 +116,8 @@ def test_ew_is_right_or_refuses(family: str, variant: str) -> None:
     _check(grads, expected, f"{family}/{variant}/ew")
 
 
-def test_sum_reduction_and_dp_gradient_hooks() -> None:
-    model, inputs, labels, _ = _case("gpt2", "full", 2)
+def test_sum_reduction_and_dp_gradient_hooks(device: torch.device) -> None:
+    model, inputs, labels, _ = _case("gpt2", "full", 2, device)
     expected = hf.oracle(model, inputs, labels, 2, reduction="sum")
     grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, augmentation_multiplicity=2,
                                  loss_reduction="sum")
@@ -135,13 +138,13 @@ def _lm_loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
-def test_causal_lm_with_tied_embeddings(mode: str, K: int) -> None:
+def test_causal_lm_with_tied_embeddings(mode: str, K: int, device: torch.device) -> None:
     """GPT-2's LM head shares its weight with the token table: both uses add up per sample."""
     torch.manual_seed(0)
     cfg = hf.transformers.GPT2Config(vocab_size=hf.VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    model = hf.transformers.GPT2LMHeadModel(cfg).eval()
+    model = hf.transformers.GPT2LMHeadModel(cfg).eval().to(device)
     assert model.lm_head.weight is model.transformer.wte.weight
-    inputs, _ = hf.batch("gpt2", N * K)
+    inputs = to_device(hf.batch("gpt2", N * K)[0], device)
     labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
     import copy
 
