@@ -81,6 +81,9 @@ class RunOptions:
     multiplicities: tuple[int, ...] = (1, 4)
     #: seconds one isolated configuration may take before it is abandoned.
     timeout_s: float = 900.0
+    #: the training suite's private steps add noise (False: noise multiplier 0 for every method,
+    #: the step the GPU-speed issue times: forward, backward, norms, clipped sum, SGD).
+    noise: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

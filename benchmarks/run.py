@@ -37,6 +37,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="model scale (default: full on CPU, gpu on CUDA; tiny is for smoke tests; "
                              "gpu16 is the GPU models at 1/16 of their batch, for a CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--no-noise", action="store_true",
+                        help="training suite: noise multiplier 0 for every method (time the per-sample "
+                             "work without the noise draw, as the GPU-speed issue's step does)")
     parser.add_argument("--models", nargs="+", choices=model_names(), default=None,
                         help="models of the training suite (default: all)")
     parser.add_argument("--suites", nargs="+", choices=sorted(suites), default=None,
@@ -81,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          warmup=args.warmup if args.warmup is not None else 1,
                          repeats=args.repeats if args.repeats is not None else (3 if small else 5),
                          threads=threads or None, isolate=not args.in_process,
-                         multiplicities=tuple(args.multiplicities))
+                         multiplicities=tuple(args.multiplicities), noise=not args.no_noise)
     suites = load_suites()
     selected = args.suites or list(suites)
     machine = args.machine or machine_name(args.device)

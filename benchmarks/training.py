@@ -40,7 +40,7 @@ from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, Tim
                                 run_isolated, time_interleaved, time_steps)
 from benchmarks.models import MODELS, Variant, opacus_available
 
-__all__ = ["Case", "Method", "METHODS", "run_case", "prepare_step", "TRAINING_SUITE"]
+__all__ = ["Case", "Method", "METHODS", "methods_for", "run_case", "prepare_step", "TRAINING_SUITE"]
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +234,9 @@ def _opacus_ghost(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tens
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("non-private", "torch", Variant.TORCH, _non_private, "non-private (fused torch layers)"),
+    Method("non-private-dp-layers", "torch", Variant.PSG, _non_private,
+           "non-private on psg's layers (DPLSTM's Python time loop, DP attention): what the private "
+           "methods' model costs without privacy"),
     Method("psg-hooks", "psg", Variant.PSG, _psg_functional("hooks"),
            "psg per_sample_gradients(mode=\"hooks\") + clip_and_sum (no p.grad computed)"),
     Method("psg-functorch", "psg", Variant.PSG, _psg_functional("functorch"),
@@ -288,7 +291,7 @@ def _prime_runtime(case: Case) -> None:
 def _row_header(case: Case) -> dict[str, Any]:
     samples = MODELS[case.model].samples(case.size)
     return {"model": case.model, "method": case.method, "library": METHODS[case.method].library,
-            "K": case.K, "samples": samples, "rows": samples * case.K}
+            "K": case.K, "samples": samples, "rows": samples * case.K, "noise_multiplier": case.noise_multiplier}
 
 
 def _error(case: Case, err: BaseException) -> str:
@@ -426,10 +429,18 @@ def _groups(options: RunOptions) -> list[list[Case]]:
             raise ValueError(f"training suite: unknown model {model!r}; expected one of {list(MODELS)}")
         for K in options.multiplicities:
             groups.append([Case(model=model, method=method.name, K=K, size=options.size,
+                                noise_multiplier=NOISE_MULTIPLIER if options.noise else 0.0,
                                 device=options.device, warmup=options.warmup, repeats=options.repeats,
                                 threads=options.threads, measure_memory=options.measure_memory)
-                           for method in METHODS.values() if method.available()])
+                           for method in methods_for(model)])
     return groups
+
+
+def methods_for(model: str) -> list[Method]:
+    """The methods timed on ``model``: every available one, the non-private run on psg's layers
+    only where those differ from torch's (the LSTM, the attention)."""
+    return [method for method in METHODS.values() if method.available()
+            and (method.name != "non-private-dp-layers" or model in _DP_LAYER_MODELS)]
 
 
 def run_suite(options: RunOptions) -> list[dict[str, Any]]:
@@ -492,6 +503,10 @@ def _ratio(rows: Sequence[dict[str, Any]], model: str, K: int, num: str, den: st
     return top[key] / bottom[key], f"{top[key]:.1f} {unit} / {bottom[key]:.1f} {unit}"
 
 
+#: Models whose psg variant swaps a fused torch layer for a DP one (the LSTM, the attention).
+_DP_LAYER_MODELS = ("lstm", "transformer")
+
+
 def _check(target: str, subject: str, ratio: tuple[float | None, str], threshold: float) -> TargetCheck:
     value, detail = ratio
     return TargetCheck(target=target, subject=subject, value=value, threshold=threshold,
@@ -510,6 +525,15 @@ def suite_targets(rows: Sequence[dict[str, Any]]) -> list[TargetCheck]:
                                  _ratio(rows, model, K, "psg-hooks", "opacus-hooks", "median_ms"), 0.8))
             checks.append(_check("psg hooks peak memory <= Opacus hooks", subject,
                                  _ratio(rows, model, K, "psg-hooks", "opacus-hooks", "peak_memory_mib"), 1.0))
+    for model in models:  # the GPU-speed issue: ghost within 1.5x of non-private on every model
+        for K in multiplicities:
+            subject = f"{model}, K={K}"
+            checks.append(_check("psg ghost time <= 1.5 x non-private", subject,
+                                 _ratio(rows, model, K, "psg-ghost", "non-private", "median_ms"), 1.5))
+            if model in _DP_LAYER_MODELS:
+                checks.append(_check("psg ghost time <= 1.5 x non-private on the same (DP) layers", subject,
+                                     _ratio(rows, model, K, "psg-ghost", "non-private-dp-layers", "median_ms"),
+                                     1.5))
     for K in multiplicities:
         if "transformer" in models:
             subject = f"transformer, K={K}"
@@ -555,6 +579,8 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
             details.append(f"{params:,} parameters")
         if samples:
             details.append(f"N = {samples} samples per batch (N·K rows)")
+        if any(row.get("noise_multiplier") == 0 for row in of_model):
+            details.append("no noise (noise multiplier 0: per-sample work, clipped sum and SGD only)")
         lines += [header, "", "; ".join(details) + ".", "",
                   "| K | method | median step (ms) | min–max (ms) | peak memory (MiB) "
                   "| per-sample grads (MiB) | time vs Opacus hooks | time vs non-private |",

@@ -19,7 +19,7 @@ from benchmarks.service import SIZES as SERVICE_SIZES
 from benchmarks.models import MODELS, Variant, opacus_available
 from benchmarks.report import load_results, render_markdown, write_report
 from benchmarks.run import main as bench_main
-from benchmarks.training import METHODS, Case, prepare_step, run_case, suite_targets
+from benchmarks.training import METHODS, Case, methods_for, prepare_step, run_case, suite_targets
 
 pytestmark = [
     # Opacus' hooks register full backward hooks on modules whose inputs need no gradient (the
@@ -150,6 +150,21 @@ def test_targets_are_evaluated_not_asserted() -> None:
     assert checks[("psg hooks time <= 1.1 x Opacus hooks on N*K rows", "transformer, K=4")].met is False
 
 
+def test_ghost_targets_on_every_model_and_against_the_dp_layers() -> None:
+    rows = [
+        {"model": "lstm", "method": "non-private", "K": 1, "median_ms": 20.0},
+        {"model": "lstm", "method": "non-private-dp-layers", "K": 1, "median_ms": 60.0},
+        {"model": "lstm", "method": "psg-ghost", "K": 1, "median_ms": 75.0},
+        {"model": "embedding_bag", "method": "non-private", "K": 1, "median_ms": 2.0},
+        {"model": "embedding_bag", "method": "psg-ghost", "K": 1, "median_ms": 2.8},
+    ]
+    checks = {(c.target, c.subject): c for c in suite_targets(rows)}
+    assert checks[("psg ghost time <= 1.5 x non-private", "lstm, K=1")].met is False  # 3.75x the fused LSTM
+    assert checks[("psg ghost time <= 1.5 x non-private on the same (DP) layers", "lstm, K=1")].met is True
+    assert checks[("psg ghost time <= 1.5 x non-private", "embedding_bag, K=1")].value == pytest.approx(1.4)
+    assert ("psg ghost time <= 1.5 x non-private on the same (DP) layers", "embedding_bag, K=1") not in checks
+
+
 def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     out, markdown = tmp_path / "results", tmp_path / "BENCHMARKS.md"
     (out / "unrelated.json").parent.mkdir(parents=True)
@@ -160,8 +175,8 @@ def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert code == 0
     document = json.loads((out / "test-machine.json").read_text())
     rows = document["suites"]["training"]["rows"]
-    expected = [m for m in METHODS if METHODS[m].available()]
-    assert [row["method"] for row in rows] == expected
+    expected = [m.name for m in methods_for("cnn")]
+    assert [row["method"] for row in rows] == expected and "non-private-dp-layers" not in expected
     assert all("error" not in row for row in rows), rows
     assert document["suites"]["training"]["targets"]
     text = markdown.read_text()
