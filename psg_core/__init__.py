@@ -25,7 +25,7 @@ from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError
                              GradAccumulationError, NonFiniteInputError, PsgError,
                              UnsupportedModuleError)
 from psg_core.fix_model import fix_model
-from psg_core.grad_sample import (GHOST_NORMS, GRAD_SAMPLERS, GhostFactors, GradSamplerRegistry,
+from psg_core.grad_sample import (GHOST_NORMS, GRAD_SAMPLERS, GhostFactors, GradSamplerRegistry, WeightLayout,
                                   register_ghost_norm, register_grad_sampler)
 from psg_core.grad_sample.conv_strategy import ConvStrategy, conv_strategy, set_conv_strategy
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
@@ -110,6 +110,7 @@ __all__ = [
     "NonFiniteInputError",
     "PsgError",
     "UnsupportedModuleError",
+    "WeightLayout",
     "fix_model",
     "per_sample_gradients",
     "register_ghost_norm",

@@ -18,16 +18,26 @@ layer's activations ``a`` and output gradients ``g`` into per-sample squared nor
   gradient through its registered grad sampler, or the per-layer ``torch.func`` fallback.
 
 A module called several times (a recurrent cell, a shared block) concatenates its calls along the
-T axis, so its norm is the norm of the summed gradient. The pass asks autograd only for the
-gradients of the earliest hooked layer outputs, so no parameter gradient is computed in it, and the
-graph is freed as it goes.
+T axis, so its norm is the norm of the summed gradient. A weight shared by several modules (GPT-2's
+LM head tied to its token table) keeps its ghost norm when every owner's family declares where its
+factors lie in the weight (:class:`~psg_core.grad_sample.ghost_norm.WeightLayout`): the owners'
+factors are held until the last owner's are in, and the norm of their summed gradient is taken
+with the cross terms between owners (:func:`~psg_core.grad_sample.ghost_norm.shared_sq_norms`:
+an embedding table against a ``(V, d)`` LM head is an ``(N, T, T')`` gather, never the
+``(N, V, d)`` gradient); the owners decide together, with the family cost rule over all their
+rows. Otherwise (an owner without a ghost norm, a table of KEYED entries beside a matrix product,
+a weight also reached through a batch-free tensor) the shared weight is materialised.
+
+The pass asks autograd only for the gradients of the earliest hooked layer outputs, so no
+parameter gradient is computed in it, and the graph is freed as it goes.
 
 The clipped sum ``sum_n c_n grad(loss_n)`` then comes from what the pass kept ("book-keeping",
 Bu et al. 2023), not from a second backward pass:
 
 * a ghost layer keeps each call's activations and output gradients; its weight's sum is the
   layer's own weight gradient with output-gradient row r scaled by the factor of r's sample (its
-  family's ``weight_sum``: one matmul, conv weight-gradient kernel or ``index_add``);
+  family's ``weight_sum``: one matmul, conv weight-gradient kernel or ``index_add``); a weight
+  shared by several ghost layers adds up its owners' sums;
 * every other parameter keeps its materialised per-sample gradient, contracted with the factors.
 
 Each parameter may have its own factors, so ``per_layer`` clipping costs the same as ``flat`` and
@@ -55,7 +65,8 @@ from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
 from psg_core.clipping import clip_factors, count_dropped, dropped_samples, zero_dropped
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError
-from psg_core.grad_sample.ghost_norm import GHOST_NORMS, GhostFactors, GhostNormEntry
+from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, GhostFactors, GhostNormEntry, WeightLayout, can_share,
+                                             shared_sq_norms)
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
@@ -124,6 +135,7 @@ class _GhostBookkeeping:
         self._names = {id(m): f"'{p or '<root>'}' ({type(m).__qualname__})" for p, m in module.named_modules()}
         self._layers: dict[nn.Module, _LayerState] = {}
         self._owners_left: dict[torch.Tensor, int] = {}  # counts down as owning layers finish
+        self._owner_layers: dict[torch.Tensor, list[nn.Module]] = {}
         self._handles: list[Any] = []
         for _, layer in module.named_modules():
             own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
@@ -131,8 +143,13 @@ class _GhostBookkeeping:
                 self._layers[layer] = _LayerState()
                 for p in own:
                     self._owners_left[p] = self._owners_left.get(p, 0) + 1
+                    self._owner_layers.setdefault(p, []).append(layer)
                 self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
         self._owners = dict(self._owners_left)
+        # A weight of several modules: whether its owners take its norm from their factors
+        # (decided once, at the first owner's backward), and each finished owner's factors.
+        self._shared_plans: dict[torch.Tensor, bool] = {}
+        self._shared_factors: dict[torch.Tensor, list[tuple[WeightLayout, GhostFactors]]] = {}
         self.edges: list[GradientEdge] = []
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._owners_left), torch.float32)
         self.norm_dtype = dtype
@@ -154,6 +171,7 @@ class _GhostBookkeeping:
         self.edges.clear()
         self._layers.clear()
         self._materialised.clear()
+        self._shared_factors.clear()
 
     @contextlib.contextmanager
     def _suspend(self) -> Iterator[None]:
@@ -215,18 +233,45 @@ class _GhostBookkeeping:
         """Gram factors for this layer's weight, or its materialised per-sample gradient?"""
         norm = state.calls[0].norm if state.calls else None
         weight = norm.weight(layer) if norm is not None else None
+        owners = self._owners.get(weight, 0) if weight is not None else 0
         if norm is None or any(c.norm is None for c in state.calls) or not isinstance(weight, nn.Parameter) \
-                or not weight.requires_grad or self._owners.get(weight, 0) != 1 or weight in self._via_meetings:
-            return False  # no ghost norm, or a weight shared with another module
-        # A layer called once may choose with its tensors in hand (the convolutions measure).
-        chosen = norm.choose(layer, *self._ghost_inputs(call, grad), self.K) \
-            if len(state.calls) == 1 and grad is not None else None
-        if chosen is None:
-            chosen = _ghost_is_cheaper(layer, self.K * sum(c.positions or 0 for c in state.calls))
+                or not weight.requires_grad or owners == 0 or weight in self._via_meetings:
+            return False  # no ghost norm
+        if owners > 1:  # a weight shared with other modules: its owners decide together
+            plan = self._shared_plans.get(weight)
+            if plan is None:
+                plan = self._shared_plans[weight] = self._plan_shared(weight)
+            chosen: bool | None = plan
+        else:
+            # A layer called once may choose with its tensors in hand (the convolutions measure).
+            chosen = norm.choose(layer, *self._ghost_inputs(call, grad), self.K) \
+                if len(state.calls) == 1 and grad is not None else None
+            if chosen is None:
+                chosen = _ghost_is_cheaper(layer, self.K * sum(c.positions or 0 for c in state.calls))
         if not chosen:
             return False
         state.norm = norm
         return True
+
+    def _plan_shared(self, weight: nn.Parameter) -> bool:
+        """Gram factors for a weight of several modules: every owner that was called has a ghost
+        norm of that weight with a declared layout, the layouts meet (:func:`can_share`), and the
+        family cost rule of each holds for the rows of all of them (the cross terms cost less
+        than the owners' own Grams). A module's own ``choose`` is not asked: it sees one call."""
+        called: list[tuple[nn.Module, GhostNormEntry]] = []
+        positions = 0
+        for owner in self._owner_layers[weight]:
+            calls = self._layers[owner].calls
+            if not calls:
+                continue  # not called in this pass: no contribution
+            norm = calls[0].norm
+            if norm is None or any(c.norm is not norm for c in calls) or norm.weight(owner) is not weight:
+                return False
+            called.append((owner, norm))
+            positions += sum(c.positions or 0 for c in calls)
+        if not can_share([norm.layout for _, norm in called]):
+            return False
+        return all(_ghost_is_cheaper(owner, self.K * positions) for owner, _ in called)
 
     @staticmethod
     def _ghost_inputs(call: _Call, grad: torch.Tensor) -> tuple[Any, torch.Tensor]:
@@ -283,14 +328,21 @@ class _GhostBookkeeping:
         if state.done:
             return
         state.done = True
-        weight = state.norm.weight(layer) if state.norm is not None else None
-        if state.buffer and weight is not None:  # only ghost layers buffer factors
+        norm = state.norm
+        weight = norm.weight(layer) if norm is not None else None
+        if state.buffer and norm is not None and weight is not None:  # only ghost layers buffer factors
             factors, state.buffer = GhostFactors.concat(state.buffer), []
-            self.sq_norms[weight] += factors.sq_norms(self.norm_dtype)
+            if self._owners[weight] > 1:  # normed with the other owners' once they are in
+                self._shared_factors.setdefault(weight, []).append((cast(WeightLayout, norm.layout), factors))
+            else:
+                self.sq_norms[weight] += factors.sq_norms(self.norm_dtype)
         for param in layer.parameters(recurse=False):
             if not param.requires_grad:
                 continue
             self._owners_left[param] -= 1
+            shared = self._shared_factors.pop(param, None) if self._owners_left[param] == 0 else None
+            if shared:
+                self.sq_norms[param] += shared_sq_norms(shared, param.shape, self.norm_dtype)
             grad_sample = self._materialised.get(param) if self._owners_left[param] == 0 else None
             if grad_sample is not None:
                 flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)

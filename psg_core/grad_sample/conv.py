@@ -43,7 +43,7 @@ from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.grad_sample._utils import wants_grad
 from psg_core.grad_sample.conv_strategy import (PER_SAMPLE_STRATEGIES, ConvStrategy, admissible, choose_measured,
                                                 current_conv_strategy, rule_per_sample, seed_cache)
-from psg_core.grad_sample.ghost_norm import GhostFactors, register_ghost_norm
+from psg_core.grad_sample.ghost_norm import GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 from psg_core.layout import fold_rows
 
@@ -638,7 +638,7 @@ def _ghost_candidate(strategy: ConvStrategy, layer: _ConvLayer | _ConvTransposeL
 
 @register_ghost_norm(nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                      nn.ConvTranspose3d, weight_sum=_conv_weight_sum, positions=_conv_positions,
-                     is_cheaper=_conv_gram_is_cheaper, choose=_conv_prefers_gram)
+                     is_cheaper=_conv_gram_is_cheaper, choose=_conv_prefers_gram, layout=WeightLayout.ROWS_RIGHT)
 def conv_ghost_factors(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
                        backprop: torch.Tensor, K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """The unfolded factors of :func:`conv_weight_factors`, one Gram pair per group.

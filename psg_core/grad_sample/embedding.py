@@ -25,7 +25,7 @@ from torch import nn
 
 from psg_core.errors import UnsupportedModuleError
 from psg_core.grad_sample._utils import wants_grad
-from psg_core.grad_sample.ghost_norm import GhostFactors, register_ghost_norm
+from psg_core.grad_sample.ghost_norm import GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 
 __all__ = ["embedding_grad_sample", "embedding_ghost_factors", "embedding_bag_grad_sample"]
@@ -95,7 +95,8 @@ def _embedding_weight_sum(layer: nn.Embedding, tokens: torch.Tensor, backprop: t
     return out.to(layer.weight.dtype)
 
 
-@register_ghost_norm(nn.Embedding, weight_sum=_embedding_weight_sum, positions=_embedding_positions)
+@register_ghost_norm(nn.Embedding, weight_sum=_embedding_weight_sum, positions=_embedding_positions,
+                     layout=WeightLayout.TABLE)
 def embedding_ghost_factors(layer: nn.Embedding, tokens: torch.Tensor, backprop: torch.Tensor,
                             K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """Sample n's token ids and output gradients over its ``K*T`` rows (padding rows zeroed).
@@ -266,7 +267,7 @@ def _bag_weight_sum(layer: nn.EmbeddingBag, call: Any, backprop: torch.Tensor) -
 
 
 @register_ghost_norm(nn.EmbeddingBag, weight_sum=_bag_weight_sum, positions=_bag_positions,
-                     is_cheaper=lambda layer, positions: True, whole_call=True)
+                     is_cheaper=lambda layer, positions: True, whole_call=True, layout=WeightLayout.KEYED_TABLE)
 def embedding_bag_ghost_factors(layer: nn.EmbeddingBag, call: Any, backprop: torch.Tensor,
                                 K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """Each token's (sample, table row) and the gradient it sends there (modes sum and mean).

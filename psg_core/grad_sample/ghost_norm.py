@@ -17,7 +17,11 @@ family says how its gradient factors, beside its grad sampler, with :func:`regis
   weight gradient (default: ``2 * T^2 <= weight.numel()``);
 * optionally ``choose(layer, activation, backprop, K)``: the same question asked with a
   single-call layer's tensors in hand (the convolutions measure, see
-  :mod:`psg_core.grad_sample.conv_strategy`); None defers to ``is_cheaper``.
+  :mod:`psg_core.grad_sample.conv_strategy`); None defers to ``is_cheaper``;
+* optionally ``layout`` (a :class:`WeightLayout`): where the factors' numbers lie in the weight,
+  so that a weight shared by several modules (GPT-2's LM head tied to its token table, a tied
+  autoencoder) gets its ghost norm from every owner's factors (:func:`shared_sq_norms`); a family
+  without one has a shared weight's per-sample gradient materialised.
 
 ``activation``, ``backprop`` are batch-first with ``N*K`` rows, sample-major.
 """
@@ -25,9 +29,11 @@ family says how its gradient factors, beside its grad sampler, with :func:`regis
 from __future__ import annotations
 
 import enum
+import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -35,14 +41,15 @@ from torch import nn
 from psg_core.errors import ConfigError
 from psg_core.grad_sample._type_registry import LayerKey, LayerTypeRegistry
 
-__all__ = ["FactorKind", "GhostFactors", "GhostNormEntry", "GhostNormRegistry", "GHOST_NORMS",
-           "register_ghost_norm"]
+__all__ = ["FactorKind", "GhostFactors", "GhostNormEntry", "GhostNormRegistry", "GHOST_NORMS", "WeightLayout",
+           "can_share", "register_ghost_norm", "shared_sq_norms"]
 
 
 class FactorKind(enum.Enum):
     """How :class:`GhostFactors` make a gradient."""
 
-    #: ``grad[n] = sum_g right[n, g]^T @ left[n, g]`` (Linear, convolutions per group).
+    #: ``grad[n]`` holds ``right[n, g]^T @ left[n, g]`` for each group g (Linear, convolutions
+    #: per group; the groups are blocks of the weight, their squared norms add up).
     DOT = "dot"
     #: a lookup table: ``grad[n][v] = sum_{t: left[n, t] == v} right[n, t]`` (Embedding).
     INDEX = "index"
@@ -67,7 +74,7 @@ class GhostFactors:
 
     @classmethod
     def dot(cls, left: torch.Tensor, right: torch.Tensor) -> GhostFactors:
-        """``grad[n] = sum_g right[n, g]^T @ left[n, g]``: ``(N, G, T, I)`` and ``(N, G, T, O)``."""
+        """``grad[n]``'s group g is ``right[n, g]^T @ left[n, g]``: ``(N, G, T, I)`` and ``(N, G, T, O)``."""
         if left.dim() != 4 or right.dim() != 4 or left.shape[:3] != right.shape[:3]:
             raise ConfigError(f"GhostFactors.dot: expected (N, G, T, I) and (N, G, T, O), got "
                               f"{tuple(left.shape)} and {tuple(right.shape)}")
@@ -148,6 +155,167 @@ def _keyed_sq_norms(sample: torch.Tensor, tokens: torch.Tensor, right: torch.Ten
     return right.new_zeros(samples).index_add_(0, run_sample, sums.square().sum(1))
 
 
+class WeightLayout(enum.Enum):
+    """Where a family's :class:`GhostFactors` lie in its weight, declared with its ghost norm.
+
+    A weight shared by several modules (GPT-2's LM head tied to its token table) has one gradient,
+    the sum of its owners' contributions; its ghost norm needs every owner's factors laid out in
+    the same matrix. Only families that declare a layout take part (:func:`can_share`).
+    """
+
+    #: DOT factors: ``weight.reshape(G * O, I)`` stacks group g's ``right[:, g]^T @ left[:, g]``
+    #: (``nn.Linear``'s ``(d_out, d_in)``; a convolution's ``(C, C'/G, *kernel)``).
+    ROWS_RIGHT = "rows_right"
+    #: DOT factors with one group: ``weight.reshape(I, O) = left^T @ right`` (transformers'
+    #: ``Conv1D``, whose weight is ``(d_in, d_out)``).
+    ROWS_LEFT = "rows_left"
+    #: INDEX factors of a ``(V, d)`` table: row v gets the ``right`` rows of the tokens ``v``
+    #: (``nn.Embedding``).
+    TABLE = "table"
+    #: KEYED factors of a ``(V, d)`` table (``nn.EmbeddingBag``).
+    KEYED_TABLE = "keyed_table"
+
+    @property
+    def kind(self) -> FactorKind:
+        """The :class:`FactorKind` of the factors the layout describes."""
+        if self is WeightLayout.TABLE:
+            return FactorKind.INDEX
+        return FactorKind.KEYED if self is WeightLayout.KEYED_TABLE else FactorKind.DOT
+
+
+def can_share(layouts: Sequence[WeightLayout | None]) -> bool:
+    """Whether owners with these layouts can give a shared weight's ghost norm: every one declared,
+    and no table of KEYED entries beside a matrix product (their cross term would gather the
+    product's factors once per entry; that weight is materialised instead).
+
+    >>> can_share([WeightLayout.TABLE, WeightLayout.ROWS_RIGHT]), can_share([WeightLayout.ROWS_RIGHT, None])
+    (True, False)
+    >>> can_share([WeightLayout.KEYED_TABLE, WeightLayout.TABLE]), can_share([WeightLayout.KEYED_TABLE,
+    ...                                                                       WeightLayout.ROWS_LEFT])
+    (True, False)
+    """
+    if any(layout is None for layout in layouts):
+        return False
+    kinds = {cast(WeightLayout, layout).kind for layout in layouts}
+    return not (FactorKind.KEYED in kinds and FactorKind.DOT in kinds)
+
+
+def shared_sq_norms(parts: Sequence[tuple[WeightLayout, GhostFactors]], shape: Sequence[int],
+                    dtype: torch.dtype) -> torch.Tensor:
+    """``(N,)`` squared norms of each sample's gradient of a weight shared by several owners: the
+    norm of the sum of their contributions, ``sum_m ||G_m||^2 + 2 sum_{m<m'} <G_m, G_m'>``.
+
+    ``parts`` holds each owner's layout and factors (all of its calls), ``shape`` the weight's.
+    Matrix products laid out alike are one product over their rows concatenated (the Gram of the
+    concatenation holds the cross terms, as for a layer called twice); tables likewise (INDEX
+    entries become KEYED ones beside a KEYED table). A product ``W = R^T L`` (``R (T, V)``,
+    ``L (T, d)``) meets a table of tokens ``tok_s`` with rows ``r_s`` in
+    ``<W, table> = sum_{s,t} R[t, tok_s] (L_t . r_s)``: an ``(N, T, S)`` gather and Gram, never
+    the ``(N, V, d)`` gradient. Owners whose factors do not line up (products with different
+    groups) have their gradients materialised from the factors, summed, and normed.
+
+    >>> W = torch.randn(4, 3)  # an Embedding(4, 3) and a Linear(3, 4) sharing their weight
+    >>> tokens, rows = torch.tensor([[1, 1, 3]]), torch.randn(1, 3, 3)  # the table's factors
+    >>> left, right = torch.randn(1, 1, 5, 3), torch.randn(1, 1, 5, 4)  # the Linear's
+    >>> dense = right[0, 0].T @ left[0, 0] + torch.zeros(4, 3).index_add(0, tokens[0], rows[0])
+    >>> parts = [(WeightLayout.TABLE, GhostFactors.index(tokens, rows)),
+    ...          (WeightLayout.ROWS_RIGHT, GhostFactors.dot(left, right))]
+    >>> torch.allclose(shared_sq_norms(parts, W.shape, torch.float64), dense.square().sum().double())
+    True
+    """
+    for layout, factors in parts:
+        if factors.kind is not layout.kind or (layout is WeightLayout.ROWS_LEFT and factors.left.shape[1] != 1):
+            raise ConfigError(f"shared_sq_norms: a ghost norm declared with layout {layout.name} gave "
+                              f"{factors.kind.name} factors of shapes {tuple(factors.left.shape)} and "
+                              f"{tuple(factors.right.shape)}")
+    products = [_rows_on_right(layout, factors, dtype) for layout, factors in parts if factors.kind is FactorKind.DOT]
+    tables = [factors for _, factors in parts if factors.kind is not FactorKind.DOT]
+    product = _concat_products(products, math.prod(shape)) if products else None
+    table = _concat_tables(tables) if tables else None
+    if (products and product is None) or (product is not None and table is not None
+                                          and not _meets_table(product, table, shape)):
+        dense = functools.reduce(torch.add, (_dense(layout, factors, shape, dtype) for layout, factors in parts))
+        return dense.flatten(1).square().sum(1)  # (N,)
+    terms = [f.sq_norms(dtype) for f in (product, table) if f is not None]
+    if product is not None and table is not None:
+        terms.append(2 * _product_table_dot(product, table, dtype))
+    return functools.reduce(torch.add, terms).clamp_min(0)
+
+
+def _rows_on_right(layout: WeightLayout, factors: GhostFactors, dtype: torch.dtype) -> GhostFactors:
+    """DOT factors as ``ROWS_RIGHT`` ones in ``dtype``: a ``ROWS_LEFT`` product (one group)
+    swaps them, ``left^T @ right`` being ``right'^T @ left'`` with ``right' = left``."""
+    left, right = factors.left.to(dtype), factors.right.to(dtype)
+    return GhostFactors.dot(left, right) if layout is WeightLayout.ROWS_RIGHT else GhostFactors.dot(right, left)
+
+
+def _concat_products(products: Sequence[GhostFactors], numel: int) -> GhostFactors | None:
+    """One DOT over the owners' rows, or None when their groups or sizes differ (their rows lie
+    differently in the weight)."""
+    sizes = {(p.left.shape[1], p.right.shape[-1], p.left.shape[-1]) for p in products}  # (G, O, I)
+    if len(sizes) != 1 or math.prod(next(iter(sizes))) != numel:
+        return None
+    return GhostFactors.concat(products)
+
+
+def _concat_tables(tables: Sequence[GhostFactors]) -> GhostFactors:
+    """The owners' table factors as one: INDEX along T, or all as KEYED entries."""
+    if all(t.kind is FactorKind.INDEX for t in tables):
+        return GhostFactors.concat(tables)
+    return GhostFactors.concat([_as_keyed(t) for t in tables])
+
+
+def _as_keyed(table: GhostFactors) -> GhostFactors:
+    """INDEX factors ``(N, T)``, ``(N, T, d)`` as KEYED entries, one per (sample, position)."""
+    if table.kind is FactorKind.KEYED:
+        return table
+    samples, positions = table.left.shape
+    sample = torch.arange(samples, device=table.left.device).repeat_interleave(positions)  # (N*T,)
+    return GhostFactors.keyed(sample, table.left.reshape(-1), table.right.reshape(samples * positions, -1), samples)
+
+
+def _meets_table(product: GhostFactors, table: GhostFactors, shape: Sequence[int]) -> bool:
+    """Whether a product's rows are the table's: one group, ``(V, d)`` both, INDEX entries."""
+    return (table.kind is FactorKind.INDEX and len(shape) == 2 and product.left.shape[1] == 1
+            and product.right.shape[-1] == shape[0] and product.left.shape[-1] == shape[1] == table.right.shape[-1])
+
+
+def _product_table_dot(product: GhostFactors, table: GhostFactors, dtype: torch.dtype) -> torch.Tensor:
+    """``(N,)``: ``<R_n^T L_n, table_n> = sum_{s,t} R_n[t, tok_s] (L_n[t] . r_s)`` per sample.
+
+    >>> R, L = torch.randn(2, 1, 4, 5), torch.randn(2, 1, 4, 3)  # W (5, 3) = R^T L
+    >>> tokens, rows = torch.tensor([[0, 4], [2, 2]]), torch.randn(2, 2, 3)
+    >>> tables = torch.zeros(2 * 5, 3).index_add(0, (torch.arange(2)[:, None] * 5 + tokens).flatten(),
+    ...                                           rows.flatten(0, 1)).view(2, 5, 3)
+    >>> expected = ((R[:, 0].transpose(1, 2) @ L[:, 0]) * tables).sum((1, 2))
+    >>> torch.allclose(_product_table_dot(GhostFactors.dot(L, R), GhostFactors.index(tokens, rows),
+    ...                                   torch.float32), expected, atol=1e-5)
+    True
+    """
+    right, left = product.right[:, 0].to(dtype), product.left[:, 0].to(dtype)  # (N, T, V), (N, T, d)
+    rows = table.right.to(dtype)  # (N, S, d)
+    tokens = table.left.unsqueeze(1).expand(-1, right.shape[1], -1)  # (N, T, S)
+    at_tokens = right.gather(2, tokens)  # (N, T, S): R[t, tok_s]
+    return (at_tokens * (left @ rows.transpose(1, 2))).sum((1, 2))  # (N,)
+
+
+def _dense(layout: WeightLayout, factors: GhostFactors, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The ``(N, *shape)`` per-sample gradients the factors describe (the fallback of
+    :func:`shared_sq_norms` for owners whose factors do not line up)."""
+    right = factors.right.to(dtype)
+    if layout is WeightLayout.ROWS_RIGHT:
+        grads = torch.einsum("ngto,ngti->ngoi", right, factors.left.to(dtype))  # (N, G, O, I)
+        return grads.reshape(grads.shape[0], *shape)
+    if layout is WeightLayout.ROWS_LEFT:
+        grads = torch.einsum("nti,nto->nio", factors.left[:, 0].to(dtype), right[:, 0])  # (N, I, O), one group
+        return grads.reshape(grads.shape[0], *shape)
+    keyed = _as_keyed(factors)
+    samples, rows = keyed.samples, shape[0]
+    flat = right.new_zeros(samples * rows, right.shape[-1]).index_add_(
+        0, keyed.left[0] * rows + keyed.left[1], keyed.right.to(dtype))  # (N*V, d)
+    return flat.view(samples, *shape)
+
+
 #: ``factors(layer, activation, backprop, K) -> (GhostFactors, {other parameter: (N, *shape)})``.
 FactorFn = Callable[..., tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]]
 #: ``weight_sum(layer, activation, backprop) -> weight-shaped tensor`` (summed over the rows).
@@ -179,6 +347,8 @@ class GhostNormEntry:
     #: args and kwargs), for layers whose rows are not their first input's (EmbeddingBag with
     #: offsets).
     whole_call: bool = False
+    #: where the factors lie in the weight (None: a shared weight is materialised).
+    layout: WeightLayout | None = None
 
     def weight(self, layer: nn.Module) -> torch.Tensor | None:
         """The parameter whose norm the factors give (None if the layer has none)."""
@@ -210,7 +380,7 @@ class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
     def register(self, *layer_types: LayerKey, weight_sum: WeightSumFn, positions: PositionsFn,
                  is_cheaper: CostRule | None = None, parameter: str = "weight",
                  replace: bool = False, choose: ChooseFn | None = None,
-                 whole_call: bool = False) -> Callable[[_Factors], _Factors]:
+                 whole_call: bool = False, layout: WeightLayout | None = None) -> Callable[[_Factors], _Factors]:
         """Decorator registering a factor function; see :func:`register_ghost_norm`."""
         self.check_keys(layer_types)
         for name, piece in (("weight_sum", weight_sum), ("positions", positions)):
@@ -221,11 +391,13 @@ class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
                 raise ConfigError(f"register_ghost_norm: {name} must be callable or None, got {optional!r}")
         if not (isinstance(parameter, str) and parameter.isidentifier()):
             raise ConfigError(f"register_ghost_norm: parameter must be an attribute name, got {parameter!r}")
+        if layout is not None and not isinstance(layout, WeightLayout):
+            raise ConfigError(f"register_ghost_norm: layout must be a WeightLayout or None, got {layout!r}")
 
         def decorator(fn: _Factors) -> _Factors:
             self.add(layer_types, lambda layer_type: GhostNormEntry(
                 fn, layer_type, weight_sum=weight_sum, positions=positions, cost_rule=is_cheaper,
-                parameter=parameter, chooser=choose, whole_call=whole_call), replace=replace)
+                parameter=parameter, chooser=choose, whole_call=whole_call, layout=layout), replace=replace)
             return fn
 
         return decorator
@@ -238,7 +410,8 @@ GHOST_NORMS = GhostNormRegistry()
 def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positions: PositionsFn,
                         is_cheaper: CostRule | None = None, parameter: str = "weight",
                         replace: bool = False, choose: ChooseFn | None = None,
-                        whole_call: bool = False) -> Callable[[_Factors], _Factors]:
+                        whole_call: bool = False, layout: WeightLayout | None = None
+                        ) -> Callable[[_Factors], _Factors]:
     """Registers how the ghost backend gets per-sample norms of ``layer_types``' weight.
 
     The decorated function is ``factors(layer, activation, backprop, K)``: from the layer's
@@ -263,6 +436,10 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positio
         whole_call: ``factors``, ``weight_sum`` and ``choose`` get the whole call (a
             :class:`~psg_core.backends.capture.LayerCall`: ``.args``, ``.kwargs``) in place of the
             first input, and the layer may count its rows itself (EmbeddingBag with offsets).
+        layout: where the factors lie in the weight (:class:`WeightLayout`); with it, a weight
+            this layer shares with other modules that declare theirs keeps its ghost norm
+            (:func:`shared_sq_norms`), without it that weight's per-sample gradient is
+            materialised.
 
     A layer ``y = x @ W`` (weight ``(d_in, d_out)``), with its grad sampler and its ghost norm:
 
@@ -297,4 +474,4 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positio
     """
     return GHOST_NORMS.register(*layer_types, weight_sum=weight_sum, positions=positions,
                                 is_cheaper=is_cheaper, parameter=parameter, replace=replace, choose=choose,
-                                whole_call=whole_call)
+                                whole_call=whole_call, layout=layout)

@@ -15,7 +15,7 @@ from opt_einsum import contract
 from torch import nn
 
 from psg_core.grad_sample._utils import wants_grad
-from psg_core.grad_sample.ghost_norm import GhostFactors, register_ghost_norm
+from psg_core.grad_sample.ghost_norm import GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 
 __all__ = ["linear_grad_sample", "linear_ghost_factors", "conv1d_grad_sample", "conv1d_ghost_factors",
@@ -88,7 +88,7 @@ def _linear_weight_sum(layer: nn.Linear, activation: torch.Tensor, backprop: tor
     return (g2.transpose(0, 1) @ a2).to(layer.weight.dtype)  # (d_out, d_in)
 
 
-@register_ghost_norm(nn.Linear, weight_sum=_linear_weight_sum, positions=_positions)
+@register_ghost_norm(nn.Linear, weight_sum=_linear_weight_sum, positions=_positions, layout=WeightLayout.ROWS_RIGHT)
 def linear_ghost_factors(layer: nn.Linear, activation: torch.Tensor, backprop: torch.Tensor,
                          K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """Sample n's weight gradient is ``g_n^T x_n`` over its ``K*T`` rows: one group of factors.
@@ -127,7 +127,8 @@ def _conv1d_weight_sum(layer: _AffineLayer, activation: torch.Tensor, backprop: 
     return (a2.transpose(0, 1) @ g2).to(layer.weight.dtype)  # (d_in, d_out)
 
 
-@register_ghost_norm(TRANSFORMERS_CONV1D, weight_sum=_conv1d_weight_sum, positions=_positions)
+@register_ghost_norm(TRANSFORMERS_CONV1D, weight_sum=_conv1d_weight_sum, positions=_positions,
+                     layout=WeightLayout.ROWS_LEFT)
 def conv1d_ghost_factors(layer: _AffineLayer, activation: torch.Tensor, backprop: torch.Tensor,
                          K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """The factors of ``nn.Linear``: a transposed weight has the same norm."""
