@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -185,6 +186,7 @@ class GradientClient:
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.limits = limits
+        self._one_message_bytes: int | None = None
 
     # ------------------------------------------------------------------------------ plumbing
     def call(self, invoke: Callable[[Any, dict[str, Any]], _T]) -> _T:
@@ -217,6 +219,14 @@ class GradientClient:
     def server_info(self) -> pb.ServerInfo:
         """Version, backends, workers and limits of the server."""
         return self.call(lambda stub, kw: stub.GetServerInfo(pb.GetServerInfoRequest(), **kw))
+
+    def one_message_bytes(self) -> int:
+        """The largest payload the server takes or sends in one message (its ``max_chunk_bytes``,
+        asked once per client; 0 when it does not say): a step whose gradients fit well below it
+        is read as a single reply."""
+        if self._one_message_bytes is None:
+            self._one_message_bytes = int(self.server_info().limits.max_chunk_bytes)
+        return self._one_message_bytes
 
     def list_models(self) -> list[pb.ModelInfo]:
         """Architectures the server can build."""
@@ -388,6 +398,16 @@ class Session:
                 groups.append(group if dtype is None else FlatTensors.pack(group, dtype=dtype))
         return groups
 
+    def _single_reply(self, client: GradientClient) -> bool:
+        """Whether to ask for the step's reply in one message: the gradients (every trainable
+        parameter, in the session's wire dtype for gradients if it has one) within the client's
+        chunk size and, with room for their headers, within the server's message limit."""
+        wire = self.wire.gradients
+        sizes = [math.prod(shape) * (wire or dtype).itemsize
+                 for name, (dtype, shape) in self.parameter_specs.items() if self.trainable[name]]
+        payload = sum(sizes)
+        return payload <= client.chunk_bytes and payload + 512 * (len(sizes) + 1) <= client.one_message_bytes()
+
     def _push(self, named: list[tuple[str, torch.Tensor]], *, send_frozen: bool) -> None:
         version = self.param_version + 1
         header = pb.PushParametersHeader(session_id=self.id, version=version)
@@ -479,11 +499,19 @@ class Session:
             if step_seed is not None:
                 header.step_seed = step_seed
 
+            header.single_message_reply = self._single_reply(client)
+
             def invoke(stub: Any, kw: dict[str, Any], header: pb.ComputeGradientsHeader = header,
                        part: list[tuple[str, torch.Tensor]] = part, pushing: bool = pushing) -> GradientResult:
                 groups = self._parameter_groups(push, send_frozen=frozen, rename=parameter_name) \
                     if pushing and push is not None else []
-                requests = _frames(_COMPUTE_WIRE, header, [*groups, part], client.chunk_bytes)
+                requests = _frames(_COMPUTE_WIRE, header, _one_group_if_small([*groups, part], client.chunk_bytes),
+                                   client.chunk_bytes)
+                if header.single_message_reply:  # one message each way: a unary call, no stream
+                    first = list(itertools.islice(requests, 2))
+                    if len(first) == 1:
+                        return _read_result([stub.ComputeGradientsSingle(first[0], **kw)], client.limits, dtypes)
+                    requests = itertools.chain(first, requests)
                 return _read_result(stub.ComputeGradients(requests, **kw), client.limits, dtypes)
 
             result = client.call(invoke)
@@ -506,6 +534,11 @@ def _stub(channel: grpc.Channel) -> pb_grpc.GradientServiceStub:
                              _registered_method=True),
         channel.unary_unary(push, request_serializer=_PUSH_WIRE.serialize, response_deserializer=push_reply,
                             _registered_method=True))
+    # A step whose request is one message and whose reply the server sends as one
+    # (single_message_reply): a unary call on the same method, the same bytes on the wire.
+    stub.ComputeGradientsSingle = channel.unary_unary(  # type: ignore[attr-defined]
+        compute, request_serializer=_COMPUTE_WIRE.serialize, response_deserializer=compute_reply,
+        _registered_method=True)
     stub.ComputeGradients = _OneOrMore(  # type: ignore[method-assign]
         channel.stream_stream(compute, request_serializer=_COMPUTE_WIRE.serialize,
                               response_deserializer=compute_reply, _registered_method=True),
@@ -529,6 +562,18 @@ class _OneOrMore:
         if len(first) == 1:
             return self._single(first[0], **kwargs)
         return self._streaming(itertools.chain(first, requests), **kwargs)
+
+
+def _one_group_if_small(groups: list[Any], chunk_bytes: int) -> list[Any]:
+    """The request's groups (pushed parameters, then the batch) as one group when together they fit
+    in a chunk, so that a small push-and-step is one message; groups in a wire dtype
+    (:class:`FlatTensors`) stay as they are. Order is kept: the trainable parameters still lie
+    first, in one run of the buffer, as the server keeps them."""
+    if len(groups) < 2 or any(not isinstance(group, list) for group in groups):
+        return groups
+    merged = [pair for group in groups for pair in group]
+    total = sum(tensor.numel() * tensor.element_size() for _, tensor in merged)
+    return [merged] if total <= chunk_bytes else groups
 
 
 def _frames(wire: FrameWire, header: Any, groups: list[Any], chunk_bytes: int) -> Iterator[Any]:

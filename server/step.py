@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -264,6 +265,7 @@ class StepRunner:
             header = await read_header(requests, rpc="ComputeGradients")
             session = self._store.get(header.session_id, owner)
             pushing = _check_version(session, header)  # fail before the batch is uploaded
+            reply_chunk_bytes = self._reply_chunk_bytes(session, header)
             check_part(session.pending, part=header.part, param_version=header.param_version, session_id=session.id)
             limits = self._limits
             if pushing:  # the parameters travel too: room for every one of them
@@ -336,9 +338,30 @@ class StepRunner:
                 lead = ("result", pb.StepResult(stats=stats), "gradients")
             else:
                 yield pb.ComputeGradientsResponse(stats=stats)
-            for message in tensor_messages(pb.ComputeGradientsResponse, named, chunk_bytes=self._config.chunk_bytes,
+            for message in tensor_messages(pb.ComputeGradientsResponse, named, chunk_bytes=reply_chunk_bytes,
                                            group=header.grouped_reply, lead=lead):
                 yield message
+
+    def _reply_chunk_bytes(self, session: Session, header: pb.ComputeGradientsHeader) -> int:
+        """The reply's chunk size: the server's, or with ``single_message_reply`` one chunk for all
+        the gradients, refused before the step when that message would pass the message limit."""
+        if not header.single_message_reply:
+            return self._config.chunk_bytes
+        if not header.grouped_reply:
+            raise InvalidRequestError("ComputeGradients: single_message_reply needs grouped_reply (the gradients "
+                                      "travel as one group inside the StepResult)")
+        wire_dtype = session.wire.gradients
+        payload = sum(math.prod(info.shape) * (wire_dtype or info.dtype).itemsize
+                      for info in session.parameter_info if info.requires_grad)
+        # The group's tensor headers, the alignment between its tensors and the stats take a few
+        # hundred bytes per tensor at most.
+        framing = 512 * (1 + sum(1 for info in session.parameter_info if info.requires_grad))
+        limit = self._config.max_chunk_bytes
+        if payload + framing > limit:
+            raise InvalidRequestError(
+                f"ComputeGradients: single_message_reply: the gradients ({payload:,} bytes) do not fit in one "
+                f"message under the server's limit ({limit:,} bytes of payload); read the reply as a stream")
+        return limit
 
     @staticmethod
     def _release(session: Session, merged: DPGradient,

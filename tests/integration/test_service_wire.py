@@ -1,6 +1,7 @@
 """What crosses the wire for a step: a push and a step in one call, tensor groups, one message each
 way for a small step, reduced-precision (bf16) parameters and gradients, inputs refused at their
-header before their bytes, and the worker-side phases in the metrics."""
+header before their bytes, a reply asked for in one message (a unary call both ways), and the
+worker-side phases in the metrics."""
 
 from __future__ import annotations
 
@@ -114,6 +115,98 @@ def test_a_small_step_is_one_message_each_way(server: BackgroundServer, client: 
         result = replies[0].result
         assert result.stats.samples == 4 and [h.name for h in result.gradients.tensors] == [
             n for n, _ in model.named_parameters()]
+
+
+@pytest.fixture(scope="module")
+def small_messages() -> Iterator[BackgroundServer]:
+    """A server that chunks its replies at 256 bytes and takes messages of 128 KiB at most."""
+    with serve(max_batch_rows=256, chunk_bytes=256, max_message_bytes=128 * 1024) as running:
+        yield running
+
+
+def _step_call(channel: grpc.Channel, header: pb.ComputeGradientsHeader, named: list[Any], *,
+               unary: bool) -> list[pb.ComputeGradientsResponse]:
+    messages = list(FrameWire(pb.ComputeGradientsRequest).messages(named, group=True,
+                                                                   lead=("header", header, "group")))
+    assert len(messages) == 1
+    method = "/psg.v1.GradientService/ComputeGradients"
+    if unary:
+        call = channel.unary_unary(method, request_serializer=lambda raw: raw,
+                                   response_deserializer=pb.ComputeGradientsResponse.FromString)
+        return [call(messages[0], timeout=30)]
+    stream = channel.unary_stream(method, request_serializer=lambda raw: raw,
+                                  response_deserializer=pb.ComputeGradientsResponse.FromString)
+    return list(stream(messages[0], timeout=30))
+
+
+def test_single_message_reply_holds_every_gradient_whatever_the_chunk_size(small_messages: BackgroundServer) -> None:
+    inputs, targets = mlp_batch(4)
+    model = build()
+    named = [(f"parameters/{n}", p.detach()) for n, p in model.named_parameters()]
+    named += [("inputs/0", inputs), ("targets", targets)]
+    with client_for(small_messages) as client, open_session(client) as session, \
+            grpc.insecure_channel(small_messages.target) as channel:
+        header = pb.ComputeGradientsHeader(session_id=session.id, param_version=1, push_version=1,
+                                           grouped_reply=True)
+        streamed = _step_call(channel, header, named, unary=False)
+        assert len(streamed) > 1  # the server's 256-byte chunks
+        header = pb.ComputeGradientsHeader(session_id=session.id, param_version=2, push_version=2,
+                                           grouped_reply=True, single_message_reply=True)
+        (reply,) = _step_call(channel, header, named, unary=True)  # a unary call reads exactly one
+        assert reply.WhichOneof("frame") == "result" and reply.result.stats.step == 2
+        assert [h.name for h in reply.result.gradients.tensors] == [n for n, _ in model.named_parameters()]
+        assert len(reply.result.gradients.data) >= sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_single_message_reply_is_refused_before_the_step_when_it_cannot_hold(small_messages: BackgroundServer) -> None:
+    inputs, targets = mlp_batch(4)
+    with client_for(small_messages) as client, open_session(client) as session, \
+            grpc.insecure_channel(small_messages.target) as channel:
+        session.push_parameters(build())
+        header = pb.ComputeGradientsHeader(session_id=session.id, param_version=1, single_message_reply=True)
+        with pytest.raises(grpc.RpcError) as refused:
+            _step_call(channel, header, [("inputs/0", inputs), ("targets", targets)], unary=False)
+        assert refused.value.code() == Code.INVALID_ARGUMENT and "grouped_reply" in refused.value.details()
+        assert session.info().steps == 0
+    wide = {"in_features": 64, "hidden": [300], "num_classes": 3}  # 77 KB of gradients > 64 KiB
+    with client_for(small_messages, chunk_bytes=16 * 1024) as client, client.create_session(
+            "mlp", model_kwargs=wide, loss="cross_entropy", expected_batch_size=4,
+            config=DPConfig(max_grad_norm=0.5)) as session, grpc.insecure_channel(small_messages.target) as channel:
+        torch.manual_seed(0)
+        session.push_parameters(build(kwargs=wide))
+        header = pb.ComputeGradientsHeader(session_id=session.id, param_version=1, grouped_reply=True,
+                                           single_message_reply=True)
+        batch = [("inputs/0", torch.randn(4, 64)), ("targets", torch.zeros(4, dtype=torch.long))]
+        with pytest.raises(grpc.RpcError) as refused:
+            _step_call(channel, header, batch, unary=False)
+        assert refused.value.code() == Code.INVALID_ARGUMENT and "do not fit in one message" in refused.value.details()
+        assert session.info().steps == 0
+        # The client reads such a reply as a stream by itself, and small ones as one message.
+        result = session.compute_gradients(batch[0][1], batch[1][1])
+        assert result.step == 1 and set(result.grads) == {n for n, _ in build(kwargs=wide).named_parameters()}
+
+
+def test_the_client_steps_in_one_unary_call_when_both_ways_fit(client: GradientClient) -> None:
+    inputs, targets = mlp_batch(4)
+    calls = {"single": 0}
+    single = client._stub.ComputeGradientsSingle
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["single"] += 1
+        return single(*args, **kwargs)
+
+    client._stub.ComputeGradientsSingle = counted
+    try:
+        with open_session(client) as session:
+            model = build(seed=5)
+            result = session.compute_gradients(inputs, targets, parameters=model)  # push and step: one group
+            assert calls["single"] == 1
+            for name, grad in expected(model, inputs, targets).items():
+                torch.testing.assert_close(result.grads[name], grad, rtol=1e-5, atol=1e-7)
+            assert result.step == 1 and session.compute_gradients(inputs, targets).step == 2
+            assert calls["single"] == 2
+    finally:
+        client._stub.ComputeGradientsSingle = single
 
 
 def test_old_clients_get_one_tensor_per_parameter(server: BackgroundServer, client: GradientClient) -> None:

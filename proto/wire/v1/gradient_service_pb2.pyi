@@ -322,7 +322,7 @@ class PushParametersResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., frozen_version: _Optional[int] = ...) -> None: ...
 
 class ComputeGradientsHeader(_message.Message):
-    __slots__ = ("session_id", "param_version", "step_seed", "part", "more_parts", "grouped_reply", "push_version", "group")
+    __slots__ = ("session_id", "param_version", "step_seed", "part", "more_parts", "grouped_reply", "push_version", "group", "single_message_reply")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_SEED_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,7 @@ class ComputeGradientsHeader(_message.Message):
     GROUPED_REPLY_FIELD_NUMBER: _ClassVar[int]
     PUSH_VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_MESSAGE_REPLY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     param_version: int
     step_seed: int
@@ -339,7 +340,8 @@ class ComputeGradientsHeader(_message.Message):
     grouped_reply: bool
     push_version: int
     group: _tensor_pb2.TensorGroup
-    def __init__(self, session_id: _Optional[str] = ..., param_version: _Optional[int] = ..., step_seed: _Optional[int] = ..., part: _Optional[int] = ..., more_parts: _Optional[bool] = ..., grouped_reply: _Optional[bool] = ..., push_version: _Optional[int] = ..., group: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ...) -> None: ...
+    single_message_reply: bool
+    def __init__(self, session_id: _Optional[str] = ..., param_version: _Optional[int] = ..., step_seed: _Optional[int] = ..., part: _Optional[int] = ..., more_parts: _Optional[bool] = ..., grouped_reply: _Optional[bool] = ..., push_version: _Optional[int] = ..., group: _Optional[_Union[_tensor_pb2.TensorGroup, _Mapping]] = ..., single_message_reply: _Optional[bool] = ...) -> None: ...
 
 class ComputeGradientsRequest(_message.Message):
     __slots__ = ("header", "tensor", "chunk", "group")
