@@ -324,20 +324,32 @@ class GradSampleModule(AbstractGradSampleModule):
         grad_samples = call_grad_samples(call, backprops, self.augmentation_multiplicity,
                                          where="GradSampleModule", force_functorch=self.force_functorch,
                                          suspend=self._suspend_capture())
+        # Storages autograd or the caller still use: a sampler's output that lies in one of them
+        # (a bias's gradient may be the backprop itself) must never be added into in place.
+        borrowed = {t.untyped_storage().data_ptr() for t in [*backprops, *call.args]
+                    if isinstance(t, torch.Tensor)}
         for param, grad_sample in grad_samples.items():
             if not param.requires_grad:
                 continue
             if scale != 1.0:
                 grad_sample = grad_sample * scale
-            self._store(param, grad_sample, forward_id)
+            self._store(param, grad_sample, forward_id,
+                        fresh=grad_sample.untyped_storage().data_ptr() not in borrowed)
 
-    def _store(self, param: torch.Tensor, grad_sample: torch.Tensor, forward_id: int) -> None:
+    def _store(self, param: torch.Tensor, grad_sample: torch.Tensor, forward_id: int, *,
+               fresh: bool = False) -> None:
         existing = get_grad_sample(param)
         key = id(param)
         if existing is None:
-            set_grad_sample(param, grad_sample.to(param.dtype))
+            stored = grad_sample.to(param.dtype)
+            set_grad_sample(param, stored)
             self._sources[key] = {forward_id}
-            self._owned.pop(key, None)
+            if fresh or stored is not grad_sample:
+                # A tensor made for this pass alone (a tied weight's second owner adds into it in
+                # place: one (N, *shape) tensor less).
+                self._owned[key] = weakref.ref(stored)
+            else:
+                self._owned.pop(key, None)
             return
         sources = self._sources.setdefault(key, set())
         if forward_id not in sources and not self._accumulation_allowed:
