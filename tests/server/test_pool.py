@@ -484,11 +484,25 @@ def test_a_worker_ray_cannot_place_is_a_clear_error_not_a_wait(ray_session: Any,
     and start() says what it asked for and what the cluster has, instead of waiting for ever."""
     from psg_server.pool import WorkerPool
 
-    free = int(ray_session.available_resources().get("CPU", 0))
-    holder = ray_session.remote(_Holder).options(num_cpus=free).remote() if free else None
-    try:
-        if holder is not None:
+    holders: list[Any] = []
+
+    def hold_free_cpus() -> int:
+        free = int(ray_session.available_resources().get("CPU", 0))
+        if free:
+            holder = ray_session.remote(_Holder).options(num_cpus=free).remote()
+            holders.append(holder)
             ray_session.get(holder.ping.remote(), timeout=60)
+        return free
+
+    try:
+        # CPUs that earlier tests' actors give back late are taken too: none may stay free for the
+        # pool's worker (it would be placed, and there would be nothing to time out).
+        hold_free_cpus()
+        quiet_since, give_up = time.monotonic(), time.monotonic() + 30
+        while time.monotonic() - quiet_since < 1.5 and time.monotonic() < give_up:
+            time.sleep(0.1)
+            if hold_free_cpus():
+                quiet_since = time.monotonic()
         pool = WorkerPool(plugins=(PLUGIN,), num_workers=1, use_gpus=False, place_timeout_s=2.0, start_timeout_s=60.0,
                           probe_interval_s=0.2)
         evicted: list[str] = []  # the actors the pool gave up on, by Ray id
@@ -514,7 +528,7 @@ def test_a_worker_ray_cannot_place_is_a_clear_error_not_a_wait(ray_session: Any,
         assert len(evicted) == 1
         wait_until(lambda: ray_state.actors(evicted[0])["State"] == "DEAD", 30, "the unplaced actor killed")
     finally:
-        if holder is not None:
+        for holder in holders:
             ray_session.kill(holder, no_restart=True)
 
 
