@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, Timing, register_suite,
+from benchmarks.harness import (RunOptions, Suite, TargetCheck, Timing, measure_step_memory, register_suite,
                                 run_isolated, time_interleaved)
 from benchmarks.models import opacus_available
 
@@ -430,25 +430,9 @@ def run_configuration(payload: dict[str, Any]) -> dict[str, Any]:
 def _measure_memory(options: RunOptions, configuration: str, method: str, *, isolated: bool) -> dict[str, Any]:
     """``{"peak_memory_mib": ...}`` of one method's step, above what was allocated before its model
     was built (see :class:`benchmarks.harness.MemoryProbe`); ``memory_error`` when it fails."""
-    gc.collect()
-    if options.device == "cuda":
-        torch.cuda.empty_cache()
-    try:
-        probe = MemoryProbe(options.device, isolated=isolated)
-        step = prepare_step(SIZES[options.size], configuration, method, options.device)
-        for _ in range(max(1, options.warmup)):
-            step()
-        probe.reset()
-        step()
-        peak = probe.peak_bytes()
-        del step
-    except Exception as err:  # noqa: BLE001 - recorded in the table, the run goes on
-        return {"peak_memory_mib": None, "memory_error": _error_text(err)}
-    finally:
-        gc.collect()
-        if options.device == "cuda":
-            torch.cuda.empty_cache()
-    return {"peak_memory_mib": None if peak is None else peak / _MIB}
+    return measure_step_memory(lambda: prepare_step(SIZES[options.size], configuration, method, options.device),
+                               options.device, warmup=options.warmup, isolated=isolated,
+                               describe_error=_error_text)
 
 
 def _prime_runtime(options: RunOptions, configuration: str, method: str) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RunOptions", "Timing", "MemoryProbe", "TargetCheck", "Suite", "SUITES", "register_suite",
+__all__ = ["RunOptions", "Timing", "MemoryProbe", "measure_step_memory", "TargetCheck", "Suite", "SUITES", "register_suite",
            "time_steps", "time_interleaved", "memory_method", "run_isolated", "load_callable"]
 
 logger = logging.getLogger(__name__)
@@ -190,6 +190,32 @@ def time_interleaved(steps: dict[str, Callable[[], Any]], *, warmup: int, repeat
 
 
 # ------------------------------------------------------------------------------ memory
+def measure_step_memory(make_step: Callable[[], Callable[[], Any]], device: str, *, warmup: int, isolated: bool,
+                        describe_error: Callable[[BaseException], str]) -> dict[str, Any]:
+    """``{"peak_memory_mib": ...}`` of one step: a :class:`MemoryProbe` baseline taken before
+    ``make_step()`` builds the model, ``warmup`` steps (at least one), then the peak of one more;
+    ``{"peak_memory_mib": None, "memory_error": describe_error(err)}`` when it fails (the run goes on)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        probe = MemoryProbe(device, isolated=isolated)
+        step = make_step()
+        for _ in range(max(1, warmup)):
+            step()
+        probe.reset()
+        step()
+        peak = probe.peak_bytes()
+        del step
+    except Exception as err:  # noqa: BLE001 - recorded in the table, the run goes on
+        return {"peak_memory_mib": None, "memory_error": describe_error(err)}
+    finally:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"peak_memory_mib": None if peak is None else peak / (1 << 20)}
+
+
 def memory_method(device: str, *, isolate: bool) -> str:
     """One line naming how peak memory is measured (stored with the results)."""
     if device == "cuda":

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, Timing, register_suite,
-                                run_isolated, time_interleaved, time_steps)
+from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, Timing, measure_step_memory,
+                                register_suite, run_isolated, time_interleaved, time_steps)
 from benchmarks.models import MODELS, Variant, opacus_available
 
 __all__ = ["Case", "Method", "METHODS", "methods_for", "run_case", "prepare_step", "TRAINING_SUITE"]
@@ -401,23 +401,8 @@ def _measure_cuda_memory(case: Case) -> dict[str, Any]:
     then warm-up steps, then the peak of one step. What was allocated stays cached by torch's
     allocator, which ``max_memory_allocated`` does not count.
     """
-    gc.collect()
-    torch.cuda.empty_cache()
-    try:
-        probe = MemoryProbe(case.device, isolated=False)
-        step = prepare_step(case)
-        for _ in range(max(1, case.warmup)):
-            step()
-        probe.reset()
-        step()
-        peak = probe.peak_bytes()
-        del step
-    except Exception as err:  # noqa: BLE001 - recorded in the table, the run goes on
-        return {"peak_memory_mib": None, "memory_error": _error(case, err)}
-    finally:
-        gc.collect()
-        torch.cuda.empty_cache()
-    return {"peak_memory_mib": None if peak is None else peak / _MIB}
+    return measure_step_memory(lambda: prepare_step(case), case.device, warmup=case.warmup, isolated=False,
+                               describe_error=lambda err: _error(case, err))
 
 
 # ------------------------------------------------------------------------------ the suite
