@@ -149,5 +149,9 @@ def test_builtin_ghost_norms() -> None:
     assert bag is not None and bag.whole_call  # its rows are its offsets' bags, not its input's
     grouped = GHOST_NORMS.lookup(nn.Conv2d)
     assert grouped is not None
-    conv = nn.Conv2d(4, 4, 3, groups=2)  # 72 weights: 2 groups * 2 * T^2 <= 72 up to T = 4
-    assert grouped.is_cheaper(conv, 4) and not grouped.is_cheaper(conv, 5)
+    conv = nn.Conv2d(64, 64, 3, groups=2)  # per group O 32, I 288: T (I + O) <= O I up to T = 28
+    assert grouped.is_cheaper(conv, 28) and not grouped.is_cheaper(conv, 29)
+    wide = nn.Conv2d(192, 192, 3)  # O 192, I 1728: the Grams cost more than the gradient past T = 172
+    assert grouped.is_cheaper(wide, 172) and not grouped.is_cheaper(wide, 256)
+    deconv = nn.ConvTranspose2d(8, 64, 3)  # weight (8, 64, 3, 3): O 8 (its C_in), I 576
+    assert grouped.is_cheaper(deconv, 7) and not grouped.is_cheaper(deconv, 8)
