@@ -205,12 +205,9 @@ def embedding_bag_grad_sample(layer: nn.EmbeddingBag, activations: list[Any],
     if not wants_grad(layer.weight):
         return {}
     _reject_batch_mixing(layer, "embedding_bag_grad_sample")
-    inputs, offsets, per_sample_weights = _bag_call(activations, kwargs)
     if layer.mode == "max":
-        tokens, bag, bags = _bag_of_token(_flat_input(inputs), offsets, layer.include_last_offset)  # (M,), (M,)
-        counted = bag >= 0  # (M,)
-        if layer.padding_idx is not None:
-            counted = counted & (tokens != layer.padding_idx)
+        inputs, offsets, _ = _bag_call(activations, kwargs)
+        tokens, bag, bags, counted = _counted_tokens(layer, inputs, offsets)  # (M,) each
         return {layer.weight: _max_grad_sample(layer, tokens, bag, counted, backprops, bags, K)}
     tokens, bag_index, values, bags = _bag_entries(layer, activations, kwargs, backprops)
     grad = _per_sample_scatter(tokens, bag_index // K, values, bags // K, layer.num_embeddings)  # (N, V, d)
@@ -224,6 +221,17 @@ def _flat_input(inputs: Any) -> torch.Tensor:
     return inputs
 
 
+def _counted_tokens(layer: nn.EmbeddingBag, inputs: Any, offsets: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Flat token ids, their bags (-1: after the last offset), the number of bags, and whether each
+    token counts (in a bag and not ``padding_idx``)."""
+    tokens, bag, bags = _bag_of_token(_flat_input(inputs), offsets, layer.include_last_offset)  # (M,), (M,)
+    counted = bag >= 0  # (M,)
+    if layer.padding_idx is not None:
+        counted = counted & (tokens != layer.padding_idx)
+    return tokens, bag, bags, counted
+
+
 def _bag_entries(layer: nn.EmbeddingBag, args: Sequence[Any], kwargs: dict[str, Any], backprops: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Mode "sum"/"mean": each token's table row and bag, and the ``(M, d)`` gradient it sends to
@@ -233,10 +241,7 @@ def _bag_entries(layer: nn.EmbeddingBag, args: Sequence[Any], kwargs: dict[str, 
     need their number on the host (a device sync).
     """
     inputs, offsets, per_sample_weights = _bag_call(list(args), kwargs)
-    tokens, bag, bags = _bag_of_token(_flat_input(inputs), offsets, layer.include_last_offset)  # (M,), (M,)
-    counted = bag >= 0  # (M,)
-    if layer.padding_idx is not None:
-        counted = counted & (tokens != layer.padding_idx)
+    tokens, bag, bags, counted = _counted_tokens(layer, inputs, offsets)  # (M,) each
     weight = counted.to(backprops.dtype)  # (M,)
     if per_sample_weights is not None:
         weight = weight * per_sample_weights.reshape(-1).to(backprops.dtype)
