@@ -66,7 +66,12 @@ def _flat(activation: torch.Tensor, backprop: torch.Tensor) -> tuple[torch.Tenso
 
 
 # ------------------------------------------------------------------------------------ nn.Linear
-@register_grad_sampler(nn.Linear, k_aware=True)
+# psg's RNNLinear (the DP recurrent layers' ih/hh) overrides forward only to reuse an output the
+# recurrence computed already: the same function, so the same sampler and ghost norm.
+_RNN_LINEAR = "psg_core.layers.recurrent.RNNLinear"
+
+
+@register_grad_sampler(nn.Linear, _RNN_LINEAR, k_aware=True)
 def linear_grad_sample(layer: nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor,
                        K: int) -> dict[torch.Tensor, torch.Tensor]:
     """``W`` gets ``sum_{k,t} g x^T`` per sample; works for any number of middle (sequence) dims.
@@ -88,7 +93,7 @@ def _linear_weight_sum(layer: nn.Linear, activation: torch.Tensor, backprop: tor
     return (g2.transpose(0, 1) @ a2).to(layer.weight.dtype)  # (d_out, d_in)
 
 
-@register_ghost_norm(nn.Linear, weight_sum=_linear_weight_sum, positions=_positions, layout=WeightLayout.ROWS_RIGHT)
+@register_ghost_norm(nn.Linear, _RNN_LINEAR, weight_sum=_linear_weight_sum, positions=_positions, layout=WeightLayout.ROWS_RIGHT)
 def linear_ghost_factors(layer: nn.Linear, activation: torch.Tensor, backprop: torch.Tensor,
                          K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """Sample n's weight gradient is ``g_n^T x_n`` over its ``K*T`` rows: one group of factors.

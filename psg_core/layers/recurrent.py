@@ -27,6 +27,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from psg_core._layout import ALWAYS_BATCH_FIRST, STATE_BATCH_AXIS
 from psg_core.errors import ConfigError, UnsupportedModuleError
+from psg_core.layers import _recurrence
 from psg_core.provenance import rowwise
 
 __all__ = ["RNNLinear", "DPRNNCell", "DPGRUCell", "DPLSTMCell", "DPRNN", "DPGRU", "DPLSTM"]
@@ -49,6 +50,11 @@ class RNNLinear(nn.Linear):
     >>> RNNLinear(3, 2)(torch.zeros(4, 3)).shape
     torch.Size([4, 2])
     """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # The recurrence computed hh(h_prev) step by step already: use it (_recurrence.known_output).
+        known = _recurrence.known_linear(self, input)
+        return super().forward(input) if known is None else known
 
 
 setattr(RNNLinear, ALWAYS_BATCH_FIRST, True)
@@ -327,26 +333,10 @@ class _DPRNNBase(nn.Module):
     @staticmethod
     def _run_direction(cell: _DPCellBase, sequence: torch.Tensor, state: State,
                        mask: torch.Tensor | None, reverse: bool) -> tuple[torch.Tensor, State]:
-        """``sequence`` (B, T, F) -> outputs (B, T, H) and the final state."""
-        steps = sequence.shape[1]
-        # One input projection for all steps, split once: indexing step by step would make its
-        # backward scatter every step's gradient into a zeroed (B, T, gates*H) buffer (T^2 work).
-        input_gates = cell.ih(sequence).unbind(1)  # T x (B, gates*H)
-        outputs: list[torch.Tensor] = [sequence.new_empty(0)] * steps
-        for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
-            new_state = cell.step(input_gates[t], state)
-            if mask is None:
-                state = new_state
-            else:
-                valid = mask[:, t].unsqueeze(1)  # (B, 1): step t exists for the sample
-                if isinstance(state, tuple):
-                    new_h, new_c = cast(tuple[torch.Tensor, torch.Tensor], new_state)
-                    state = (torch.where(valid, new_h, state[0]), torch.where(valid, new_c, state[1]))
-                else:
-                    state = torch.where(valid, cast(torch.Tensor, new_state), state)
-            h = state[0] if isinstance(state, tuple) else state  # (B, H)
-            outputs[t] = h if mask is None else torch.where(valid, h, torch.zeros_like(h))
-        return torch.stack(outputs, dim=1), state  # (B, T, H)
+        """``sequence`` (B, T, F) -> outputs (B, T, H) and the final state (see
+        :mod:`psg_core.layers._recurrence`: the loop runs outside autograd, ``ih`` and ``hh`` are
+        each called once on the whole sequence)."""
+        return cast(tuple[torch.Tensor, State], _recurrence.run(cell, sequence, state, mask, reverse))
 
     def forward(self, input: torch.Tensor | PackedSequence, hx: Any = None
                 ) -> tuple[torch.Tensor | PackedSequence, Any]:

@@ -89,6 +89,65 @@ def test_matches_torch(kind: str, batch_first: bool, bidirectional: bool, num_la
     assert_same_state(actual_state, expected_state)
 
 
+def _loss_of(out: Any, state: Any, weights: list[torch.Tensor]) -> torch.Tensor:
+    """A loss reading every output and final state with fixed random weights (so that no
+    gradient is trivially symmetric)."""
+    data = out.data if isinstance(out, PackedSequence) else out
+    parts = [data] + (list(state) if isinstance(state, tuple) else [state])
+    return sum((p * w).sum() for p, w in zip(parts, weights))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("inputs", ["padded", "packed_unsorted"])
+@pytest.mark.parametrize("with_hx", [False, True])
+def test_gradients_match_torch(kind: str, bidirectional: bool, num_layers: int, inputs: str,
+                               with_hx: bool) -> None:
+    """The hand-written backward recurrence (psg_core.layers._recurrence) against autograd through
+    torch's own layer: every parameter, the input and the initial state, in float64."""
+    torch.manual_seed(3)
+    batch_first = bidirectional
+    reference, rewrite = make_pair(kind, INPUT, HIDDEN, num_layers, batch_first=batch_first,
+                                   bidirectional=bidirectional)
+    reference.double(), rewrite.double()
+    batch, directions = 3, 2 if bidirectional else 1
+    x = torch.randn((batch, 5, INPUT) if batch_first else (5, batch, INPUT), dtype=torch.float64)
+    hx = random_state(kind, num_layers * directions, batch) if with_hx else None
+    grads = []
+    for module in (reference, rewrite):
+        x_in = x.clone().requires_grad_()
+        state_in = None
+        if hx is not None:
+            state_in = (tuple(h.double().requires_grad_() for h in hx) if isinstance(hx, tuple)
+                        else hx.double().requires_grad_())
+        arg: Any = x_in
+        if inputs == "packed_unsorted":
+            arg = pack_padded_sequence(x_in, torch.tensor([2, 5, 3]), batch_first=batch_first,
+                                       enforce_sorted=False)
+        out, state = module(arg, state_in)
+        torch.manual_seed(4)
+        data = out.data if isinstance(out, PackedSequence) else out
+        weights = [torch.randn(t.shape, dtype=t.dtype) for t in [data] + (list(state) if isinstance(state, tuple) else [state])]
+        leaves = [x_in] + ([] if state_in is None else list(state_in) if isinstance(state_in, tuple)
+                           else [state_in])
+        named = dict(module.named_parameters())
+        keys = sorted(reference.state_dict()) if module is reference else None
+        loss = _loss_of(out, state, weights)
+        values = torch.autograd.grad(loss, leaves + list(named.values()))
+        by_name = dict(zip(named, values[len(leaves):]))
+        grads.append((values[:len(leaves)], by_name, keys))
+    (ref_leaves, ref_params, keys), (dp_leaves, dp_params, _) = grads
+    for want, got in zip(ref_leaves, dp_leaves):
+        torch.testing.assert_close(got, want)
+    renamed = {}
+    for key in keys:  # torch's weight_ih_l0_reverse -> l0_reverse.ih.weight
+        kind_, linear, cell = key.split("_", 2)[0], key.split("_")[1], key.split("_", 2)[2]
+        renamed[key] = f"{cell}.{linear}.{kind_}"
+    for key, name in renamed.items():
+        torch.testing.assert_close(dp_params[name], ref_params[key], msg=lambda m: f"{key}: {m}")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_unbatched_matches_torch(kind: str) -> None:
     torch.manual_seed(1)

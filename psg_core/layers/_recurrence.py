@@ -1,0 +1,408 @@
+"""The time loop of the DP recurrent layers, run outside autograd with a hand-written backward.
+
+A layer direction computes ``gx = ih(x)`` on the whole sequence (one hooked Linear call), then
+the recurrence. Tracking the recurrence op by op (a dozen autograd nodes per time step, each with
+Python overhead) made DPLSTM 2.5x slower than torch's fused kernel, so here:
+
+1. the forward loop runs without autograd (:func:`run`): per step one ``addmm`` with the
+   pre-transposed hidden weight and a few pointwise ops; it keeps what the backward needs and
+   the state before every step, ``h_prev`` ``(B, T, H)``;
+2. ``gh = hh(h_prev)`` is one hooked Linear call on that sequence: the same values the loop
+   used, computed once more so that ``hh`` sits in the graph like any Linear (hooks, ghost,
+   functorch and ExpandedWeights all see an ordinary ``(B, T, H) -> (B, T, G*H)`` call);
+3. :class:`_Recurrence` ties ``gx``, ``gh`` and the initial state to the loop's outputs; its
+   backward runs the backward recurrence by hand (derivatives precomputed for all steps at once,
+   then per step a couple of pointwise ops and one matmul with ``W_hh``) and returns the gate
+   gradients, which the two Linear layers turn into (per-sample) parameter gradients.
+
+The gradient of ``hh``'s parameters is exact: ``dL/dW_hh = sum_t dL/dgh_t^T h_{t-1}`` where
+``dL/dgh_t`` is the total derivative through all later steps, which the backward recurrence
+gives; ``h_prev`` is detached because the loop already accounts for ``h_{t-1}``'s dependence on
+earlier steps.
+
+Masked (packed) batches: a sample's state stops changing after its last step (``where``) and its
+outputs there are zero; the backward passes the state's gradient through those steps unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["run", "known_linear"]
+
+
+def _plain(param: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The parameter's values outside any autograd graph (ExpandedWeights unwrapped)."""
+    if param is None:
+        return None
+    return getattr(param, "orig_weight", param).detach().to(dtype)
+
+
+def _stack(items: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(items, dim=1)  # (B, T, ...)
+
+
+# ---------------------------------------------------------------------------------- forward loops
+def _lstm_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
+               c: torch.Tensor, mask: torch.Tensor | None, order: range
+               ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    hidden = h.shape[1]
+    steps = gx.shape[1]
+    gx_steps = gx.unbind(1)  # T x (B, 4H)
+    valid = None if mask is None else mask.unsqueeze(2).unbind(1)  # T x (B, 1)
+    outs: list[torch.Tensor] = [h] * steps
+    hidden_gates: list[torch.Tensor] = [h] * steps
+    sig: list[torch.Tensor] = [h] * steps
+    cand: list[torch.Tensor] = [h] * steps
+    c_prev: list[torch.Tensor] = [h] * steps
+    tanh_c: list[torch.Tensor] = [h] * steps
+    h_prev: list[torch.Tensor] = [h] * steps
+    for t in order:
+        gh = torch.mm(h, weight_t) if bias is None else torch.addmm(bias, h, weight_t)  # hh(h)
+        hidden_gates[t] = gh
+        gates = gx_steps[t] + gh  # (B, 4H): i, f, g, o
+        s = torch.sigmoid(gates)
+        g = torch.tanh(gates[:, 2 * hidden:3 * hidden])
+        c_new = torch.addcmul(s[:, hidden:2 * hidden] * c, s[:, :hidden], g)
+        tc = torch.tanh(c_new)
+        h_new = s[:, 3 * hidden:] * tc
+        sig[t], cand[t], c_prev[t], tanh_c[t], h_prev[t] = s, g, c, tc, h
+        if valid is None:
+            h, c = h_new, c_new
+            outs[t] = h
+        else:
+            v = valid[t]
+            h, c = torch.where(v, h_new, h), torch.where(v, c_new, c)
+            outs[t] = h_new * v
+    return (h_prev, hidden_gates), (h, c), (_stack(outs), _stack(sig), _stack(cand), _stack(c_prev),
+                                            _stack(tanh_c))
+
+
+def _gru_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
+              mask: torch.Tensor | None, order: range
+              ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    hidden = h.shape[1]
+    steps = gx.shape[1]
+    gx_steps = gx.unbind(1)  # T x (B, 3H): r, z, n
+    valid = None if mask is None else mask.unsqueeze(2).unbind(1)
+    outs: list[torch.Tensor] = [h] * steps
+    gates_rz: list[torch.Tensor] = [h] * steps
+    cand: list[torch.Tensor] = [h] * steps
+    hidden_n: list[torch.Tensor] = [h] * steps
+    h_prev: list[torch.Tensor] = [h] * steps
+    hidden_gates: list[torch.Tensor] = [h] * steps
+    for t in order:
+        x_t = gx_steps[t]
+        gh = torch.mm(h, weight_t) if bias is None else torch.addmm(bias, h, weight_t)  # (B, 3H)
+        hidden_gates[t] = gh
+        rz = torch.sigmoid(x_t[:, :2 * hidden] + gh[:, :2 * hidden])  # (B, 2H): r, z
+        h_n = gh[:, 2 * hidden:]
+        n = torch.tanh(torch.addcmul(x_t[:, 2 * hidden:], rz[:, :hidden], h_n))
+        h_new = torch.addcmul(n, rz[:, hidden:], h - n)  # (1 - z) n + z h
+        gates_rz[t], cand[t], hidden_n[t], h_prev[t] = rz, n, h_n, h
+        if valid is None:
+            h = h_new
+            outs[t] = h
+        else:
+            v = valid[t]
+            h = torch.where(v, h_new, h)
+            outs[t] = h_new * v
+    return (h_prev, hidden_gates), (h,), (_stack(outs), _stack(gates_rz), _stack(cand), _stack(hidden_n),
+                                          _stack(h_prev))
+
+
+def _rnn_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
+              mask: torch.Tensor | None, order: range, relu: bool
+              ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    steps = gx.shape[1]
+    gx_steps = gx.unbind(1)  # T x (B, H)
+    valid = None if mask is None else mask.unsqueeze(2).unbind(1)
+    act = torch.relu if relu else torch.tanh
+    outs: list[torch.Tensor] = [h] * steps
+    new: list[torch.Tensor] = [h] * steps
+    h_prev: list[torch.Tensor] = [h] * steps
+    hidden_gates: list[torch.Tensor] = [h] * steps
+    for t in order:
+        gh = torch.mm(h, weight_t) if bias is None else torch.addmm(bias, h, weight_t)  # hh(h)
+        hidden_gates[t] = gh
+        h_new = act(gx_steps[t] + gh)  # (B, H)
+        new[t], h_prev[t] = h_new, h
+        if valid is None:
+            h = h_new
+            outs[t] = h
+        else:
+            v = valid[t]
+            h = torch.where(v, h_new, h)
+            outs[t] = h_new * v
+    return (h_prev, hidden_gates), (h,), (_stack(outs), _stack(new))
+
+
+# ------------------------------------------------------------------------------ backward recurrences
+def _masked(dh: torch.Tensor, dout: torch.Tensor, v: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradient reaching the step's new state, and the part that passes the step unchanged."""
+    if v is None:
+        return dh + dout, None
+    return (dh + dout) * v, dh * (1.0 - v)
+
+
+def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Sequence[torch.Tensor] | None,
+                   order: range, d_out: Sequence[torch.Tensor], dh: torch.Tensor, dc: torch.Tensor
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    sig, cand, c_prev, tanh_c = saved
+    hidden = cand.shape[2]
+    i, f, o = sig[..., :hidden], sig[..., hidden:2 * hidden], sig[..., 3 * hidden:]
+    # Every step's local derivatives at once; the loop keeps only what depends on later steps:
+    # d gates_{i,f,g,o} = dc_new * from_c + dh_new * from_h, with dc_new = dc + dh_new * to_c.
+    to_c = (o * (1.0 - tanh_c * tanh_c)).unbind(1)  # (B, H) per step
+    zeros = torch.zeros_like(cand)
+    from_c = torch.stack([cand * i * (1.0 - i), c_prev * f * (1.0 - f), i * (1.0 - cand * cand), zeros],
+                         dim=2).unbind(1)  # T x (B, 4, H)
+    from_h = torch.stack([zeros, zeros, zeros, tanh_c * o * (1.0 - o)], dim=2).unbind(1)
+    forget = f.unbind(1)
+    batch = cand.shape[0]
+    dgates: list[torch.Tensor] = [dh] * len(d_out)
+    for t in reversed(order):
+        v = None if valid is None else valid[t]
+        dh_new, dh_keep = _masked(dh, d_out[t], v)
+        dc_new = torch.addcmul(dc if v is None else dc * v, dh_new, to_c[t])  # the new c's total gradient
+        dg = torch.addcmul(dc_new.unsqueeze(1) * from_c[t], dh_new.unsqueeze(1), from_h[t])
+        dg = dg.view(batch, 4 * hidden)  # (B, 4H): i, f, g, o
+        dgates[t] = dg
+        dh_next = torch.mm(dg, weight)
+        dc_next = dc_new * forget[t]
+        if dh_keep is not None and v is not None:
+            dh_next = dh_next + dh_keep
+            dc_next = torch.addcmul(dc_next, dc, 1.0 - v)
+        dh, dc = dh_next, dc_next
+    return dgates, dgates, dh, dc
+
+
+def _gru_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Sequence[torch.Tensor] | None,
+                  order: range, d_out: Sequence[torch.Tensor], dh: torch.Tensor
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    rz, cand, hidden_n, h_prev = saved
+    hidden = cand.shape[2]
+    r, z = rz[..., :hidden], rz[..., hidden:]
+    to_n = ((1.0 - z) * (1.0 - cand * cand)).unbind(1)  # d pre_n = dh * (1 - z) tanh'(n)
+    to_z = ((h_prev - cand) * z * (1.0 - z)).unbind(1)  # d pre_z = dh * (h - n) z'
+    to_r = (hidden_n * r * (1.0 - r)).unbind(1)  # d pre_r = d pre_n * h_n r'
+    keep = z.unbind(1)  # dh_prev += dh * z
+    reset = r.unbind(1)  # d h_n = d pre_n * r
+    d_input: list[torch.Tensor] = [dh] * len(d_out)
+    d_hidden: list[torch.Tensor] = [dh] * len(d_out)
+    for t in reversed(order):
+        v = None if valid is None else valid[t]
+        dh_new, dh_keep = _masked(dh, d_out[t], v)
+        d_n = dh_new * to_n[t]
+        d_z = dh_new * to_z[t]
+        d_r = d_n * to_r[t]
+        d_input[t] = torch.cat([d_r, d_z, d_n], dim=1)  # (B, 3H)
+        d_hidden[t] = torch.cat([d_r, d_z, d_n * reset[t]], dim=1)
+        dh = torch.addmm(dh_new * keep[t], d_hidden[t], weight)
+        if dh_keep is not None:
+            dh = dh + dh_keep
+    return d_input, d_hidden, dh
+
+
+def _rnn_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Sequence[torch.Tensor] | None,
+                  order: range, d_out: Sequence[torch.Tensor], dh: torch.Tensor, relu: bool
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    (new,) = saved
+    slope = ((new > 0).to(new.dtype) if relu else 1.0 - new * new).unbind(1)
+    d_pre: list[torch.Tensor] = [dh] * len(d_out)
+    for t in reversed(order):
+        v = None if valid is None else valid[t]
+        dh_new, dh_keep = _masked(dh, d_out[t], v)
+        d_pre[t] = dh_new * slope[t]
+        dh = torch.mm(d_pre[t], weight)
+        if dh_keep is not None:
+            dh = dh + dh_keep
+    return d_pre, d_pre, dh
+
+
+# ------------------------------------------------------------------------------------ the Function
+class _Spec:
+    """What a direction's backward needs besides tensors: the cell kind and the step order."""
+
+    __slots__ = ("kind", "relu", "order", "dtypes")
+
+    def __init__(self, kind: str, relu: bool, order: range) -> None:
+        self.kind = kind
+        self.relu = relu
+        self.order = order
+        self.dtypes: tuple[torch.dtype, ...] = ()
+
+
+class _Recurrence(torch.autograd.Function):
+    """Identity on the loop's results (computed without autograd); its backward is the backward
+    recurrence, returning the gradients of ``gx``, ``gh`` and the initial state.
+
+    Inputs: ``gx, gh, h0, c0`` (c0 None but for LSTM), the spec, the hidden weight ``(G*H, H)``,
+    the step mask (or None), then the results (output sequence, final h, final c or None) and the
+    saved activations. The results are returned as they are (autograd makes them views).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(gx: torch.Tensor, gh: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None,
+                spec: _Spec, weight: torch.Tensor, mask: torch.Tensor | None, out: torch.Tensor,
+                h_n: torch.Tensor, c_n: torch.Tensor | None, *saved: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        return (out, h_n) if c_n is None else (out, h_n, c_n)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        gx, gh, h0, c0, spec, weight, mask, out = inputs[:8]
+        ctx.spec = spec
+        ctx.dtypes = (gx.dtype, gh.dtype, h0.dtype, None if c0 is None else c0.dtype, out.dtype)
+        ctx.save_for_backward(weight, mask, *inputs[10:])
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor, d_h: torch.Tensor, d_c: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor | None, ...]:
+        spec: _Spec = ctx.spec
+        gx_dtype, gh_dtype, h_dtype, c_dtype, dt = ctx.dtypes
+        weight, mask, *saved = ctx.saved_tensors
+        weight = weight.to(dt)
+        saved = [t.to(dt) for t in saved]
+        valid = None if mask is None else mask.to(dt).unsqueeze(2).unbind(1)  # T x (B, 1)
+        douts = d_out.to(dt).unbind(1)
+        saved = list(saved)
+        dh = d_h.to(dt)
+        dc0: torch.Tensor | None = None
+        if spec.kind == "lstm":
+            assert d_c is not None
+            d_input, d_hidden, dh0, dc = _lstm_backward(saved, weight, valid, spec.order, douts, dh,
+                                                        d_c.to(dt))
+            dc0 = dc.to(c_dtype)
+        elif spec.kind == "gru":
+            d_input, d_hidden, dh0 = _gru_backward(saved, weight, valid, spec.order, douts, dh)
+        else:
+            d_input, d_hidden, dh0 = _rnn_backward(saved, weight, valid, spec.order, douts, dh,
+                                                   spec.relu)
+        dgx = _stack(d_input).to(gx_dtype)
+        dgh = dgx if d_hidden is d_input and gh_dtype == gx_dtype else _stack(d_hidden).to(gh_dtype)
+        return (dgx, dgh, dh0.to(h_dtype), dc0, None, None, None, None, None, None,
+                *([None] * len(saved)))
+
+
+# ------------------------------------------------------------------------- hh with a known output
+class _KnownOutput(torch.autograd.Function):
+    """``F.linear(input, weight, bias)`` whose value is already known (the recurrence computed it
+    step by step): returns it, and differentiates like ``F.linear``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                output: torch.Tensor) -> torch.Tensor:
+        return output
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        input, weight, bias, _ = inputs
+        ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(input, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, weight = ctx.saved_tensors
+        input_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        dt = grad.dtype
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = torch.matmul(grad, weight.to(dt)).to(input_dtype)
+        if ctx.needs_input_grad[1]:
+            rows = grad.reshape(-1, grad.shape[-1])  # (B*T, out)
+            grad_weight = torch.mm(rows.t(), input.reshape(-1, input.shape[-1]).to(dt)).to(weight_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype)
+        return grad_input, grad_weight, grad_bias, None
+
+
+_KNOWN = "_psg_known_output"
+
+
+class known_output:  # noqa: N801 (a context manager used like a function)
+    """While active, ``linear(input)`` for this very ``input`` returns ``output`` without computing
+    it (see :func:`known_linear`)."""
+
+    def __init__(self, linear: torch.nn.Module, input: torch.Tensor, output: torch.Tensor) -> None:
+        self.linear, self.value = linear, (input, output)
+
+    def __enter__(self) -> None:
+        setattr(self.linear, _KNOWN, self.value)
+
+    def __exit__(self, *exc: Any) -> None:
+        setattr(self.linear, _KNOWN, None)
+
+
+def known_linear(linear: torch.nn.Module, input: torch.Tensor) -> torch.Tensor | None:
+    """The linear layer's output for ``input`` when :class:`known_output` holds it and the
+    parameters are plain tensors (ExpandedWeights compute per-sample gradients in F.linear, so
+    they get the ordinary call); None otherwise."""
+    known = getattr(linear, _KNOWN, None)
+    if known is None or known[0] is not input:
+        return None
+    weight, bias = linear.weight, linear.bias
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    from psg_core.provenance import rowwise
+    return rowwise(lambda x: _KnownOutput.apply(x, weight, bias, known[1]), input)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------- entry
+def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None, reverse: bool
+        ) -> tuple[torch.Tensor, Any]:
+    """One direction of a DP recurrent layer: ``sequence`` (B, T, F) -> outputs (B, T, H) (zero
+    after a sample's last step when ``mask`` (B, T) is given) and the final state.
+
+    ``cell`` is a DP cell (``ih``/``hh`` RNNLinear layers, ``gates``, for an RNN
+    ``nonlinearity``); ``state`` is ``h`` or ``(h, c)``, ``(B, H)`` each.
+    """
+    from psg_core.provenance import rowwise
+
+    gx = cell.ih(sequence)  # (B, T, G*H): one hooked call for the whole sequence
+    steps = gx.shape[1]
+    order = range(steps - 1, -1, -1) if reverse else range(steps)
+    kind = {4: "lstm", 3: "gru"}.get(cell.gates, "rnn")
+    relu = kind == "rnn" and cell.nonlinearity == "relu"
+    h0, c0 = (state if kind == "lstm" else (state, None))
+    weight = _plain(cell.hh.weight, gx.dtype)  # (G*H, H)
+    assert weight is not None
+    bias = _plain(cell.hh.bias, gx.dtype)
+
+    def loop(gx: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...],
+                                        tuple[torch.Tensor, ...]]:
+        with torch.no_grad():
+            x = gx.detach()
+            weight_t = weight.t().contiguous()  # (H, G*H): addmm's fast operand layout
+            h = h0.detach()
+            if kind == "lstm":
+                assert c0 is not None
+                inputs, final, results = _lstm_loop(x, weight_t, bias, h, c0.detach(), mask, order)
+            elif kind == "gru":
+                inputs, final, results = _gru_loop(x, weight_t, bias, h, mask, order)
+            else:
+                inputs, final, results = _rnn_loop(x, weight_t, bias, h, mask, order, relu)
+            return (_stack(inputs[0]), _stack(inputs[1])), final, results
+
+    (h_prev, gh_values), final, results = rowwise(loop, gx)
+    # hh in the graph: one hooked call on the states the loop read, (B, T, H) -> (B, T, G*H); its
+    # output is the loop's (known_output), not computed again, where the weight is a plain tensor.
+    with known_output(cell.hh, h_prev, gh_values):
+        gh = cell.hh(h_prev)
+    out, *saved = results
+    spec = _Spec(kind, relu, order)
+    c_n = final[1] if kind == "lstm" else None
+
+    def tie(gx: torch.Tensor, gh: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _Recurrence.apply(gx, gh, h0, c0, spec, weight, mask, out, final[0], c_n, *saved)
+
+    tied = rowwise(tie, gx, gh)
+    return tied[0], (tuple(tied[1:]) if kind == "lstm" else tied[1])
