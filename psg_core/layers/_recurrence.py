@@ -48,7 +48,7 @@ def _stack(items: list[torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------- forward loops
 def _lstm_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
                c: torch.Tensor, mask: torch.Tensor | None, order: range
-               ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+               ) -> tuple[tuple[list[torch.Tensor], torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     hidden = h.shape[1]
     steps = gx.shape[1]
     gx_steps = gx.unbind(1)  # T x (B, 4H)
@@ -77,13 +77,13 @@ def _lstm_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
             v = valid[t]
             h, c = torch.where(v, h_new, h), torch.where(v, c_new, c)
             outs[t] = h_new * v
-    return (h_prev, hidden_gates), (h, c), (_stack(outs), _stack(sig), _stack(cand), _stack(c_prev),
-                                            _stack(tanh_c))
+    return (h_prev, _stack(hidden_gates)), (h, c), (_stack(outs), _stack(sig), _stack(cand), _stack(c_prev),
+                                      _stack(tanh_c))
 
 
 def _gru_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
               mask: torch.Tensor | None, order: range
-              ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+              ) -> tuple[tuple[list[torch.Tensor], torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     hidden = h.shape[1]
     steps = gx.shape[1]
     gx_steps = gx.unbind(1)  # T x (B, 3H): r, z, n
@@ -110,13 +110,13 @@ def _gru_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | Non
             v = valid[t]
             h = torch.where(v, h_new, h)
             outs[t] = h_new * v
-    return (h_prev, hidden_gates), (h,), (_stack(outs), _stack(gates_rz), _stack(cand), _stack(hidden_n),
-                                          _stack(h_prev))
+    return (h_prev, _stack(hidden_gates)), (h,), (_stack(outs), _stack(gates_rz), _stack(cand),
+                                                  _stack(hidden_n), _stack(h_prev))
 
 
 def _rnn_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
               mask: torch.Tensor | None, order: range, relu: bool
-              ) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+              ) -> tuple[tuple[list[torch.Tensor], torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     steps = gx.shape[1]
     gx_steps = gx.unbind(1)  # T x (B, H)
     valid = None if mask is None else mask.unsqueeze(2).unbind(1)
@@ -137,7 +137,7 @@ def _rnn_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | Non
             v = valid[t]
             h = torch.where(v, h_new, h)
             outs[t] = h_new * v
-    return (h_prev, hidden_gates), (h,), (_stack(outs), _stack(new))
+    return (h_prev, _stack(hidden_gates)), (h,), (_stack(outs), _stack(new))
 
 
 # ------------------------------------------------------------------------------ backward recurrences
@@ -156,12 +156,11 @@ def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: S
     hidden = cand.shape[2]
     i, f, o = sig[..., :hidden], sig[..., hidden:2 * hidden], sig[..., 3 * hidden:]
     # Every step's local derivatives at once; the loop keeps only what depends on later steps:
-    # d gates_{i,f,g,o} = dc_new * from_c + dh_new * from_h, with dc_new = dc + dh_new * to_c.
-    to_c = (o * (1.0 - tanh_c * tanh_c)).unbind(1)  # (B, H) per step
-    zeros = torch.zeros_like(cand)
-    from_c = torch.stack([cand * i * (1.0 - i), c_prev * f * (1.0 - f), i * (1.0 - cand * cand), zeros],
-                         dim=2).unbind(1)  # T x (B, 4, H)
-    from_h = torch.stack([zeros, zeros, zeros, tanh_c * o * (1.0 - o)], dim=2).unbind(1)
+    # d gates_{i,f,g} = dc_new * from_c, d gates_o = dh_new * from_h, dc_new = dc + dh_new * to_c.
+    to_c = (o * (1.0 - tanh_c * tanh_c)).unbind(1)  # T x (B, H)
+    from_c = torch.stack([cand * i * (1.0 - i), c_prev * f * (1.0 - f), i * (1.0 - cand * cand)],
+                         dim=2).unbind(1)  # T x (B, 3, H)
+    from_h = (tanh_c * o * (1.0 - o)).unsqueeze(2).unbind(1)  # T x (B, 1, H)
     forget = f.unbind(1)
     batch = cand.shape[0]
     dgates: list[torch.Tensor] = [dh] * len(d_out)
@@ -169,7 +168,7 @@ def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: S
         v = None if valid is None else valid[t]
         dh_new, dh_keep = _masked(dh, d_out[t], v)
         dc_new = torch.addcmul(dc if v is None else dc * v, dh_new, to_c[t])  # the new c's total gradient
-        dg = torch.addcmul(dc_new.unsqueeze(1) * from_c[t], dh_new.unsqueeze(1), from_h[t])
+        dg = torch.cat([dc_new.unsqueeze(1) * from_c[t], dh_new.unsqueeze(1) * from_h[t]], dim=1)
         dg = dg.view(batch, 4 * hidden)  # (B, 4H): i, f, g, o
         dgates[t] = dg
         dh_next = torch.mm(dg, weight)
@@ -390,7 +389,7 @@ def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None
                 inputs, final, results = _gru_loop(x, weight_t, bias, h, mask, order)
             else:
                 inputs, final, results = _rnn_loop(x, weight_t, bias, h, mask, order, relu)
-            return (_stack(inputs[0]), _stack(inputs[1])), final, results
+            return (_stack(inputs[0]), inputs[1]), final, results
 
     (h_prev, gh_values), final, results = rowwise(loop, gx)
     # hh in the graph: one hooked call on the states the loop read, (B, T, H) -> (B, T, G*H); its

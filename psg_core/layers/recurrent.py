@@ -2,14 +2,16 @@
 
 torch's ``nn.RNN``/``nn.GRU``/``nn.LSTM`` run one fused kernel over the whole sequence, which
 hooks cannot see into. Here every layer and direction owns a cell made of two
-:class:`RNNLinear` layers, ``ih`` (input to hidden) and ``hh`` (hidden to hidden), and the time
-loop is plain Python, so each parameter gets per-sample gradients from the Linear grad sampler.
+:class:`RNNLinear` layers, ``ih`` (input to hidden) and ``hh`` (hidden to hidden), so each
+parameter gets per-sample gradients from the Linear grad sampler.
 
-Per layer and direction, ``ih`` runs once on the whole batch-first sequence ``(B, T, F)`` and
-``hh`` once per time step on ``(B, H)``. Variable-length (packed) batches keep every sample in
-every step, in the caller's sample order, and mask the update: a sample's state stops changing
-after its last step and its outputs there are zero, so the reverse direction starts at each
-sequence's own last step, as in torch.
+Per layer and direction, ``ih`` runs once on the whole batch-first sequence ``(B, T, F)``; the
+time loop runs outside autograd with a hand-written backward (:mod:`psg_core.layers._recurrence`),
+and ``hh`` is called once on the ``(B, T, H)`` states the loop read, returning the values the
+loop computed. Variable-length (packed) batches keep every sample in every step, in the caller's
+sample order, and mask the update: a sample's state stops changing after its last step and its
+outputs there are zero, so the reverse direction starts at each sequence's own last step, as in
+torch.
 """
 
 from __future__ import annotations
