@@ -126,13 +126,16 @@ def _noise_generator(case: Case) -> torch.Generator:
 def _apply_private_gradient(model: nn.Module, summed: dict[str, torch.Tensor], num_samples: int,
                             case: Case, generator: torch.Generator,
                             optimizer: torch.optim.Optimizer) -> None:
-    """Noise once on the clipped sum, divide by N, hand it to the optimizer: the DP-SGD update."""
-    from psg_core.noise import add_noise
+    """Noise once on the clipped sum, divide by N, hand it to the optimizer: the DP-SGD update as
+    psg's DPStep and the service make it (PrivacyStep.noise_and_normalise)."""
+    from psg_core.privacy_step import PrivacyStep
 
-    noisy = add_noise(summed, noise_multiplier=case.noise_multiplier, sensitivity=MAX_GRAD_NORM,
-                      generator=generator)
+    privacy = PrivacyStep(noise_multiplier=case.noise_multiplier, sensitivity=MAX_GRAD_NORM,
+                          sample_rate=1.0, normaliser=float(num_samples))
+    # The step owns the clipped sum and needs only the released gradient (as a trainer does).
+    released = privacy.noise_and_normalise(summed, generator=generator, in_place=True)
     for name, p in _trainable(model).items():
-        p.grad = noisy[name].div_(num_samples)
+        p.grad = released[name]
     optimizer.step()
 
 

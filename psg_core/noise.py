@@ -19,7 +19,7 @@ import torch
 
 from psg_core.errors import ConfigError
 
-__all__ = ["add_noise", "secure_generator", "secure_normal"]
+__all__ = ["add_noise", "check_noise_arguments", "secure_generator", "secure_normal"]
 
 
 def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
@@ -80,8 +80,28 @@ def _sensitivity(sensitivity: float | None, max_grad_norm: float | None) -> floa
     if sensitivity is not None:
         raise ConfigError("add_noise: pass sensitivity only (max_grad_norm is its deprecated name), not both")
     warnings.warn("add_noise: max_grad_norm is deprecated; pass sensitivity=psg_core.l2_sensitivity(config)",
-                  DeprecationWarning, stacklevel=3)
+                  DeprecationWarning, stacklevel=4)  # add_noise -> check_noise_arguments -> here
     return max_grad_norm
+
+
+def check_noise_arguments(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float,
+                          sensitivity: float | None, generator: torch.Generator | None = None,
+                          secure_rng: bool = False, max_grad_norm: float | None = None
+                          ) -> tuple[float, float]:
+    """What :func:`add_noise` checks before drawing: raises :class:`ConfigError` as it would;
+    returns ``(sigma, sensitivity)``."""
+    sigma = _check_number(noise_multiplier, what="noise_multiplier", positive=False)
+    bound = _check_number(_sensitivity(sensitivity, max_grad_norm), positive=True,
+                          what="sensitivity" if max_grad_norm is None else "max_grad_norm")
+    if generator is not None and secure_rng:
+        raise ConfigError("add_noise: pass either a generator or secure_rng=True, not both")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ConfigError(f"add_noise: generator must be a torch.Generator, got {type(generator).__name__}")
+    for name, grad in grads.items():
+        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point():
+            raise ConfigError(f"add_noise: grads[{name!r}] must be a floating tensor, got "
+                              f"{type(grad).__name__} {getattr(grad, 'dtype', '')}")
+    return sigma, bound
 
 
 def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, sensitivity: float | None = None,
@@ -116,17 +136,9 @@ def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, sen
     >>> round(noised["w"].std().item(), 1)
     1.0
     """
-    sigma = _check_number(noise_multiplier, what="noise_multiplier", positive=False)
-    bound = _check_number(_sensitivity(sensitivity, max_grad_norm), positive=True,
-                          what="sensitivity" if max_grad_norm is None else "max_grad_norm")
-    if generator is not None and secure_rng:
-        raise ConfigError("add_noise: pass either a generator or secure_rng=True, not both")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ConfigError(f"add_noise: generator must be a torch.Generator, got {type(generator).__name__}")
-    for name, grad in grads.items():
-        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point():
-            raise ConfigError(f"add_noise: grads[{name!r}] must be a floating tensor, got "
-                              f"{type(grad).__name__} {getattr(grad, 'dtype', '')}")
+    sigma, bound = check_noise_arguments(grads, noise_multiplier=noise_multiplier, sensitivity=sensitivity,
+                                         generator=generator, secure_rng=secure_rng,
+                                         max_grad_norm=max_grad_norm)
     if sigma == 0.0:
         return {name: grad.clone() for name, grad in grads.items()}
     std = sigma * bound
@@ -139,5 +151,9 @@ def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, sen
             noise_device = generator.device if generator is not None else grad.device
             noise = torch.normal(0.0, std, size=tuple(grad.shape), generator=generator,
                                  dtype=work_dtype, device=noise_device)  # (*shape)
-        out[name] = (grad.to(work_dtype) + noise.to(grad.device)).to(grad.dtype)
+        noise = noise.to(grad.device)
+        if grad.dtype == work_dtype:
+            out[name] = noise.add_(grad)  # the fresh noise tensor holds the sum: no second (*shape) buffer
+        else:
+            out[name] = (grad.to(work_dtype) + noise).to(grad.dtype)
     return out

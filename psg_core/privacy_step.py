@@ -30,7 +30,7 @@ from psg_core.accounting import PrivacyAccountant
 from psg_core.config import DPConfig
 from psg_core.dp import l2_sensitivity
 from psg_core.modes import LossReduction
-from psg_core.noise import add_noise
+from psg_core.noise import add_noise, check_noise_arguments
 
 __all__ = ["PrivacyStep"]
 
@@ -75,10 +75,27 @@ class PrivacyStep:
 
     def noise_and_normalise(self, clipped_sum: Mapping[str, torch.Tensor], *,
                             generator: torch.Generator | None = None,
-                            secure_rng: bool = False) -> dict[str, torch.Tensor]:
+                            secure_rng: bool = False, in_place: bool = False) -> dict[str, torch.Tensor]:
         """``(clipped_sum + noise) / normaliser``: Gaussian noise of std ``noise_multiplier *
         sensitivity`` added once (see :func:`~psg_core.noise.add_noise` for ``generator`` and
-        ``secure_rng``). ``clipped_sum`` is not modified; the returned tensors are new."""
+        ``secure_rng``). ``clipped_sum`` is not modified and the returned tensors are new, unless
+        ``in_place``: then the result is written into ``clipped_sum``'s tensors and returned (for a
+        caller that owns the sum and needs only the released gradient: no parameter-sized buffer
+        per step, which on a CPU means no fresh pages to fault in). Same values either way."""
+        if in_place:
+            sigma, bound = check_noise_arguments(clipped_sum, noise_multiplier=self.noise_multiplier,
+                                                 sensitivity=self.sensitivity, generator=generator,
+                                                 secure_rng=secure_rng)
+            if sigma == 0.0:
+                return {name: grad.div_(self.normaliser) for name, grad in clipped_sum.items()}
+            noised = add_noise(clipped_sum, noise_multiplier=sigma, sensitivity=bound, generator=generator,
+                               secure_rng=secure_rng)
+            return {name: clipped_sum[name].copy_(grad).div_(self.normaliser) for name, grad in noised.items()}
+        if self.noise_multiplier == 0.0:
+            # One pass per tensor (add_noise would copy, then the copy be divided).
+            check_noise_arguments(clipped_sum, noise_multiplier=0.0, sensitivity=self.sensitivity,
+                                  generator=generator, secure_rng=secure_rng)
+            return {name: torch.div(grad, self.normaliser) for name, grad in clipped_sum.items()}
         noised = add_noise(clipped_sum, noise_multiplier=self.noise_multiplier, sensitivity=self.sensitivity,
                            generator=generator, secure_rng=secure_rng)
         return {name: grad.div_(self.normaliser) for name, grad in noised.items()}

@@ -12,7 +12,7 @@ from psg_core.accounting import PrivacyAccountant
 from psg_core.config import DPConfig
 from psg_core.dp import dp_gradient
 from psg_core.dp_step import DPStep
-from psg_core.errors import BudgetExhaustedError
+from psg_core.errors import BudgetExhaustedError, ConfigError
 from psg_core.noise import add_noise
 from psg_core.privacy_step import PrivacyStep
 
@@ -41,6 +41,33 @@ def test_noise_and_normalise_is_add_noise_divided_by_the_normaliser() -> None:
     for name in clean:
         assert torch.equal(released[name], expected[name] / 4.0)
         assert torch.equal(clean[name], before[name])  # the clipped sum is left alone
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.5])
+def test_in_place_release_has_the_same_values_and_reuses_the_sums_tensors(sigma: float) -> None:
+    privacy = PrivacyStep(noise_multiplier=sigma, sensitivity=0.5, sample_rate=0.1, normaliser=8.0)
+    sums = {"w": torch.randn(4, 3), "b": torch.randn(3, dtype=torch.float64)}
+    originals = {name: t.clone() for name, t in sums.items()}
+    copied = privacy.noise_and_normalise(sums, generator=torch.Generator().manual_seed(7))
+    for name, t in sums.items():  # the default leaves the sum alone and returns new tensors
+        assert torch.equal(t, originals[name]) and copied[name].data_ptr() != t.data_ptr()
+    released = privacy.noise_and_normalise(sums, generator=torch.Generator().manual_seed(7), in_place=True)
+    for name, t in sums.items():
+        assert released[name] is t  # written into the caller's tensor
+        assert torch.equal(released[name], copied[name])  # bit for bit the same release
+        assert released[name].dtype == originals[name].dtype
+    if sigma == 0.0:
+        torch.testing.assert_close(released["w"], originals["w"] / 8.0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_release_without_noise_still_checks_its_arguments(in_place: bool) -> None:
+    privacy = PrivacyStep(noise_multiplier=0.0, sensitivity=0.5, sample_rate=0.1, normaliser=8.0)
+    with pytest.raises(ConfigError, match="not both"):
+        privacy.noise_and_normalise({"w": torch.ones(2)}, generator=torch.Generator(), secure_rng=True,
+                                    in_place=in_place)
+    with pytest.raises(ConfigError, match="floating"):
+        privacy.noise_and_normalise({"w": torch.ones(2, dtype=torch.long)}, in_place=in_place)
 
 
 def test_budget_check_and_accounting_go_to_the_given_accountant() -> None:
