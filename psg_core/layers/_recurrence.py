@@ -224,6 +224,19 @@ def _rnn_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Se
 
 
 # ------------------------------------------------------------------------------------ the Function
+def _refuse_double_backward(grad: torch.Tensor) -> None:
+    """The backward recurrence uses activations saved without autograd: its result is right, but a
+    graph of it (``create_graph=True``) would miss their dependence on the parameters, so second
+    derivatives are refused rather than silently wrong. (torch.func's ``grad`` also differentiates
+    with a graph, one level up: its wrapped tensors are the first-order case, and pass.)"""
+    if (torch.is_grad_enabled() and grad.requires_grad
+            and not torch._C._functorch.is_functorch_wrapped_tensor(grad)):
+        from psg_core.errors import UnsupportedModuleError
+        raise UnsupportedModuleError(
+            "DP recurrent layers (DPRNN, DPGRU, DPLSTM) are differentiable once: second derivatives "
+            "through them (backward with create_graph=True) are not supported")
+
+
 class _Spec:
     """What a direction's backward needs besides tensors: the cell kind and the step order."""
 
@@ -265,6 +278,7 @@ class _Recurrence(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor, d_h: torch.Tensor, d_c: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor | None, ...]:
         spec: _Spec = ctx.spec
+        _refuse_double_backward(d_out)
         gx_dtype, gh_dtype, h_dtype, c_dtype, dt = ctx.dtypes
         weight, mask, *saved = ctx.saved_tensors
         weight = weight.to(dt)

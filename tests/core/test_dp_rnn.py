@@ -149,6 +149,18 @@ def test_gradients_match_torch(kind: str, bidirectional: bool, num_layers: int, 
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_second_derivatives_are_refused_not_wrong(kind: str) -> None:
+    rnn = make_dp(kind, INPUT, HIDDEN, 1, batch_first=True)
+    head = nn.Linear(HIDDEN, 1)
+    loss = head(rnn(torch.randn(2, STEPS, INPUT))[0]).square().sum()
+    params = list(rnn.parameters()) + list(head.parameters())
+    with pytest.raises(UnsupportedModuleError, match="differentiable once"):
+        torch.autograd.grad(loss, params, create_graph=True)
+    # First derivatives, with or without a retained graph, are unaffected.
+    assert all(g is not None for g in torch.autograd.grad(loss, params, retain_graph=True))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_unbatched_matches_torch(kind: str) -> None:
     torch.manual_seed(1)
     reference, rewrite = make_pair(kind, INPUT, HIDDEN, 2, bidirectional=True)
