@@ -13,7 +13,9 @@ service step is checked against the in-process gradient first. Three groups of r
   the push and the step in one round trip), as two calls (``push_parameters`` then
   ``compute_gradients``), and as one call with bf16 parameters and gradients on the wire.
 * ``fixed``: the stack's fixed cost, on a 1,250-parameter ``mlp`` (20-40-10) at batch 16: the one-call
-  service step minus the in-process step, with ``--executor inprocess`` and with a 1-worker Ray pool.
+  service step minus the in-process step, with ``--executor inprocess``, with a 1-worker Ray pool, and
+  with that pool's opt-in direct channel (``--direct-channels``: a compiled Ray graph instead of an
+  actor call; no target, it costs a polling CPU core on each side).
 * ``chunks``: the main model's one-call step, and its parameter push alone (the wire without the
   computation), with tensor chunks of 1, 4 and 16 MiB (client and server, max message size 17 MiB;
   one server per size, timed in the same rounds): what ``--chunk-bytes`` should be.
@@ -83,7 +85,7 @@ SIZES["gpu"] = SIZES["gpu16"] = SIZES["full"]
 
 @contextlib.contextmanager
 def _server(*, executor: str, device: str, threads: int | None, chunk_bytes: int | None = None,
-            start_timeout_s: float = 180.0) -> Iterator[str]:
+            start_timeout_s: float = 180.0, direct_channels: bool = False) -> Iterator[str]:
     """``psg-server`` in a subprocess on a free loopback port; yields its target once it has a worker."""
     from psg_client import GradientClient
 
@@ -94,6 +96,8 @@ def _server(*, executor: str, device: str, threads: int | None, chunk_bytes: int
                "--device", device, "--state-dir", "none", "--log-level", "WARNING"]
     if chunk_bytes is not None:
         command += ["--chunk-bytes", str(chunk_bytes), "--max-message-bytes", str(_MAX_MESSAGE)]
+    if direct_channels:
+        command.append("--direct-channels")
     env = dict(os.environ)
     if threads is not None:  # the in-process executor's torch threads (Ray workers get --cpus-per-worker's)
         env["OMP_NUM_THREADS"] = str(threads)
@@ -251,14 +255,18 @@ def measure(payload: dict[str, Any]) -> dict[str, Any]:
     # fixed: the stack's cost on a tiny model, per executor.
     fixed = _Steps(size["fixed_kwargs"], int(size["fixed_batch"]), device)
     up, down = fixed.bytes_moved()
-    for executor in ("inprocess", "ray") if size["ray"] else ("inprocess",):
-        with _server(executor=executor, device=device, threads=options.threads) as target, \
+    # "ray, direct channel": the pool with --direct-channels (psg_server.channel), opt-in.
+    variants = [("inprocess", False), ("ray", False), ("ray", True)] if size["ray"] else [("inprocess", False)]
+    for executor, channels in variants:
+        path = f"service ({executor}, direct channel)" if channels else f"service ({executor})"
+        with _server(executor=executor, device=device, threads=options.threads, direct_channels=channels) as target, \
                 fixed.session(target) as session:
-            steps = {"in-process": fixed.local_step, f"service ({executor})": fixed.one_call(session)}
-            fixed.check(steps[f"service ({executor})"])
+            steps = {"in-process": fixed.local_step, path: fixed.one_call(session)}
+            fixed.check(steps[path])
             timings = time_interleaved(steps, warmup=max(warmup, 20), repeats=fixed_repeats, device=device)
         rows += _rows("fixed", fixed, timings, common=common,
-                      meta={f"service ({executor})": {"bytes_up": up, "bytes_down": down, "executor": executor}})
+                      meta={path: {"bytes_up": up, "bytes_down": down, "executor": executor,
+                                   "direct_channels": channels}})
 
     # chunks: the main model's one-call step and its push alone per chunk size, one server per
     # size, all timed in the same rounds.

@@ -127,6 +127,10 @@ class ServerConfig:
     device: str = "auto"
     #: Ray cluster to join (``host:port``); None starts an embedded local Ray.
     ray_address: str | None = None
+    #: Ray pool: small steps reach the workers on the frontend's node through a compiled Ray graph
+    #: (a shared-memory channel) instead of an actor call (psg_server.channel): ~1.4 ms less per
+    #: step, for one CPU core kept busy on each side of every channel (Ray's readers poll).
+    direct_channels: bool = False
     #: Server-side cap on one step; a client deadline can only shorten it.
     step_timeout_seconds: float = 600.0
     #: Accountant used when a session does not name one: "rdp" or "pld".
@@ -244,6 +248,7 @@ _INT_FIELDS = {"port", "max_message_bytes", "chunk_bytes", "max_tensor_bytes", "
                "parameter_memory_bytes", "max_shard_samples", "num_workers", "cpus_per_worker", "metrics_port"}
 _FLOAT_FIELDS = {"session_idle_seconds", "stream_idle_seconds", "step_timeout_seconds"}
 _PATH_FIELDS = {"tls_cert", "tls_key", "tls_client_ca", "state_dir"}
+_BOOL_FIELDS = {"insecure", "direct_channels"}
 
 
 def _from_env(name: str, text: str) -> object:
@@ -256,7 +261,7 @@ def _from_env(name: str, text: str) -> object:
         raise ConfigError(f"ServerConfig: PSG_{name.upper()}={text!r} is not a number") from None
     if name in _PATH_FIELDS:
         return Path(text)
-    if name == "insecure":
+    if name in _BOOL_FIELDS:
         return text.strip().lower() in ("1", "true", "yes", "on")
     if name == "model_plugins":
         return tuple(p.strip() for p in text.split(",") if p.strip())
@@ -338,6 +343,10 @@ def build_parser(defaults: Mapping[str, object] | None = None) -> argparse.Argum
              "Ray: one GPU per worker, whatever the index; more --workers than GPUs share them)")
     add("--ray-address", metavar="HOST:PORT", help="Ray cluster to join",
         shown="RAY_ADDRESS, else start an embedded local Ray")
+    add("--direct-channels", action=argparse.BooleanOptionalAction, default=None,
+        help="Ray pool: small steps reach the workers on this node through a compiled Ray graph (a "
+             "shared-memory channel: ~1.4 ms less per step) instead of an actor call; each channel keeps a "
+             "CPU core busy in the worker and in the frontend (Ray's channel readers poll)", shown="off")
     add("--step-timeout-seconds", type=float, metavar="SECONDS",
         help="server-side cap on one step; a client deadline can only shorten it")
     add("--default-accountant", choices=("rdp", "pld"),

@@ -65,8 +65,8 @@ class ShardDispatcher:
         results: list[ShardResult | None] = [None] * len(shards)
         attempts = [0] * len(shards)
         queue = collections.deque(range(len(shards)))
-        # future -> (shard, actor, object ref, submit time)
-        running: dict[asyncio.Future[Any], tuple[int, SupervisedActor, ray.ObjectRef, float]] = {}
+        # future -> (shard, actor, object ref (None through a direct channel), submit time)
+        running: dict[asyncio.Future[Any], tuple[int, SupervisedActor, ray.ObjectRef | None, float]] = {}
 
         def retry(index: int, why: str) -> None:
             attempts[index] += 1
@@ -88,9 +88,14 @@ class ShardDispatcher:
                     if shard_arg is None:
                         shard_arg = shard_args[index] = await shard_argument(shards[index])
                     packed = pack_call(spec, arguments, shard_arg)
-                    ref = (actor.handle.run_shard.remote(spec, arguments, shard_arg, pack_result=True) if packed is None
-                           else actor.handle.run_packed.remote(packed))
-                    running[as_future(ref)] = (index, actor, ref, loop.time())
+                    ref: ray.ObjectRef | None = None
+                    if packed is not None and actor.channel is not None and actor.channel.usable:
+                        future: asyncio.Future[Any] = asyncio.ensure_future(actor.channel.call(packed))
+                    else:
+                        ref = (actor.handle.run_shard.remote(spec, arguments, shard_arg, pack_result=True)
+                               if packed is None else actor.handle.run_packed.remote(packed))
+                        future = as_future(ref)
+                    running[future] = (index, actor, ref, loop.time())
                 if not running:
                     await self._supervisor.wait_for_live(self._worker_wait_s)
                     continue
@@ -106,7 +111,8 @@ class ShardDispatcher:
                         # for up to 30 s, and its node is declared dead later still.
                         del running[future]
                         future.cancel()
-                        cancel(ref)
+                        if ref is not None:
+                            cancel(ref)
                         shard_args[index] = None  # put again, as after any lost worker (below)
                         retry(index, "its worker was evicted")
                 for future in done:
@@ -140,7 +146,8 @@ class ShardDispatcher:
         finally:
             for future, (_, _, ref, _) in running.items():
                 future.cancel()
-                cancel(ref)
+                if ref is not None:
+                    cancel(ref)
         return [r for r in results if r is not None]
 
     def _assign(self, pinned: list[SupervisedActor | None], index: int, *,

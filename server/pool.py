@@ -89,13 +89,16 @@ class WorkerPool:
             has; :meth:`start` raises that error when no worker came up.
         max_shard_attempts: tries of one shard on lost workers before the step fails.
         ray_init_kwargs: extra ``ray.init`` arguments (num_cpus, object_store_memory...).
+        direct_channels: small steps reach the workers on this node through a compiled Ray graph
+            instead of an actor call (:mod:`psg_server.channel`: about 1.4 ms less per step, for a
+            CPU core kept busy on each side of every channel).
     """
 
     def __init__(self, *, plugins: Sequence[str] = (), num_workers: int | None = None,
                  cpus_per_worker: int = 1, ray_address: str | None = None, use_gpus: bool | None = None,
                  worker_wait_s: float = 30.0, start_timeout_s: float = 120.0, probe_interval_s: float = 1.0,
                  probe_timeout_s: float = 30.0, place_timeout_s: float = 90.0, max_shard_attempts: int = 3,
-                 ray_init_kwargs: Mapping[str, Any] | None = None) -> None:
+                 ray_init_kwargs: Mapping[str, Any] | None = None, direct_channels: bool = False) -> None:
         if num_workers is not None and num_workers < 1:
             raise ValueError(f"WorkerPool: num_workers must be >= 1 or None, got {num_workers}")
         if cpus_per_worker < 1:
@@ -110,7 +113,8 @@ class WorkerPool:
         self._owns_ray = False
         self._supervisor = ActorSupervisor(plugins=tuple(plugins), cpus_per_worker=cpus_per_worker,
                                            start_timeout_s=start_timeout_s, probe_interval_s=probe_interval_s,
-                                           probe_timeout_s=probe_timeout_s, place_timeout_s=place_timeout_s)
+                                           probe_timeout_s=probe_timeout_s, place_timeout_s=place_timeout_s,
+                                           direct_channels=direct_channels)
         self._parameters = ParameterRefs()
         self._dispatcher = ShardDispatcher(self._supervisor, self._parameters, max_attempts=max_shard_attempts,
                                            worker_wait_s=worker_wait_s)

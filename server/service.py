@@ -393,5 +393,6 @@ def _default_executor(config: ServerConfig, registry: ModelRegistry) -> ShardExe
         # of one when --workers exceeds the cluster's GPUs (psg_server.placement).
         use_gpus = {"auto": None, "cpu": False}.get(config.device, True)
         return WorkerPool(plugins=registry.plugins, num_workers=config.num_workers,
-                          cpus_per_worker=config.cpus_per_worker, ray_address=config.ray_address, use_gpus=use_gpus)
+                          cpus_per_worker=config.cpus_per_worker, ray_address=config.ray_address, use_gpus=use_gpus,
+                          direct_channels=config.direct_channels)
     return InProcessExecutor(registry, num_workers=config.num_workers or 1, device=config.device)

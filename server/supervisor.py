@@ -54,7 +54,8 @@ from psg_server.executor import WorkerDescription
 from psg_server.placement import gpus_per_worker, whole_gpus, workers_per_gpu
 from psg_server.scheduler import observe_rate
 from psg_server.transport import as_future
-from psg_server.worker import CONTROL_GROUP, GradientWorker
+from psg_server.channel import DirectChannel, local_node_id
+from psg_server.worker import CONTROL_GROUP, WATCH_GROUP, GradientWorker
 
 __all__ = ["WORKER_ENV", "ActorSupervisor", "SupervisedActor"]
 
@@ -98,6 +99,8 @@ class SupervisedActor:
     live: bool = False
     #: EWMA of samples per second (None until its first non-empty shard).
     rate: float | None = None
+    #: Its direct channel for small steps (psg_server.channel), when it has one.
+    channel: DirectChannel | None = None
 
     def observe(self, samples: int, seconds: float) -> None:
         """Records that a shard of ``samples`` took ``seconds`` (an empty shard says nothing)."""
@@ -128,11 +131,15 @@ class ActorSupervisor:
         probe_timeout_s: an actor that does not answer a probe this long is replaced.
         place_timeout_s: an actor that has not come up this long after it was created (Ray could
             not place it, or its start hangs) is killed with an error naming what it asked for.
+        direct_channels: give each actor on this process's node a direct channel for small steps
+            (:mod:`psg_server.channel`) once it is up.
     """
 
     def __init__(self, *, plugins: tuple[str, ...], cpus_per_worker: int, start_timeout_s: float,
-                 probe_interval_s: float, probe_timeout_s: float, place_timeout_s: float = 90.0) -> None:
+                 probe_interval_s: float, probe_timeout_s: float, place_timeout_s: float = 90.0,
+                 direct_channels: bool = False) -> None:
         self._plugins = plugins
+        self._direct_channels = direct_channels
         self._cpus_per_worker = cpus_per_worker
         self._start_timeout_s = start_timeout_s
         self._place_timeout_s = place_timeout_s
@@ -485,7 +492,7 @@ class ActorSupervisor:
             }
             # Concurrency groups belong to the actor class (Ray's stubs do not list the keyword);
             # everything else is an option.
-            remote = ray.remote(concurrency_groups={CONTROL_GROUP: 1})  # type: ignore[call-overload]
+            remote = ray.remote(concurrency_groups={CONTROL_GROUP: 1, WATCH_GROUP: 1})  # type: ignore[call-overload]
             self._actor_class = remote(GradientWorker)
         # Hard affinity: a node that dies before the actor starts fails it (and the slot is placed
         # again), instead of leaving it pending there until Ray declares the node dead.
@@ -522,7 +529,20 @@ class ActorSupervisor:
                 actor.node_id = self._node_of(description)
             slot.failures = 0
             logger.info("pool: worker %s up on %s (%s)", description.id, description.device, description.node)
+            self._open_channel(actor)
             self._notify()
+
+    def _open_channel(self, actor: SupervisedActor) -> None:
+        """A direct channel to ``actor`` when enabled and it runs on this process's node; an actor
+        whose graph fails to compile keeps ordinary calls (logged)."""
+        if not self._direct_channels or actor.node_id is None or actor.node_id != local_node_id():
+            return
+        name = actor.description.id if actor.description is not None else f"worker {actor.slot}"
+        try:
+            actor.channel = DirectChannel.open(actor.handle, name)
+        except Exception as error:  # noqa: BLE001 (Ray's compiled graphs are optional here)
+            logger.warning("pool: no direct channel to %s (%s: %s); it gets ordinary actor calls", name,
+                           type(error).__name__, error)
 
     async def _not_placed(self, slot: _Slot, actor: SupervisedActor, what: str) -> None:
         """An actor Ray did not place (``what``: refused, or not up within ``place_timeout_s``):
@@ -563,6 +583,8 @@ class ActorSupervisor:
             ray.kill(actor.handle, no_restart=True)
         except (ray_errors.RayError, ValueError) as error:  # already gone
             logger.debug("pool: kill of worker %d: %s", actor.slot, error)
+        if actor.channel is not None:
+            actor.channel.close()
 
     async def _watch(self) -> None:
         """Reads the nodes (evicting actors of nodes that drain or left, resizing, refilling slots)

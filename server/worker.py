@@ -29,6 +29,7 @@ import copy
 import logging
 import os
 import pickle
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,12 +40,14 @@ from psg_server.executor import ParameterSet, SessionSpec, Shard, ShardResult, S
 from psg_server.models import default_registry
 from psg_server.transport import ParameterArgs, TensorPayload, pin_unpacked_tensors, unpack
 
-__all__ = ["CONTROL_GROUP", "GradientWorker"]
+__all__ = ["CONTROL_GROUP", "WATCH_GROUP", "GradientWorker"]
 
 logger = logging.getLogger(__name__)
 
 #: Concurrency group of the methods that must answer while a shard runs.
 CONTROL_GROUP = "control"
+#: Concurrency group of :meth:`GradientWorker.watch`, which holds its thread for the actor's life.
+WATCH_GROUP = "watch"
 
 
 class GradientWorker:
@@ -73,6 +76,7 @@ class GradientWorker:
         self._runner = ShardRunner(self._registry, device)
         self._description = WorkerDescription(id=name, device=_device_label(device), node=_node_label())
         self._shards_run = 0
+        self._compute = threading.Lock()  # see run_shard
         logger.info("worker %s on %s (%s), %d torch thread(s)", name, self._description.device,
                     self._description.node or "no Ray node", num_threads)
 
@@ -80,6 +84,12 @@ class GradientWorker:
     def describe(self) -> WorkerDescription:
         """Who and where this worker is."""
         return self._description
+
+    @ray.method(concurrency_group=WATCH_GROUP)
+    def watch(self) -> None:
+        """Returns only when the actor dies (then with Ray's ``ActorDiedError`` at the caller): a
+        direct channel's way to learn that its actor is gone (:mod:`psg_server.channel`)."""
+        threading.Event().wait()
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def ping(self) -> int:
@@ -105,17 +115,22 @@ class GradientWorker:
             pack_result: return the result as a :class:`TensorPayload` (what the pool asks for: it
                 unpickles as the :class:`ShardResult` on the caller's side, one flat buffer).
         """
-        if self._runner.has_parameters(spec, parameters.version):
-            # The resident model already holds this version, and the runner never reads the tensors
-            # of a version it has loaded: no need to fetch anything.
-            current = ParameterSet(version=parameters.version, tensors={}, frozen_version=parameters.frozen_from)
-        else:
-            current = parameters.fetch(frozen=not self._runner.has_frozen(spec, parameters.frozen_from))
-        for plugin in spec.plugins:
-            if plugin not in self._registry.plugins:
-                self._registry.load_plugin(plugin)
-        result = self._runner.run_shard(spec, current, shard)
-        self._shards_run += 1
+        # Shards arrive by actor calls (the default group's one thread) and through a direct
+        # channel (psg_server.channel: the compiled graph's own thread): one at a time either way,
+        # the resident model's version checked and used under the same lock.
+        with self._compute:
+            if self._runner.has_parameters(spec, parameters.version):
+                # The resident model already holds this version, and the runner never reads the
+                # tensors of a version it has loaded: no need to fetch anything.
+                current = ParameterSet(version=parameters.version, tensors={},
+                                       frozen_version=parameters.frozen_from)
+            else:
+                current = parameters.fetch(frozen=not self._runner.has_frozen(spec, parameters.frozen_from))
+            for plugin in spec.plugins:
+                if plugin not in self._registry.plugins:
+                    self._registry.load_plugin(plugin)
+            result = self._runner.run_shard(spec, current, shard)
+            self._shards_run += 1
         if not pack_result:
             return result
         # The flat buffer alone crosses the store; the receiver rebuilds the views (ShardResult).
@@ -131,7 +146,8 @@ class GradientWorker:
 
     def release(self, session_id: str) -> None:
         """Drops the session's cached model."""
-        self._runner.release(session_id)
+        with self._compute:
+            self._runner.release(session_id)
 
 
 def _device_label(device: torch.device) -> str:

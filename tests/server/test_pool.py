@@ -68,6 +68,11 @@ def loop_thread() -> Iterator[LoopThread]:
     running.close()
 
 
+def worker_channels(pool: Any) -> list[bool]:
+    """Whether each live worker has a usable direct channel (psg_server.channel)."""
+    return [a.channel is not None and a.channel.usable for a in pool._supervisor.live()]
+
+
 def make_pool(loop_thread: LoopThread, **kwargs: Any) -> Any:
     """A started pool with ``kwargs``' workers, CPU workers unless told otherwise: the tests compare
     with references computed on the CPU, and must run the same on a GPU host (the session's Ray
@@ -344,6 +349,58 @@ def test_small_parameter_sets_and_shards_ride_inside_the_calls(pool: Any, loop_t
     loop_thread.call(pool.release(spec.session_id))
 
 
+def test_small_steps_take_the_direct_channel(ray_session: Any, loop_thread: LoopThread,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from psg_server.channel import DirectChannel
+
+    calls: list[int] = []
+    original = DirectChannel.call
+
+    async def counting(self: Any, packed: bytes) -> bytes:
+        calls.append(len(packed))
+        return await original(self, packed)
+
+    monkeypatch.setattr(DirectChannel, "call", counting)
+    config = DPConfig(max_grad_norm=0.5)
+    model = build(seed=9)
+    for direct_channels in (True, False):
+        pool = make_pool(loop_thread, num_workers=2, direct_channels=direct_channels)
+        try:
+            assert worker_channels(pool) == [direct_channels] * 2
+            calls.clear()
+            spec = session_spec(config, session_id=f"channel-{direct_channels}")
+            shards = shards_for(config, 6, 2)
+            results = loop_thread.call(pool.run(spec, parameters_of(model, 1), shards))
+            inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
+            assert_same(results, local_dp(model, inputs, targets, config))
+            assert len(calls) == (2 if direct_channels else 0)  # one call per shard, or none
+        finally:
+            loop_thread.call(pool.close())
+
+
+def test_a_direct_channel_learns_of_its_actors_death_without_a_probe(ray_session: Any, loop_thread: LoopThread,
+                                                                   signals: Path) -> None:
+    # No liveness probe runs during the test: only the channel's death watch can tell the dispatcher
+    # that the actor under its call died (a compiled call whose actor dies never completes).
+    pool = make_pool(loop_thread, num_workers=2, probe_interval_s=600.0, direct_channels=True)
+    try:
+        assert worker_channels(pool) == [True, True]
+        started = signals / "forwards"
+        spec, model = slow_model("watch", started)
+        config = spec.dp_config
+        parameters = parameters_of(model)
+        shards = shards_for(config, 4, 2)
+        inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
+        expected = local_dp(model, inputs, targets, config)
+        pid = ray_session.get(worker_handles(pool)[0].ping.remote(), timeout=30)
+        step = loop_thread.submit(pool.run(spec, parameters, shards))
+        wait_for_lines(started, 2, 60, "both workers to start their shards")
+        os.kill(pid, signal.SIGKILL)
+        assert_same(step.result(timeout=90), expected)
+    finally:
+        loop_thread.call(pool.close())
+
+
 # ----------------------------------------------------------------------------- faults
 @pytest.mark.parametrize("how, num_workers", [("ray_kill", 2), ("sigkill", 2), ("sigkill", 1)])
 def test_worker_killed_mid_step_costs_latency_not_the_step(ray_session: Any, loop_thread: LoopThread,
@@ -575,9 +632,13 @@ def test_gpu_workers_outnumbering_the_gpus_share_them(ray_session: Any, loop_thr
         loop_thread.call(pool.close())
 
 
+@pytest.mark.parametrize("direct_channels", [False, True])
 def test_deadline_cancels_in_flight_shards(ray_session: Any, loop_thread: LoopThread, signals: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    pool = make_pool(loop_thread, num_workers=1)
+                                          monkeypatch: pytest.MonkeyPatch, direct_channels: bool) -> None:
+    # An actor call is cancelled with ray.cancel; a direct channel's call waits for the channel
+    # (one call at a time) and is dropped before it is sent. Either way the shard never runs.
+    pool = make_pool(loop_thread, num_workers=1, direct_channels=direct_channels)
+    assert (worker_channels(pool) == [True]) == direct_channels
     cancelled: list[Any] = []
     original_cancel = ray_session.cancel
 
@@ -597,7 +658,7 @@ def test_deadline_cancels_in_flight_shards(ray_session: Any, loop_thread: LoopTh
         # and times out there.
         with pytest.raises(asyncio.TimeoutError):
             loop_thread.call(asyncio.wait_for(pool.run(spec, parameters, shards_for(config, 2, 1)), 0.3))
-        assert len(cancelled) == 1
+        assert len(cancelled) == (0 if direct_channels else 1)
         running.result(timeout=60)
         handle = worker_handles(pool)[0]
         assert ray_session.get(handle.stats.remote(), timeout=30)["shards_run"] == 1  # never ran
