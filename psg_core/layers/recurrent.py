@@ -29,7 +29,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from psg_core._layout import ALWAYS_BATCH_FIRST, STATE_BATCH_AXIS
 from psg_core.errors import ConfigError, UnsupportedModuleError
-from psg_core.layers import _recurrence
+import psg_core.layers._recurrence as _recurrence
 from psg_core.provenance import rowwise
 
 __all__ = ["RNNLinear", "DPRNNCell", "DPGRUCell", "DPLSTMCell", "DPRNN", "DPGRU", "DPLSTM"]

@@ -152,17 +152,20 @@ def test_targets_are_evaluated_not_asserted() -> None:
 
 def test_ghost_targets_on_every_model_and_against_the_dp_layers() -> None:
     rows = [
-        {"model": "lstm", "method": "non-private", "K": 1, "median_ms": 20.0},
-        {"model": "lstm", "method": "non-private-dp-layers", "K": 1, "median_ms": 60.0},
-        {"model": "lstm", "method": "psg-ghost", "K": 1, "median_ms": 75.0},
-        {"model": "embedding_bag", "method": "non-private", "K": 1, "median_ms": 2.0},
-        {"model": "embedding_bag", "method": "psg-ghost", "K": 1, "median_ms": 2.8},
+        {"model": "lstm", "method": "non-private", "K": 1, "median_ms": 20.0, "size": "gpu16"},
+        {"model": "lstm", "method": "non-private-dp-layers", "K": 1, "median_ms": 60.0, "size": "gpu16"},
+        {"model": "lstm", "method": "psg-ghost", "K": 1, "median_ms": 75.0, "size": "gpu16"},
+        {"model": "embedding_bag", "method": "non-private", "K": 1, "median_ms": 2.0, "size": "gpu"},
+        {"model": "embedding_bag", "method": "psg-ghost", "K": 1, "median_ms": 2.8, "size": "gpu"},
     ]
     checks = {(c.target, c.subject): c for c in suite_targets(rows)}
     assert checks[("psg ghost time <= 1.5 x non-private", "lstm, K=1")].met is False  # 3.75x the fused LSTM
     assert checks[("psg ghost time <= 1.5 x non-private on the same (DP) layers", "lstm, K=1")].met is True
     assert checks[("psg ghost time <= 1.5 x non-private", "embedding_bag, K=1")].value == pytest.approx(1.4)
     assert ("psg ghost time <= 1.5 x non-private on the same (DP) layers", "embedding_bag, K=1") not in checks
+    # The GPU-speed issue states these targets at its shapes only: the full-size rows keep their own.
+    full = [dict(row, size="full") for row in rows]
+    assert not any(c.target.startswith("psg ghost time <= 1.5") for c in suite_targets(full))
 
 
 def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
