@@ -23,6 +23,13 @@ def test_flags_win_over_environment_which_wins_over_defaults() -> None:
     assert config.chunk_bytes == ServerConfig().chunk_bytes
 
 
+def test_direct_channels_are_opt_in_by_flag_or_environment() -> None:
+    assert ServerConfig.from_args([], {}).direct_channels is False
+    assert ServerConfig.from_args([], {"PSG_DIRECT_CHANNELS": "1"}).direct_channels is True
+    assert ServerConfig.from_args(["--direct-channels"], {}).direct_channels is True
+    assert ServerConfig.from_args(["--no-direct-channels"], {"PSG_DIRECT_CHANNELS": "yes"}).direct_channels is False
+
+
 def test_config_is_frozen_and_never_shows_tokens() -> None:
     config = ServerConfig(tokens={TOKEN_A: "alice"})
     with pytest.raises(AttributeError):
