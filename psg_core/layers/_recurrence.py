@@ -26,7 +26,7 @@ outputs there are zero; the backward passes the state's gradient through those s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,98 +46,74 @@ def _stack(items: list[torch.Tensor]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- forward loops
-def _lstm_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
-               c: torch.Tensor, mask: torch.Tensor | None, order: range
-               ) -> tuple[tuple[list[torch.Tensor], torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+# One step of each cell: (input gates x_t, hidden gates gh = hh(h), state) -> the new state (h
+# first) and what its backward needs, all (B, ·).
+Step = Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]],
+                tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
+
+
+def _lstm_step(x: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...]
+               ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    c = state[1]
+    hidden = c.shape[1]
+    gates = x + gh  # (B, 4H): i, f, g, o
+    s = torch.sigmoid(gates)
+    g = torch.tanh(gates[:, 2 * hidden:3 * hidden])
+    c_new = torch.addcmul(s[:, hidden:2 * hidden] * c, s[:, :hidden], g)
+    tc = torch.tanh(c_new)
+    return (s[:, 3 * hidden:] * tc, c_new), (s, g, c, tc)
+
+
+def _gru_step(x: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...]
+              ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    h = state[0]
     hidden = h.shape[1]
+    rz = torch.sigmoid(x[:, :2 * hidden] + gh[:, :2 * hidden])  # (B, 2H): r, z
+    h_n = gh[:, 2 * hidden:]
+    n = torch.tanh(torch.addcmul(x[:, 2 * hidden:], rz[:, :hidden], h_n))
+    h_new = torch.addcmul(n, rz[:, hidden:], h - n)  # (1 - z) n + z h
+    return (h_new,), (rz, n, h_n, h)
+
+
+def _rnn_step(act: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+    def step(x: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...]
+             ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        h_new = act(x + gh)  # (B, H)
+        return (h_new,), (h_new,)
+    return step
+
+
+def _loop(step: Step, gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+          state: tuple[torch.Tensor, ...], mask: torch.Tensor | None, order: range
+          ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Runs ``step`` over the sequence in ``order``: ``((h_prev, hh outputs), final state,
+    (outputs, *saved))``, all ``(B, T, ·)`` in time order. A masked-out step keeps the state and
+    outputs zeros."""
     steps = gx.shape[1]
-    gx_steps = gx.unbind(1)  # T x (B, 4H)
+    gx_steps = gx.unbind(1)  # T x (B, G*H)
     valid = None if mask is None else mask.unsqueeze(2).unbind(1)  # T x (B, 1)
+    h = state[0]
     outs: list[torch.Tensor] = [h] * steps
-    hidden_gates: list[torch.Tensor] = [h] * steps
-    sig: list[torch.Tensor] = [h] * steps
-    cand: list[torch.Tensor] = [h] * steps
-    c_prev: list[torch.Tensor] = [h] * steps
-    tanh_c: list[torch.Tensor] = [h] * steps
     h_prev: list[torch.Tensor] = [h] * steps
+    hidden_gates: list[torch.Tensor] = [h] * steps
+    saved: list[list[torch.Tensor]] = []
     for t in order:
+        h = state[0]
         gh = torch.mm(h, weight_t) if bias is None else torch.addmm(bias, h, weight_t)  # hh(h)
-        hidden_gates[t] = gh
-        gates = gx_steps[t] + gh  # (B, 4H): i, f, g, o
-        s = torch.sigmoid(gates)
-        g = torch.tanh(gates[:, 2 * hidden:3 * hidden])
-        c_new = torch.addcmul(s[:, hidden:2 * hidden] * c, s[:, :hidden], g)
-        tc = torch.tanh(c_new)
-        h_new = s[:, 3 * hidden:] * tc
-        sig[t], cand[t], c_prev[t], tanh_c[t], h_prev[t] = s, g, c, tc, h
+        new, keep = step(gx_steps[t], gh, state)
+        if not saved:
+            saved = [[h] * steps for _ in keep]
+        for values, value in zip(saved, keep):
+            values[t] = value
+        h_prev[t], hidden_gates[t] = h, gh
         if valid is None:
-            h, c = h_new, c_new
-            outs[t] = h
+            state = new
+            outs[t] = new[0]
         else:
             v = valid[t]
-            h, c = torch.where(v, h_new, h), torch.where(v, c_new, c)
-            outs[t] = h_new * v
-    return (h_prev, _stack(hidden_gates)), (h, c), (_stack(outs), _stack(sig), _stack(cand), _stack(c_prev),
-                                      _stack(tanh_c))
-
-
-def _gru_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
-              mask: torch.Tensor | None, order: range
-              ) -> tuple[tuple[list[torch.Tensor], torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    hidden = h.shape[1]
-    steps = gx.shape[1]
-    gx_steps = gx.unbind(1)  # T x (B, 3H): r, z, n
-    valid = None if mask is None else mask.unsqueeze(2).unbind(1)
-    outs: list[torch.Tensor] = [h] * steps
-    gates_rz: list[torch.Tensor] = [h] * steps
-    cand: list[torch.Tensor] = [h] * steps
-    hidden_n: list[torch.Tensor] = [h] * steps
-    h_prev: list[torch.Tensor] = [h] * steps
-    hidden_gates: list[torch.Tensor] = [h] * steps
-    for t in order:
-        x_t = gx_steps[t]
-        gh = torch.mm(h, weight_t) if bias is None else torch.addmm(bias, h, weight_t)  # (B, 3H)
-        hidden_gates[t] = gh
-        rz = torch.sigmoid(x_t[:, :2 * hidden] + gh[:, :2 * hidden])  # (B, 2H): r, z
-        h_n = gh[:, 2 * hidden:]
-        n = torch.tanh(torch.addcmul(x_t[:, 2 * hidden:], rz[:, :hidden], h_n))
-        h_new = torch.addcmul(n, rz[:, hidden:], h - n)  # (1 - z) n + z h
-        gates_rz[t], cand[t], hidden_n[t], h_prev[t] = rz, n, h_n, h
-        if valid is None:
-            h = h_new
-            outs[t] = h
-        else:
-            v = valid[t]
-            h = torch.where(v, h_new, h)
-            outs[t] = h_new * v
-    return (h_prev, _stack(hidden_gates)), (h,), (_stack(outs), _stack(gates_rz), _stack(cand),
-                                                  _stack(hidden_n), _stack(h_prev))
-
-
-def _rnn_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
-              mask: torch.Tensor | None, order: range, relu: bool
-              ) -> tuple[tuple[list[torch.Tensor], torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    steps = gx.shape[1]
-    gx_steps = gx.unbind(1)  # T x (B, H)
-    valid = None if mask is None else mask.unsqueeze(2).unbind(1)
-    act = torch.relu if relu else torch.tanh
-    outs: list[torch.Tensor] = [h] * steps
-    new: list[torch.Tensor] = [h] * steps
-    h_prev: list[torch.Tensor] = [h] * steps
-    hidden_gates: list[torch.Tensor] = [h] * steps
-    for t in order:
-        gh = torch.mm(h, weight_t) if bias is None else torch.addmm(bias, h, weight_t)  # hh(h)
-        hidden_gates[t] = gh
-        h_new = act(gx_steps[t] + gh)  # (B, H)
-        new[t], h_prev[t] = h_new, h
-        if valid is None:
-            h = h_new
-            outs[t] = h
-        else:
-            v = valid[t]
-            h = torch.where(v, h_new, h)
-            outs[t] = h_new * v
-    return (h_prev, _stack(hidden_gates)), (h,), (_stack(outs), _stack(new))
+            state = tuple(torch.where(v, n, o) for n, o in zip(new, state))
+            outs[t] = new[0] * v
+    return (_stack(h_prev), _stack(hidden_gates)), state, (_stack(outs), *(_stack(v) for v in saved))
 
 
 # ------------------------------------------------------------------------------ backward recurrences
@@ -395,15 +371,15 @@ def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None
         with torch.no_grad():
             x = gx.detach()
             weight_t = weight.t().contiguous()  # (H, G*H): addmm's fast operand layout
-            h = h0.detach()
+            step: Step
+            start: tuple[torch.Tensor, ...]
             if kind == "lstm":
                 assert c0 is not None
-                inputs, final, results = _lstm_loop(x, weight_t, bias, h, c0.detach(), mask, order)
-            elif kind == "gru":
-                inputs, final, results = _gru_loop(x, weight_t, bias, h, mask, order)
+                step, start = _lstm_step, (h0.detach(), c0.detach())
             else:
-                inputs, final, results = _rnn_loop(x, weight_t, bias, h, mask, order, relu)
-            return (_stack(inputs[0]), inputs[1]), final, results
+                step = _gru_step if kind == "gru" else _rnn_step(torch.relu if relu else torch.tanh)
+                start = (h0.detach(),)
+            return _loop(step, x, weight_t, bias, start, mask, order)
 
     (h_prev, gh_values), final, results = rowwise(loop, gx)
     # hh in the graph: one hooked call on the states the loop read, (B, T, H) -> (B, T, G*H); its
