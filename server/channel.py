@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 from ray import exceptions as ray_errors
@@ -94,9 +94,8 @@ class DirectChannel:
             reply.cancel()
             self.close()
             self._raise_lost()
-        raise AssertionError("unreachable")  # pragma: no cover
 
-    def _raise_lost(self) -> None:
+    def _raise_lost(self) -> NoReturn:
         error = self._watch.exception() if self._watch.done() and not self._watch.cancelled() else None
         if isinstance(error, BaseException):
             raise error

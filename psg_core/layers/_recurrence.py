@@ -26,7 +26,8 @@ outputs there are zero; the backward passes the state's gradient through those s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -216,13 +217,12 @@ def _refuse_double_backward(grad: torch.Tensor) -> None:
 class _Spec:
     """What a direction's backward needs besides tensors: the cell kind and the step order."""
 
-    __slots__ = ("kind", "relu", "order", "dtypes")
+    __slots__ = ("kind", "relu", "order")
 
     def __init__(self, kind: str, relu: bool, order: range) -> None:
         self.kind = kind
         self.relu = relu
         self.order = order
-        self.dtypes: tuple[torch.dtype, ...] = ()
 
 
 class _Recurrence(torch.autograd.Function):
@@ -317,18 +317,15 @@ class _KnownOutput(torch.autograd.Function):
 _KNOWN = "_psg_known_output"
 
 
-class known_output:  # noqa: N801 (a context manager used like a function)
+@contextlib.contextmanager
+def known_output(linear: torch.nn.Module, input: torch.Tensor, output: torch.Tensor) -> Iterator[None]:
     """While active, ``linear(input)`` for this very ``input`` returns ``output`` without computing
     it (see :func:`known_linear`)."""
-
-    def __init__(self, linear: torch.nn.Module, input: torch.Tensor, output: torch.Tensor) -> None:
-        self.linear, self.value = linear, (input, output)
-
-    def __enter__(self) -> None:
-        setattr(self.linear, _KNOWN, self.value)
-
-    def __exit__(self, *exc: Any) -> None:
-        setattr(self.linear, _KNOWN, None)
+    setattr(linear, _KNOWN, (input, output))
+    try:
+        yield
+    finally:
+        setattr(linear, _KNOWN, None)
 
 
 def known_linear(linear: torch.nn.Module, input: torch.Tensor) -> torch.Tensor | None:

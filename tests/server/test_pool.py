@@ -378,35 +378,19 @@ def test_small_steps_take_the_direct_channel(ray_session: Any, loop_thread: Loop
             loop_thread.call(pool.close())
 
 
-def test_a_direct_channel_learns_of_its_actors_death_without_a_probe(ray_session: Any, loop_thread: LoopThread,
-                                                                   signals: Path) -> None:
-    # No liveness probe runs during the test: only the channel's death watch can tell the dispatcher
-    # that the actor under its call died (a compiled call whose actor dies never completes).
-    pool = make_pool(loop_thread, num_workers=2, probe_interval_s=600.0, direct_channels=True)
-    try:
-        assert worker_channels(pool) == [True, True]
-        started = signals / "forwards"
-        spec, model = slow_model("watch", started)
-        config = spec.dp_config
-        parameters = parameters_of(model)
-        shards = shards_for(config, 4, 2)
-        inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
-        expected = local_dp(model, inputs, targets, config)
-        pid = ray_session.get(worker_handles(pool)[0].ping.remote(), timeout=30)
-        step = loop_thread.submit(pool.run(spec, parameters, shards))
-        wait_for_lines(started, 2, 60, "both workers to start their shards")
-        os.kill(pid, signal.SIGKILL)
-        assert_same(step.result(timeout=90), expected)
-    finally:
-        loop_thread.call(pool.close())
-
-
 # ----------------------------------------------------------------------------- faults
-@pytest.mark.parametrize("how, num_workers", [("ray_kill", 2), ("sigkill", 2), ("sigkill", 1)])
+@pytest.mark.parametrize("how, num_workers", [("ray_kill", 2), ("sigkill", 2), ("sigkill", 1),
+                                              ("sigkill-channel", 2)])
 def test_worker_killed_mid_step_costs_latency_not_the_step(ray_session: Any, loop_thread: LoopThread,
                                                            signals: Path, how: str, num_workers: int) -> None:
-    pool = make_pool(loop_thread, num_workers=num_workers)
+    # "sigkill-channel": the shards go through direct channels and no liveness probe runs during
+    # the test, so only a channel's death watch can tell the dispatcher that the actor under its call
+    # died (a compiled call whose actor dies never completes).
+    channels = how == "sigkill-channel"
+    pool = make_pool(loop_thread, num_workers=num_workers, direct_channels=channels,
+                     **({"probe_interval_s": 600.0} if channels else {}))
     try:
+        assert worker_channels(pool) == [channels] * num_workers
         started = signals / "forwards"
         spec, model = slow_model(f"kill-{how}", started)
         config = spec.dp_config
