@@ -73,7 +73,7 @@ def _gru_step(x: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...]
     h_n = gh[:, 2 * hidden:]
     n = torch.tanh(torch.addcmul(x[:, 2 * hidden:], rz[:, :hidden], h_n))
     h_new = torch.addcmul(n, rz[:, hidden:], h - n)  # (1 - z) n + z h
-    return (h_new,), (rz, n, h_n, h)
+    return (h_new,), (rz, n, h_n)  # its backward also reads h_prev, which the loop keeps anyway
 
 
 def _rnn_step(act: Callable[[torch.Tensor], torch.Tensor]) -> Step:
@@ -384,6 +384,8 @@ def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None
     with known_output(cell.hh, h_prev, gh_values):
         gh = cell.hh(h_prev)
     out, *saved = results
+    if kind == "gru":
+        saved.append(h_prev)
     spec = _Spec(kind, relu, order)
     c_n = final[1] if kind == "lstm" else None
 
