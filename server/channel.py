@@ -11,10 +11,12 @@ path, whole calls pickled into one ``bytes``) to :meth:`GradientWorker.run_packe
 
 * Errors: an exception raised by the computation comes back as the same ``RayTaskError`` an actor
   call raises, so the dispatcher treats both alike.
-* Lost actors: a compiled call whose actor dies never completes, so every channel holds a watch, a
-  call of :meth:`GradientWorker.watch <psg_server.worker.GradientWorker.watch>` (its own
+* Lost actors: a compiled call whose actor dies may never complete, so every channel holds a
+  watch, a call of :meth:`GradientWorker.watch <psg_server.worker.GradientWorker.watch>` (its own
   concurrency group) that returns only when the actor dies, with Ray's ``ActorDiedError``; a call
   in flight then fails with that error at once, as an actor call would, and the shard is retried.
+  A call whose channel breaks first (Ray's reader fails with a channel error, or any error that is
+  not the computation's) is the same loss: it raises the watch's error, or ``RayActorError``.
 * Only actors on the frontend's own node get a channel (shared memory); others, and any actor
   whose graph fails to compile (logged once), keep ordinary calls.
 
@@ -40,6 +42,9 @@ __all__ = ["DirectChannel", "local_node_id"]
 
 logger = logging.getLogger(__name__)
 
+#: How long a call whose channel broke waits for its actor's death watch to say why (seconds).
+_WATCH_GRACE_S = 2.0
+
 
 def local_node_id() -> str | None:
     """The hex id of the Ray node this process runs on (None without Ray)."""
@@ -63,6 +68,7 @@ class DirectChannel:
         self._name = name
         self._lock = asyncio.Lock()
         self._closed = False
+        self._teardown_thread: threading.Thread | None = None
 
     @classmethod
     def open(cls, handle: Any, name: str) -> DirectChannel:
@@ -88,18 +94,28 @@ class DirectChannel:
             self._raise_lost()
         async with self._lock:  # one call at a time through the graph (the actor runs one anyway)
             reply = asyncio.ensure_future(_result(await self._graph.execute_async(packed)))
+            reply.add_done_callback(_consume)  # a reply that fails after the watch won: read, not "never retrieved"
             done, _ = await asyncio.wait([reply, self._watch], return_when=asyncio.FIRST_COMPLETED)
             if reply in done:
-                return reply.result()  # type: ignore[no-any-return]
+                error = reply.exception()
+                if error is None or isinstance(error, ray_errors.RayTaskError):
+                    return reply.result()  # type: ignore[no-any-return]  (the computation's own error raises)
+                # The channel itself broke: when the actor under a call dies, Ray's reader fails with
+                # RayChannelError, or (ray 2.60) with a TypeError from caching that error as a result.
+                # Either way the actor is lost: its watch says how, when it says so soon.
+                await asyncio.wait([self._watch], timeout=_WATCH_GRACE_S)
+                self.close()
+                self._raise_lost(error)
             reply.cancel()
             self.close()
             self._raise_lost()
 
-    def _raise_lost(self) -> NoReturn:
+    def _raise_lost(self, cause: BaseException | None = None) -> NoReturn:
         error = self._watch.exception() if self._watch.done() and not self._watch.cancelled() else None
         if isinstance(error, BaseException):
-            raise error
-        raise ray_errors.RayActorError(f"direct channel to {self._name} is closed")
+            raise error from cause
+        detail = f"broke ({type(cause).__name__}: {cause})" if cause is not None else "is closed"
+        raise ray_errors.RayActorError(error_msg=f"direct channel to {self._name} {detail}") from cause
 
     def close(self) -> None:
         """Closes the channel at once and tears the graph down on a thread of its own (teardown
@@ -110,7 +126,26 @@ class DirectChannel:
         self._closed = True
         if not self._watch.done():
             self._watch.cancel()
-        threading.Thread(target=self._teardown, name=f"psg-channel-teardown-{self._name}", daemon=True).start()
+        self._teardown_thread = threading.Thread(target=self._teardown, name=f"psg-channel-teardown-{self._name}",
+                                                 daemon=True)
+        self._teardown_thread.start()
+
+    @property
+    def torn_down(self) -> bool:
+        """Closed, and its graph's teardown done."""
+        return self._teardown_thread is not None and not self._teardown_thread.is_alive()
+
+    async def wait_closed(self, timeout_s: float) -> bool:
+        """Waits (off the event loop) until :meth:`close`'s teardown is done; True if it is.
+
+        Await it before the event loop closes: a graph whose actor died is also torn down by Ray's
+        own monitor thread, which cancels the graph's reader task on this loop and fails if the loop
+        is gone by then; the teardown joins that thread."""
+        thread = self._teardown_thread
+        if thread is None:
+            return not self._closed
+        await asyncio.to_thread(thread.join, timeout_s)
+        return not thread.is_alive()
 
     def _teardown(self) -> None:
         try:

@@ -61,6 +61,10 @@ __all__ = ["WORKER_ENV", "ActorSupervisor", "SupervisedActor"]
 
 logger = logging.getLogger(__name__)
 
+#: How long close() waits for the direct channels' teardowns (seconds; Ray's own bound is 30 s per
+#: actor still running a call).
+_CHANNEL_TEARDOWN_S = 35.0
+
 #: Environment of the actor processes, unless this process sets the variable itself. A DP step
 #: allocates hundreds of MB (activations, per-sample gradients) and frees them at its end. glibc's
 #: malloc serves large blocks with fresh ``mmap`` s (always above 32 MB, and in a thread's own
@@ -140,6 +144,8 @@ class ActorSupervisor:
                  direct_channels: bool = False) -> None:
         self._plugins = plugins
         self._direct_channels = direct_channels
+        #: Channels closed whose teardown may still run (close() waits for them).
+        self._closed_channels: list[DirectChannel] = []
         self._cpus_per_worker = cpus_per_worker
         self._start_timeout_s = start_timeout_s
         self._place_timeout_s = place_timeout_s
@@ -256,6 +262,12 @@ class ActorSupervisor:
         self._actor_class = None
         self._gpu_share, self._per_gpu = None, 1
         self._notify()
+        # The direct channels' teardowns end before this returns (so before the loop can close).
+        channels, self._closed_channels = self._closed_channels, []
+        done = await asyncio.gather(*(channel.wait_closed(_CHANNEL_TEARDOWN_S) for channel in channels))
+        if not all(done):
+            logger.warning("pool: %d direct channel(s) not torn down within %g s", done.count(False),
+                           _CHANNEL_TEARDOWN_S)
 
     async def wait_for_live(self, timeout_s: float) -> None:
         """Returns once an actor is live; raises :class:`NoWorkersError` after ``timeout_s``, or when
@@ -577,14 +589,14 @@ class ActorSupervisor:
         logger.error("pool: %s", self._placement_error)
         self.evict(actor, "not placed")
 
-    @staticmethod
-    def _kill(actor: SupervisedActor) -> None:
+    def _kill(self, actor: SupervisedActor) -> None:
         try:
             ray.kill(actor.handle, no_restart=True)
         except (ray_errors.RayError, ValueError) as error:  # already gone
             logger.debug("pool: kill of worker %d: %s", actor.slot, error)
         if actor.channel is not None:
             actor.channel.close()
+            self._closed_channels = [c for c in self._closed_channels if not c.torn_down] + [actor.channel]
 
     async def _watch(self) -> None:
         """Reads the nodes (evicting actors of nodes that drain or left, resizing, refilling slots)
