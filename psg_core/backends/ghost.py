@@ -65,8 +65,8 @@ from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
 from psg_core.clipping import clip_factors, count_dropped, dropped_samples, zero_dropped
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError
-from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, GhostFactors, GhostNormEntry, WeightLayout, can_share,
-                                             shared_sq_norms)
+from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, GhostFactors, GhostNormEntry, TensorMemo, WeightLayout,
+                                             can_share, shared_sq_norms)
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
@@ -157,6 +157,9 @@ class _GhostBookkeeping:
                          for p in self._owners_left}  # (N,) each
         # (N, *shape) per-sample gradients of the parameters that are not ghost weights.
         self._materialised: dict[torch.Tensor, torch.Tensor] = {}
+        # The pass's Gram matrices, by the tensor they came from: layers fed one output gradient
+        # (a DP LSTM's ih and hh) compute its Gram once.
+        self._grams = TensorMemo()
 
     def remove(self) -> None:
         """Removes the hooks and drops everything the pass held.
@@ -172,6 +175,7 @@ class _GhostBookkeeping:
         self._layers.clear()
         self._materialised.clear()
         self._shared_factors.clear()
+        self._grams.clear()
 
     @contextlib.contextmanager
     def _suspend(self) -> Iterator[None]:
@@ -335,7 +339,7 @@ class _GhostBookkeeping:
             if self._owners[weight] > 1:  # normed with the other owners' once they are in
                 self._shared_factors.setdefault(weight, []).append((cast(WeightLayout, norm.layout), factors))
             else:
-                self.sq_norms[weight] += factors.sq_norms(self.norm_dtype)
+                self.sq_norms[weight] += factors.sq_norms(self.norm_dtype, self._grams)
         for param in layer.parameters(recurse=False):
             if not param.requires_grad:
                 continue
@@ -361,6 +365,7 @@ class _GhostBookkeeping:
                     self.finish_layer(layer)
         finally:
             self._in_backward = False
+            self._grams.clear()
 
     # ---------------------------------------------------------------------------- clipped sums
     def clipped_sums(self, factors: dict[torch.Tensor, torch.Tensor], dropped: torch.Tensor | None
@@ -378,16 +383,25 @@ class _GhostBookkeeping:
             flat = zero_dropped(grad_sample.reshape(self.num_samples, -1), dropped)  # (N, numel)
             sums[param] = (weights @ flat).view(param.shape)
         self._materialised = {}
+        row_dropped = None if dropped is None else dropped.repeat_interleave(self.K)  # (N*K,)
+        # Output gradients scaled by their rows' factors, by (gradient, factors): layers fed one
+        # output gradient (a DP LSTM's ih and hh) under one factor vector scale it once.
+        scaled_grads = TensorMemo(capacity=1)
         for layer, state in self._layers.items():
             norm = state.norm  # set for the ghost layers, the only ones that keep calls
             weight = norm.weight(layer) if norm is not None else None
             if not state.kept or norm is None or weight is None:
                 continue
-            row_factors = factors[weight].repeat_interleave(self.K)  # (N*K,)
-            row_dropped = None if dropped is None else dropped.repeat_interleave(self.K)  # (N*K,)
+            sample_factors = factors[weight]
+            row_factors = sample_factors.repeat_interleave(self.K)  # (N*K,)
             for a, g, calls in _stacked_calls(state.kept):
-                scaled = zero_dropped(g, row_dropped.repeat(calls) if row_dropped is not None else None) \
-                    * row_factors.repeat(calls).view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
+                def scale(g: torch.Tensor, calls: int = calls, row_factors: torch.Tensor = row_factors
+                          ) -> torch.Tensor:
+                    rows_dropped = row_dropped.repeat(calls) if row_dropped is not None else None
+                    return zero_dropped(g, rows_dropped) \
+                        * row_factors.repeat(calls).view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
+
+                scaled = scaled_grads.get(g, scale, id(sample_factors), calls)
                 if row_dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
                     # an overflowing input row: inf * 0 would be NaN
                     a = zero_dropped(a, row_dropped.repeat(calls))

@@ -41,7 +41,7 @@ from torch import nn
 from psg_core.errors import ConfigError
 from psg_core.grad_sample._type_registry import LayerKey, LayerTypeRegistry
 
-__all__ = ["FactorKind", "GhostFactors", "GhostNormEntry", "GhostNormRegistry", "GHOST_NORMS", "WeightLayout",
+__all__ = ["FactorKind", "GhostFactors", "GhostNormEntry", "TensorMemo", "GhostNormRegistry", "GHOST_NORMS", "WeightLayout",
            "can_share", "register_ghost_norm", "shared_sq_norms"]
 
 
@@ -110,8 +110,11 @@ class GhostFactors:
         return GhostFactors(parts[0].kind, torch.cat([p.left for p in parts], axis),
                             torch.cat([p.right for p in parts], axis))
 
-    def sq_norms(self, dtype: torch.dtype) -> torch.Tensor:
+    def sq_norms(self, dtype: torch.dtype, grams: TensorMemo | None = None) -> torch.Tensor:
         """``(N,)`` squared Frobenius norms of the per-sample weight gradients, from Gram matrices.
+
+        ``grams``: Gram matrices of one pass to reuse (layers fed the same output gradient, as a
+        DP LSTM's ``ih`` and ``hh``, compute its Gram once).
 
         >>> a, g = torch.randn(2, 1, 5, 3), torch.randn(2, 1, 5, 4)
         >>> grads = g.transpose(-1, -2) @ a  # (N, 1, 4, 3)
@@ -121,14 +124,61 @@ class GhostFactors:
         right = self.right.to(dtype)
         if self.kind is FactorKind.KEYED:
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
+        def gram(rows: torch.Tensor) -> torch.Tensor:
+            return _gram(rows) if grams is None else grams.get(rows, _gram)
+
         if self.kind is FactorKind.DOT:
-            left = self.left.to(dtype)
-            gram_left = left @ left.transpose(-1, -2)  # (N, G, T, T)
-            gram_right = right @ right.transpose(-1, -2)  # (N, G, T, T)
+            gram_left = gram(self.left.to(dtype))  # (N, G, T, T)
+            gram_right = gram(right)  # (N, G, T, T)
             return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
         same_token = self.left.unsqueeze(2) == self.left.unsqueeze(1)  # (N, T, T)
-        gram_right = right @ right.transpose(-1, -2)  # (N, T, T)
+        gram_right = gram(right)  # (N, T, T)
         return (gram_right * same_token).sum((1, 2)).clamp_min(0)
+
+
+def _gram(rows: torch.Tensor) -> torch.Tensor:
+    """``(..., T, T)`` inner products of the last axis' ``T`` rows."""
+    return rows @ rows.transpose(-1, -2)
+
+
+class TensorMemo:
+    """Results computed from tensors in one ghost pass, by the tensor (and any extra key parts).
+
+    A tensor is known by its storage, offset, shape, strides, dtype and version: equal keys hold
+    equal values as long as the tensor lives, and the memo holds it alive, so a key can never be
+    taken over by another tensor's memory. Only the ``capacity`` latest results are kept (layers
+    that share an output gradient, as a DP LSTM's ih and hh, come one after the other; a
+    long-sequence model's Gram matrices are large), and the memo is dropped with the pass.
+
+    >>> memo, g = TensorMemo(), torch.randn(2, 1, 5, 3)
+    >>> first = memo.get(g, _gram)
+    >>> memo.get(g.view(2, 1, 5, 3), _gram) is first, len(memo)  # the same numbers: computed once
+    (True, 1)
+    """
+
+    def __init__(self, capacity: int = 4) -> None:
+        self._results: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._capacity = capacity
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    def get(self, tensor: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor], *key: Any) -> torch.Tensor:
+        """``compute(tensor)``, computed once per distinct (tensor, ``key``)."""
+        if tensor.requires_grad or tensor.is_sparse:
+            return compute(tensor)
+        full_key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                    tensor.stride(), tensor.dtype, tensor.device, tensor._version, *key)
+        held = self._results.get(full_key)
+        if held is None:
+            while len(self._results) >= self._capacity:
+                del self._results[next(iter(self._results))]  # the oldest
+            held = self._results[full_key] = (tensor, compute(tensor))
+        return held[1]
+
+    def clear(self) -> None:
+        """Drops every result and the tensors they were computed from."""
+        self._results.clear()
 
 
 def _keyed_sq_norms(sample: torch.Tensor, tokens: torch.Tensor, right: torch.Tensor, samples: int) -> torch.Tensor:

@@ -42,6 +42,11 @@ def _plain(param: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
     return getattr(param, "orig_weight", param).detach().to(dtype)
 
 
+def _wrapped(tensor: torch.Tensor) -> bool:
+    """A tensor of a ``torch.func`` transform (vmap, grad)."""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
+
+
 def _stack(items: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(items, dim=1)  # (B, T, ...)
 
@@ -117,6 +122,45 @@ def _loop(step: Step, gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tens
     return (_stack(h_prev), _stack(hidden_gates)), state, (_stack(outs), *(_stack(v) for v in saved))
 
 
+def _lstm_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, state: tuple[torch.Tensor, ...],
+               order: range) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...],
+                                      tuple[torch.Tensor, ...]]:
+    """:func:`_loop` of an unmasked LSTM, with what it returns written in place: every step's
+    results go straight into time-major ``(T, B, ·)`` buffers (``out=``), so a step is seven ops
+    (the input gates and the hidden bias enter through ``addmm``) and nothing is stacked after the
+    loop. The ``(B, T, ·)`` results are views of those buffers. Plain tensors only (not under
+    ``torch.func`` transforms, whose wrapped tensors cannot be written into plain buffers, nor
+    under autocast, which would change ``addmm``'s dtype)."""
+    batch, steps, width = gx.shape
+    hidden = width // 4
+    forward = order.step > 0
+    x = (gx if bias is None else gx + bias).unbind(1)  # T x (B, 4H): input gates + hidden bias
+    gates = gx.new_empty(steps, batch, width)
+    sig = gx.new_empty(steps, batch, width)
+    cand = gx.new_empty(steps, batch, hidden)
+    tanh_c = gx.new_empty(steps, batch, hidden)
+    hs = gx.new_empty(steps + 1, batch, hidden)  # the states: slot 0 (forward) or T (reverse) is the first
+    cs = gx.new_empty(steps + 1, batch, hidden)
+    first = 0 if forward else steps
+    hs[first], cs[first] = state
+    g_in = gates[..., 2 * hidden:3 * hidden].unbind(0)
+    i, f, o = (sig[..., k * hidden:(k + 1) * hidden].unbind(0) for k in (0, 1, 3))
+    gates_t, sig_t, cand_t, tanh_t, h_t, c_t = (b.unbind(0) for b in (gates, sig, cand, tanh_c, hs, cs))
+    for t in order:
+        read, write = (t, t + 1) if forward else (t + 1, t)
+        torch.sigmoid(torch.addmm(x[t], h_t[read], weight_t, out=gates_t[t]), out=sig_t[t])
+        torch.tanh(g_in[t], out=cand_t[t])
+        torch.mul(f[t], c_t[read], out=c_t[write]).addcmul_(i[t], cand_t[t])
+        torch.mul(o[t], torch.tanh(c_t[write], out=tanh_t[t]), out=h_t[write])
+    prev, new = (slice(0, steps), slice(1, steps + 1)) if forward else (slice(1, steps + 1), slice(0, steps))
+    h_prev = hs[prev].transpose(0, 1)  # (B, T, H) views
+    hidden_gates = gates.transpose(0, 1) - gx  # hh(h_prev) = W_hh h + b_hh
+    final = (hs[steps if forward else 0], cs[steps if forward else 0])
+    return ((h_prev, hidden_gates), final,
+            (hs[new].transpose(0, 1), sig.transpose(0, 1), cand.transpose(0, 1), cs[prev].transpose(0, 1),
+             tanh_c.transpose(0, 1)))
+
+
 # ------------------------------------------------------------------------------ backward recurrences
 def _masked(dh: torch.Tensor, dout: torch.Tensor, v: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -127,34 +171,59 @@ def _masked(dh: torch.Tensor, dout: torch.Tensor, v: torch.Tensor | None
 
 
 def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Sequence[torch.Tensor] | None,
-                   order: range, d_out: Sequence[torch.Tensor], dh: torch.Tensor, dc: torch.Tensor
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    sig, cand, c_prev, tanh_c = saved
-    hidden = cand.shape[2]
+                   order: range, d_out: torch.Tensor, dh: torch.Tensor, dc: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d gates (B, T, 4H), d h0, d c0)``. Every step's local derivatives are computed at once
+    (time-major, so that a step's slice is contiguous); the loop keeps what depends on later steps
+    and writes each step's gate gradients into one ``(B, T, 4, H)`` buffer: per step five ops, the
+    next step's output gradient entering through ``addmm``."""
+    sig, cand, c_prev, tanh_c = (t.transpose(0, 1) for t in saved)  # (T, B, ·) views
+    steps, batch, hidden = cand.shape
     i, f, o = sig[..., :hidden], sig[..., hidden:2 * hidden], sig[..., 3 * hidden:]
-    # Every step's local derivatives at once; the loop keeps only what depends on later steps:
     # d gates_{i,f,g} = dc_new * from_c, d gates_o = dh_new * from_h, dc_new = dc + dh_new * to_c.
-    to_c = (o * (1.0 - tanh_c * tanh_c)).unbind(1)  # T x (B, H)
+    to_c = (o * (1.0 - tanh_c * tanh_c)).unbind(0)  # T x (B, H)
     from_c = torch.stack([cand * i * (1.0 - i), c_prev * f * (1.0 - f), i * (1.0 - cand * cand)],
-                         dim=2).unbind(1)  # T x (B, 3, H)
-    from_h = (tanh_c * o * (1.0 - o)).unsqueeze(2).unbind(1)  # T x (B, 1, H)
-    forget = f.unbind(1)
-    batch = cand.shape[0]
-    dgates: list[torch.Tensor] = [dh] * len(d_out)
-    for t in reversed(order):
-        v = None if valid is None else valid[t]
-        dh_new, dh_keep = _masked(dh, d_out[t], v)
-        dc_new = torch.addcmul(dc if v is None else dc * v, dh_new, to_c[t])  # the new c's total gradient
-        dg = torch.cat([dc_new.unsqueeze(1) * from_c[t], dh_new.unsqueeze(1) * from_h[t]], dim=1)
-        dg = dg.view(batch, 4 * hidden)  # (B, 4H): i, f, g, o
-        dgates[t] = dg
-        dh_next = torch.mm(dg, weight)
+                         dim=2).unbind(0)  # T x (B, 3, H)
+    from_h = (tanh_c * o * (1.0 - o)).unbind(0)  # T x (B, H)
+    forget = f.unbind(0)
+    # Written in place into one buffer, but for tensors of a torch.func transform (grad's backward
+    # runs with a graph one level up, and out= ops do not differentiate): those are stacked.
+    in_place = not any(_wrapped(t) or t.requires_grad for t in (d_out, dh, dc, weight, *saved))
+    dgates = cand.new_empty(batch, steps, 4, hidden) if in_place else None
+    dg: list[torch.Tensor] = (list(dgates.view(batch, steps, 4 * hidden).unbind(1)) if dgates is not None
+                              else [dh] * steps)  # T x (B, 4H)
+    dg_c = dgates[:, :, :3].unbind(1) if dgates is not None else ()  # T x (B, 3, H) views
+    dg_h = dgates[:, :, 3].unbind(1) if dgates is not None else ()  # T x (B, H) views
+    if valid is not None:  # a masked-out step's output is zero: no gradient enters there
+        d_out = d_out * torch.stack(list(valid), 1)
+    douts = d_out.unbind(1)
+    backwards = list(reversed(order))
+    if not backwards:
+        return cand.new_zeros(batch, steps, 4 * hidden), dh, dc
+    dh = dh + douts[backwards[0]]  # the gradient reaching the step's new state, its output's included
+    for k, t in enumerate(backwards):
+        if valid is None:
+            dh_new, dc_in = dh, dc
+        else:  # the state passes a masked-out step unchanged
+            v = valid[t]
+            dh_new, dc_in = dh * v, dc * v
+        dc_new = torch.addcmul(dc_in, dh_new, to_c[t])  # the new c's total gradient
+        if dgates is not None:
+            torch.mul(dc_new.unsqueeze(1), from_c[t], out=dg_c[t])
+            torch.mul(dh_new, from_h[t], out=dg_h[t])
+        else:
+            dg[t] = torch.cat([dc_new.unsqueeze(1) * from_c[t], (dh_new * from_h[t]).unsqueeze(1)],
+                              dim=1).view(batch, 4 * hidden)
         dc_next = dc_new * forget[t]
-        if dh_keep is not None and v is not None:
-            dh_next = dh_next + dh_keep
-            dc_next = torch.addcmul(dc_next, dc, 1.0 - v)
+        if k + 1 < len(backwards):
+            dh_next = torch.addmm(douts[backwards[k + 1]], dg[t], weight)
+        else:
+            dh_next = torch.mm(dg[t], weight)
+        if valid is not None:
+            dh_next = torch.addcmul(dh_next, dh, 1.0 - valid[t])
+            dc_next = torch.addcmul(dc_next, dc, 1.0 - valid[t])
         dh, dc = dh_next, dc_next
-    return dgates, dgates, dh, dc
+    return (dgates.view(batch, steps, 4 * hidden) if dgates is not None else _stack(dg)), dh, dc
 
 
 def _gru_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Sequence[torch.Tensor] | None,
@@ -207,7 +276,7 @@ def _refuse_double_backward(grad: torch.Tensor) -> None:
     derivatives are refused rather than silently wrong. (torch.func's ``grad`` also differentiates
     with a graph, one level up: its wrapped tensors are the first-order case, and pass.)"""
     if (torch.is_grad_enabled() and grad.requires_grad
-            and not torch._C._functorch.is_functorch_wrapped_tensor(grad)):
+            and not _wrapped(grad)):
         from psg_core.errors import UnsupportedModuleError
         raise UnsupportedModuleError(
             "DP recurrent layers (DPRNN, DPGRU, DPLSTM) are differentiable once: second derivatives "
@@ -260,22 +329,24 @@ class _Recurrence(torch.autograd.Function):
         weight = weight.to(dt)
         saved = [t.to(dt) for t in saved]
         valid = None if mask is None else mask.to(dt).unsqueeze(2).unbind(1)  # T x (B, 1)
-        douts = d_out.to(dt).unbind(1)
         saved = list(saved)
         dh = d_h.to(dt)
         dc0: torch.Tensor | None = None
         if spec.kind == "lstm":
             assert d_c is not None
-            d_input, d_hidden, dh0, dc = _lstm_backward(saved, weight, valid, spec.order, douts, dh,
-                                                        d_c.to(dt))
+            d_gates, dh0, dc = _lstm_backward(saved, weight, valid, spec.order, d_out.to(dt), dh, d_c.to(dt))
             dc0 = dc.to(c_dtype)
-        elif spec.kind == "gru":
-            d_input, d_hidden, dh0 = _gru_backward(saved, weight, valid, spec.order, douts, dh)
+            dgx = d_gates.to(gx_dtype)
+            dgh = dgx if gh_dtype == gx_dtype else d_gates.to(gh_dtype)
         else:
-            d_input, d_hidden, dh0 = _rnn_backward(saved, weight, valid, spec.order, douts, dh,
-                                                   spec.relu)
-        dgx = _stack(d_input).to(gx_dtype)
-        dgh = dgx if d_hidden is d_input and gh_dtype == gx_dtype else _stack(d_hidden).to(gh_dtype)
+            douts = d_out.to(dt).unbind(1)
+            if spec.kind == "gru":
+                d_input, d_hidden, dh0 = _gru_backward(saved, weight, valid, spec.order, douts, dh)
+            else:
+                d_input, d_hidden, dh0 = _rnn_backward(saved, weight, valid, spec.order, douts, dh,
+                                                       spec.relu)
+            dgx = _stack(d_input).to(gx_dtype)
+            dgh = dgx if d_hidden is d_input and gh_dtype == gx_dtype else _stack(d_hidden).to(gh_dtype)
         return (dgx, dgh, dh0.to(h_dtype), dc0, None, None, None, None, None, None,
                 *([None] * len(saved)))
 
@@ -351,6 +422,7 @@ def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None
     ``cell`` is a DP cell (``ih``/``hh`` RNNLinear layers, ``gates``, for an RNN
     ``nonlinearity``); ``state`` is ``h`` or ``(h, c)``, ``(B, H)`` each.
     """
+    from psg_core.precision import autocast_active
     from psg_core.provenance import rowwise
 
     gx = cell.ih(sequence)  # (B, T, G*H): one hooked call for the whole sequence
@@ -373,6 +445,8 @@ def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None
             if kind == "lstm":
                 assert c0 is not None
                 step, start = _lstm_step, (h0.detach(), c0.detach())
+                if mask is None and not autocast_active() and not _wrapped(x):
+                    return _lstm_loop(x, weight_t, bias, start, order)
             else:
                 step = _gru_step if kind == "gru" else _rnn_step(torch.relu if relu else torch.tanh)
                 start = (h0.detach(),)
