@@ -36,8 +36,9 @@ Bu et al. 2023), not from a second backward pass:
 
 * a ghost layer keeps each call's activations and output gradients; its weight's sum is the
   layer's own weight gradient with output-gradient row r scaled by the factor of r's sample (its
-  family's ``weight_sum``: one matmul, conv weight-gradient kernel or ``index_add``); a weight
-  shared by several ghost layers adds up its owners' sums;
+  family's ``weight_sum``: one matmul or conv weight-gradient kernel); a lookup table's comes from
+  the factors its norm used (each entry's gradient row, scaled, ``index_add``-ed into its table
+  row); a weight shared by several ghost layers adds up its owners' sums;
 * every other parameter keeps its materialised per-sample gradient, contracted with the factors.
 
 Each parameter may have its own factors, so ``per_layer`` clipping costs the same as ``flat`` and
@@ -65,8 +66,8 @@ from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
 from psg_core.clipping import clip_factors, count_dropped, dropped_samples, zero_dropped
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError
-from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, GhostFactors, GhostNormEntry, TensorMemo, WeightLayout,
-                                             can_share, shared_sq_norms)
+from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, FactorKind, GhostFactors, GhostNormEntry, TensorMemo,
+                                             WeightLayout, can_share, shared_sq_norms)
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
@@ -114,8 +115,9 @@ class _LayerState:
     ghost: bool | None = None  # decided at the first backward of the layer
     norm: GhostNormEntry | None = None  # set when ghost
     buffer: list[GhostFactors] = field(default_factory=list)
-    #: a ghost layer's batch-first ``(activations, output gradients)`` per call, kept for its
-    #: weight's clipped sum once the clipping factors are known.
+    #: a ghost layer's batch-first ``(activations, output gradients)`` per call (a lookup table's
+    #: ``(factors, output gradients)``), kept for its weight's clipped sum once the clipping
+    #: factors are known.
     kept: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     done: bool = False
 
@@ -306,7 +308,9 @@ class _GhostBookkeeping:
                 if param.requires_grad:
                     self._add(param, grad_sample)
             state.buffer.append(factors)
-            state.kept.append((a, g))
+            # A lookup table's clipped sum comes from its factors (the entries and their gradient
+            # rows), which its norm needed anyway; other families keep the call's input.
+            state.kept.append((factors if factors.kind in _TABLE_KINDS else a, g))
         else:
             # Materialised per-sample gradients (the Gram matrices would be larger, or the layer
             # has none): the layer's grad sampler, e.g. a grouped-convolution weight gradient
@@ -395,6 +399,11 @@ class _GhostBookkeeping:
             sample_factors = factors[weight]
             row_factors = sample_factors.repeat_interleave(self.K)  # (N*K,)
             for a, g, calls in _stacked_calls(state.kept):
+                if isinstance(a, GhostFactors):
+                    total = _table_sum(a, sample_factors, dropped, weight)
+                    sums[weight] = total if weight not in sums else sums[weight] + total
+                    continue
+
                 def scale(g: torch.Tensor, calls: int = calls, row_factors: torch.Tensor = row_factors
                           ) -> torch.Tensor:
                     rows_dropped = row_dropped.repeat(calls) if row_dropped is not None else None
@@ -410,6 +419,26 @@ class _GhostBookkeeping:
                 sums[weight] = total if current is None else current + total
             state.kept = []
         return sums
+
+
+_TABLE_KINDS = (FactorKind.INDEX, FactorKind.KEYED)
+
+
+def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: torch.Tensor | None,
+               weight: torch.Tensor) -> torch.Tensor:
+    """``sum_n c_n grad_n`` of a lookup table from its INDEX or KEYED factors: each entry's gradient
+    row, scaled by its sample's factor (zero for a dropped sample: its rows may hold inf), added
+    into the entry's table row. The ``(V, d)`` sum, in the weight's dtype."""
+    if factors.kind is FactorKind.KEYED:
+        samples, rows, right = factors.left[0], factors.left[1], factors.right  # (M,), (M,), (M, d)
+    else:
+        tokens, right = factors.left, factors.right  # (N, T), (N, T, d)
+        samples = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(tokens).reshape(-1)
+        rows, right = tokens.reshape(-1), right.reshape(-1, right.shape[-1])  # (N*T,), (N*T, d)
+    scale = sample_factors.to(right.dtype)[samples][:, None]  # (M, 1)
+    scaled = right * scale if dropped is None else torch.where(dropped[samples][:, None], 0, right * scale)
+    total = right.new_zeros(weight.shape).index_add_(0, rows, scaled)  # (V, d)
+    return total.to(weight.dtype)
 
 
 def _stacked_calls(kept: list[tuple[Any, torch.Tensor]]) -> Iterator[tuple[Any, torch.Tensor, int]]:

@@ -127,15 +127,18 @@ def _lstm_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
                                       tuple[torch.Tensor, ...]]:
     """:func:`_loop` of an unmasked LSTM, with what it returns written in place: every step's
     results go straight into time-major ``(T, B, ·)`` buffers (``out=``), so a step is seven ops
-    (the input gates and the hidden bias enter through ``addmm``) and nothing is stacked after the
-    loop. The ``(B, T, ·)`` results are views of those buffers. Plain tensors only (not under
-    ``torch.func`` transforms, whose wrapped tensors cannot be written into plain buffers, nor
-    under autocast, which would change ``addmm``'s dtype)."""
+    (the gates buffer starts as input gates + hidden bias, and ``addmm_`` adds ``W_hh h``) and
+    nothing is stacked after the loop. The ``(B, T, ·)`` results are views of those buffers.
+    Plain tensors only (not under ``torch.func`` transforms, whose wrapped tensors cannot be
+    written into plain buffers, nor under autocast, which would change ``addmm``'s dtype)."""
     batch, steps, width = gx.shape
     hidden = width // 4
     forward = order.step > 0
-    x = (gx if bias is None else gx + bias).unbind(1)  # T x (B, 4H): input gates + hidden bias
-    gates = gx.new_empty(steps, batch, width)
+    gates = gx.new_empty(steps, batch, width)  # input gates + hidden bias, then + W_hh h step by step
+    if bias is None:
+        gates.copy_(gx.transpose(0, 1))
+    else:
+        torch.add(gx.transpose(0, 1), bias, out=gates)
     sig = gx.new_empty(steps, batch, width)
     cand = gx.new_empty(steps, batch, hidden)
     tanh_c = gx.new_empty(steps, batch, hidden)
@@ -148,7 +151,7 @@ def _lstm_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
     gates_t, sig_t, cand_t, tanh_t, h_t, c_t = (b.unbind(0) for b in (gates, sig, cand, tanh_c, hs, cs))
     for t in order:
         read, write = (t, t + 1) if forward else (t + 1, t)
-        torch.sigmoid(torch.addmm(x[t], h_t[read], weight_t, out=gates_t[t]), out=sig_t[t])
+        torch.sigmoid(gates_t[t].addmm_(h_t[read], weight_t), out=sig_t[t])
         torch.tanh(g_in[t], out=cand_t[t])
         torch.mul(f[t], c_t[read], out=c_t[write]).addcmul_(i[t], cand_t[t])
         torch.mul(o[t], torch.tanh(c_t[write], out=tanh_t[t]), out=h_t[write])
