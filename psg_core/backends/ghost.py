@@ -159,9 +159,10 @@ class _GhostBookkeeping:
                          for p in self._owners_left}  # (N,) each
         # (N, *shape) per-sample gradients of the parameters that are not ghost weights.
         self._materialised: dict[torch.Tensor, torch.Tensor] = {}
-        # The pass's Gram matrices, by the tensor they came from: layers fed one output gradient
-        # (a DP LSTM's ih and hh) compute its Gram once.
-        self._grams = TensorMemo()
+        # The latest output gradient's Gram matrix, by the tensor it came from: layers fed one
+        # output gradient (a DP LSTM's ih and hh, normed one after the other) compute it once;
+        # one held at a time (a long sequence's Gram is large).
+        self._grams = TensorMemo(capacity=1)
 
     def remove(self) -> None:
         """Removes the hooks and drops everything the pass held.

@@ -113,8 +113,8 @@ class GhostFactors:
     def sq_norms(self, dtype: torch.dtype, grams: TensorMemo | None = None) -> torch.Tensor:
         """``(N,)`` squared Frobenius norms of the per-sample weight gradients, from Gram matrices.
 
-        ``grams``: Gram matrices of one pass to reuse (layers fed the same output gradient, as a
-        DP LSTM's ``ih`` and ``hh``, compute its Gram once).
+        ``grams``: the output gradients' Gram matrices of one pass, to reuse (layers fed the same
+        output gradient, as a DP LSTM's ``ih`` and ``hh``, compute its Gram once).
 
         >>> a, g = torch.randn(2, 1, 5, 3), torch.randn(2, 1, 5, 4)
         >>> grads = g.transpose(-1, -2) @ a  # (N, 1, 4, 3)
@@ -124,15 +124,15 @@ class GhostFactors:
         right = self.right.to(dtype)
         if self.kind is FactorKind.KEYED:
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
-        def gram(rows: torch.Tensor) -> torch.Tensor:
+        def gram_of_right(rows: torch.Tensor) -> torch.Tensor:
             return _gram(rows) if grams is None else grams.get(rows, _gram)
 
         if self.kind is FactorKind.DOT:
-            gram_left = gram(self.left.to(dtype))  # (N, G, T, T)
-            gram_right = gram(right)  # (N, G, T, T)
+            gram_left = _gram(self.left.to(dtype))  # (N, G, T, T)
+            gram_right = gram_of_right(right)  # (N, G, T, T)
             return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
         same_token = self.left.unsqueeze(2) == self.left.unsqueeze(1)  # (N, T, T)
-        gram_right = gram(right)  # (N, T, T)
+        gram_right = gram_of_right(right)  # (N, T, T)
         return (gram_right * same_token).sum((1, 2)).clamp_min(0)
 
 

@@ -72,7 +72,7 @@ def test_shared_output_gradient_norms_equal_the_plain_ones() -> None:
         torch.testing.assert_close(got, want)
         explicit = (g.transpose(-1, -2) @ a).square().sum((1, 2, 3))
         torch.testing.assert_close(got, explicit, rtol=1e-4, atol=1e-4)
-    assert len(memo) == 3  # g's Gram once, each activation's once
+    assert len(memo) == 1  # g's Gram, computed once
 
 
 def test_dplstm_ghost_computes_the_gate_gradient_gram_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
