@@ -311,7 +311,7 @@ class _GhostBookkeeping:
             state.buffer.append(factors)
             # A lookup table's clipped sum comes from its factors (the entries and their gradient
             # rows), which its norm needed anyway; other families keep the call's input.
-            state.kept.append((factors if factors.kind in _TABLE_KINDS else a, g))
+            state.kept.append((factors if _sums_from_factors(factors, state.norm.weight(layer)) else a, g))
         else:
             # Materialised per-sample gradients (the Gram matrices would be larger, or the layer
             # has none): the layer's grad sampler, e.g. a grouped-convolution weight gradient
@@ -422,7 +422,12 @@ class _GhostBookkeeping:
         return sums
 
 
-_TABLE_KINDS = (FactorKind.INDEX, FactorKind.KEYED)
+def _sums_from_factors(factors: GhostFactors, weight: torch.Tensor | None) -> bool:
+    """Whether a weight's clipped sum comes from its factors (:func:`_table_sum`): a ``(V, d)``
+    lookup table with INDEX or KEYED factors of its rows; any other weight keeps its family's
+    ``weight_sum``."""
+    return (factors.kind in (FactorKind.INDEX, FactorKind.KEYED) and weight is not None and weight.dim() == 2
+            and factors.right.dim() >= 1 and weight.shape[1] == factors.right.shape[-1])
 
 
 def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: torch.Tensor | None,

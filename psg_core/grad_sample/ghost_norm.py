@@ -10,7 +10,9 @@ family says how its gradient factors, beside its grad sampler, with :func:`regis
   gradient, and the ``(N, *shape)`` per-sample gradients of the layer's other trainable
   parameters (a bias: small, so materialised);
 * ``weight_sum(layer, activation, backprop)``: the weight gradient summed over the rows, which
-  with ``backprop`` scaled row by row is the clipped sum ("book-keeping", Bu et al. 2023);
+  with ``backprop`` scaled row by row is the clipped sum ("book-keeping", Bu et al. 2023); a
+  ``(V, d)`` table whose factors are INDEX or KEYED gets its clipped sum from those factors
+  instead (each entry's row scaled and added into its table row: no second pass over the call);
 * ``positions(layer, activation, output, batch_dim)``: the factor rows one input row
   contributes (sequence length, convolution positions), known at the forward call;
 * ``is_cheaper(layer, positions)``: whether the Gram pair beats materialising the per-sample

@@ -6,7 +6,8 @@ Python overhead) made DPLSTM 2.5x slower than torch's fused kernel, so here:
 
 1. the forward loop runs without autograd (:func:`run`): per step one ``addmm`` with the
    pre-transposed hidden weight and a few pointwise ops; it keeps what the backward needs and
-   the state before every step, ``h_prev`` ``(B, T, H)``;
+   the state before every step, ``h_prev`` ``(B, T, H)`` (an unmasked LSTM, the common case,
+   writes every step straight into preallocated time-major buffers: :func:`_lstm_loop`);
 2. ``gh = hh(h_prev)`` is one hooked Linear call on that sequence: the same values the loop
    used, computed once more so that ``hh`` sits in the graph like any Linear (hooks, ghost,
    functorch and ExpandedWeights all see an ordinary ``(B, T, H) -> (B, T, G*H)`` call);

@@ -398,3 +398,38 @@ def test_a_sample_with_a_non_finite_gradient_is_dropped(mode: str, clipping: str
     for name, grad in result.grads.items():
         assert bool(torch.isfinite(grad).all()), name
         torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
+
+
+class _TableModel(nn.Module):
+    """A lookup table (Embedding or EmbeddingBag, mean over each row's tokens) and a linear head."""
+
+    def __init__(self, bag: bool) -> None:
+        super().__init__()
+        self.table: nn.Module = nn.EmbeddingBag(20, 4, mode="mean") if bag else nn.Embedding(20, 4)
+        self.bag = bag
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.table(tokens) if self.bag else self.table(tokens).mean(1)
+        return self.head(rows)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("bag", [False, True], ids=["embedding", "embedding_bag"])
+def test_a_table_sample_with_a_non_finite_gradient_is_dropped(mode: str, bag: bool, device: torch.device) -> None:
+    """A lookup table's clipped sum (ghost: from its entries and their gradient rows) leaves a
+    dropped sample's non-finite rows out, and keeps the others' exactly."""
+    torch.manual_seed(4)
+    model = _TableModel(bag).to(device)
+    tokens, y = torch.randint(0, 20, (8, 3)), torch.randn(8, 2)
+    tokens[2, 0] = tokens[0, 0]  # the dropped sample shares a table row with a kept one
+    y[2:4] = 3e38  # sample 1 of 4 (K = 2): its output gradient overflows
+    tokens, y = tokens.to(device), y.to(device)
+    config = DPConfig(mode=mode, augmentation_multiplicity=2, max_grad_norm=0.5)
+    result = dp_gradient(model, tokens, y, loss_fn=nn.MSELoss(), config=config)
+    keep = torch.tensor([True, True, False, False, True, True, True, True], device=device)
+    expected = dp_gradient(model, tokens[keep], y[keep], loss_fn=nn.MSELoss(), config=config)
+    assert result.num_dropped == 1
+    for name, grad in result.grads.items():
+        assert bool(torch.isfinite(grad).all()), name
+        torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
