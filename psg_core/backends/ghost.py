@@ -110,6 +110,8 @@ class _Call:
 
 @dataclass
 class _LayerState:
+    #: the layer's own parameters (read once per pass, not per call)
+    params: tuple[torch.Tensor, ...] = ()
     calls: list[_Call] = field(default_factory=list)
     arrived: int = 0
     ghost: bool | None = None  # decided at the first backward of the layer
@@ -140,9 +142,10 @@ class _GhostBookkeeping:
         self._owner_layers: dict[torch.Tensor, list[nn.Module]] = {}
         self._handles: list[Any] = []
         for _, layer in module.named_modules():
-            own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+            params = tuple(layer.parameters(recurse=False))
+            own = [p for p in params if p.requires_grad]
             if own:
-                self._layers[layer] = _LayerState()
+                self._layers[layer] = _LayerState(params=params)
                 for p in own:
                     self._owners_left[p] = self._owners_left.get(p, 0) + 1
                     self._owner_layers.setdefault(p, []).append(layer)
@@ -322,8 +325,7 @@ class _GhostBookkeeping:
             for param, grad_sample in grad_samples.items():
                 if param.requires_grad:
                     self._add(param, grad_sample)
-        if state.arrived == len(state.calls) and not any(p in self._via_meetings
-                                                         for p in layer.parameters(recurse=False)):
+        if state.arrived == len(state.calls) and not any(p in self._via_meetings for p in state.params):
             self.finish_layer(layer)
 
     def _add(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
@@ -345,7 +347,7 @@ class _GhostBookkeeping:
                 self._shared_factors.setdefault(weight, []).append((cast(WeightLayout, norm.layout), factors))
             else:
                 self.sq_norms[weight] += factors.sq_norms(self.norm_dtype, self._grams)
-        for param in layer.parameters(recurse=False):
+        for param in state.params:
             if not param.requires_grad:
                 continue
             self._owners_left[param] -= 1
