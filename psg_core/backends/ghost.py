@@ -314,7 +314,7 @@ class _GhostBookkeeping:
             state.buffer.append(factors)
             # A lookup table's clipped sum comes from its factors (the entries and their gradient
             # rows), which its norm needed anyway; other families keep the call's input.
-            state.kept.append((factors if _sums_from_factors(factors, state.norm.weight(layer)) else a, g))
+            state.kept.append((factors if state.norm.sums_from_factors else a, g))
         else:
             # Materialised per-sample gradients (the Gram matrices would be larger, or the layer
             # has none): the layer's grad sampler, e.g. a grouped-convolution weight gradient
@@ -406,17 +406,14 @@ class _GhostBookkeeping:
                     total = _table_sum(a, sample_factors, dropped, weight)
                     sums[weight] = total if weight not in sums else sums[weight] + total
                     continue
-
-                def scale(g: torch.Tensor, calls: int = calls, row_factors: torch.Tensor = row_factors
-                          ) -> torch.Tensor:
-                    rows_dropped = row_dropped.repeat(calls) if row_dropped is not None else None
-                    return zero_dropped(g, rows_dropped) \
-                        * row_factors.repeat(calls).view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
-
-                scaled = scaled_grads.get(g, scale, id(sample_factors), calls)
-                if row_dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
+                assert norm.weight_sum is not None  # every family but the tables has one
+                rows_dropped = None if row_dropped is None else row_dropped.repeat(calls)
+                scaled = scaled_grads.get(g, functools.partial(_scale_rows, factors=row_factors.repeat(calls),
+                                                               dropped=rows_dropped),
+                                          id(sample_factors), calls)
+                if rows_dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
                     # an overflowing input row: inf * 0 would be NaN
-                    a = zero_dropped(a, row_dropped.repeat(calls))
+                    a = zero_dropped(a, rows_dropped)
                 total = norm.weight_sum(layer, a, scaled)
                 current = sums.get(weight)
                 sums[weight] = total if current is None else current + total
@@ -424,17 +421,15 @@ class _GhostBookkeeping:
         return sums
 
 
-def _sums_from_factors(factors: GhostFactors, weight: torch.Tensor | None) -> bool:
-    """Whether a weight's clipped sum comes from its factors (:func:`_table_sum`): a ``(V, d)``
-    lookup table with INDEX or KEYED factors of its rows; any other weight keeps its family's
-    ``weight_sum``."""
-    return (factors.kind in (FactorKind.INDEX, FactorKind.KEYED) and weight is not None and weight.dim() == 2
-            and factors.right.dim() >= 1 and weight.shape[1] == factors.right.shape[-1])
+def _scale_rows(g: torch.Tensor, *, factors: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:
+    """Output-gradient rows ``(R, ...)`` scaled by their ``(R,)`` factors (a dropped row zeroed)."""
+    return zero_dropped(g, dropped) * factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
 
 
 def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: torch.Tensor | None,
                weight: torch.Tensor) -> torch.Tensor:
-    """``sum_n c_n grad_n`` of a lookup table from its INDEX or KEYED factors: each entry's gradient
+    """``sum_n c_n grad_n`` of a lookup table from its INDEX or KEYED factors (a family with a
+    table layout, :attr:`GhostNormEntry.sums_from_factors`): each entry's gradient
     row, scaled by its sample's factor (zero for a dropped sample: its rows may hold inf), added
     into the entry's table row. The ``(V, d)`` sum, in the weight's dtype."""
     if factors.kind is FactorKind.KEYED:

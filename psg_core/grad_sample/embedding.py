@@ -85,18 +85,7 @@ def _embedding_positions(layer: nn.Embedding, tokens: torch.Tensor, output: Any,
     return tokens.numel() // max(1, tokens.shape[batch_dim])
 
 
-def _embedding_weight_sum(layer: nn.Embedding, tokens: torch.Tensor, backprop: torch.Tensor) -> torch.Tensor:
-    """``(V, d)``: the table's gradient summed over every row of the call."""
-    flat = tokens.reshape(-1)  # (rows*T,)
-    out = backprop.new_zeros(layer.weight.shape)  # (V, d)
-    out.index_add_(0, flat, backprop.reshape(flat.shape[0], -1))
-    if layer.padding_idx is not None:
-        out[layer.padding_idx] = 0
-    return out.to(layer.weight.dtype)
-
-
-@register_ghost_norm(nn.Embedding, weight_sum=_embedding_weight_sum, positions=_embedding_positions,
-                     layout=WeightLayout.TABLE)
+@register_ghost_norm(nn.Embedding, positions=_embedding_positions, layout=WeightLayout.TABLE)
 def embedding_ghost_factors(layer: nn.Embedding, tokens: torch.Tensor, backprop: torch.Tensor,
                             K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """Sample n's token ids and output gradients over its ``K*T`` rows (padding rows zeroed).
@@ -264,14 +253,7 @@ def _bag_positions(layer: nn.EmbeddingBag, tokens: torch.Tensor, output: Any, ba
     return None if layer.mode == "max" else 1
 
 
-def _bag_weight_sum(layer: nn.EmbeddingBag, call: Any, backprop: torch.Tensor) -> torch.Tensor:
-    """``(V, d)``: the table's gradient summed over the call's bags (as torch's backward)."""
-    tokens, _, values, _ = _bag_entries(layer, call.args, call.kwargs, backprop)
-    out = values.new_zeros(layer.weight.shape).index_add_(0, tokens, values)  # (V, d)
-    return out.to(layer.weight.dtype)
-
-
-@register_ghost_norm(nn.EmbeddingBag, weight_sum=_bag_weight_sum, positions=_bag_positions,
+@register_ghost_norm(nn.EmbeddingBag, positions=_bag_positions,
                      is_cheaper=lambda layer, positions: True, whole_call=True, layout=WeightLayout.KEYED_TABLE)
 def embedding_bag_ghost_factors(layer: nn.EmbeddingBag, call: Any, backprop: torch.Tensor,
                                 K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:

@@ -10,9 +10,9 @@ family says how its gradient factors, beside its grad sampler, with :func:`regis
   gradient, and the ``(N, *shape)`` per-sample gradients of the layer's other trainable
   parameters (a bias: small, so materialised);
 * ``weight_sum(layer, activation, backprop)``: the weight gradient summed over the rows, which
-  with ``backprop`` scaled row by row is the clipped sum ("book-keeping", Bu et al. 2023); a
-  ``(V, d)`` table whose factors are INDEX or KEYED gets its clipped sum from those factors
-  instead (each entry's row scaled and added into its table row: no second pass over the call);
+  with ``backprop`` scaled row by row is the clipped sum ("book-keeping", Bu et al. 2023); not
+  needed by a lookup table (layout ``TABLE`` or ``KEYED_TABLE``), whose clipped sum comes from
+  the factors its norm used (each entry's row scaled and added into its table row);
 * ``positions(layer, activation, output, batch_dim)``: the factor rows one input row
   contributes (sequence length, convolution positions), known at the forward call;
 * ``is_cheaper(layer, positions)``: whether the Gram pair beats materialising the per-sample
@@ -43,8 +43,8 @@ from torch import nn
 from psg_core.errors import ConfigError
 from psg_core.grad_sample._type_registry import LayerKey, LayerTypeRegistry
 
-__all__ = ["FactorKind", "GhostFactors", "GhostNormEntry", "TensorMemo", "GhostNormRegistry", "GHOST_NORMS", "WeightLayout",
-           "can_share", "register_ghost_norm", "shared_sq_norms"]
+__all__ = ["FactorKind", "GhostFactors", "GhostNormEntry", "GhostNormRegistry", "GHOST_NORMS", "TensorMemo",
+           "WeightLayout", "can_share", "register_ghost_norm", "shared_sq_norms"]
 
 
 class FactorKind(enum.Enum):
@@ -126,15 +126,11 @@ class GhostFactors:
         right = self.right.to(dtype)
         if self.kind is FactorKind.KEYED:
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
-        def gram_of_right(rows: torch.Tensor) -> torch.Tensor:
-            return _gram(rows) if grams is None else grams.get(rows, _gram)
-
+        gram_right = _gram(right) if grams is None else grams.get(right, _gram)  # (N, [G,] T, T)
         if self.kind is FactorKind.DOT:
             gram_left = _gram(self.left.to(dtype))  # (N, G, T, T)
-            gram_right = gram_of_right(right)  # (N, G, T, T)
             return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
         same_token = self.left.unsqueeze(2) == self.left.unsqueeze(1)  # (N, T, T)
-        gram_right = gram_of_right(right)  # (N, T, T)
         return (gram_right * same_token).sum((1, 2)).clamp_min(0)
 
 
@@ -233,6 +229,10 @@ class WeightLayout(enum.Enum):
         if self is WeightLayout.TABLE:
             return FactorKind.INDEX
         return FactorKind.KEYED if self is WeightLayout.KEYED_TABLE else FactorKind.DOT
+
+
+#: The layouts of lookup tables, whose clipped sums come from their factors.
+_TABLE_LAYOUTS = (WeightLayout.TABLE, WeightLayout.KEYED_TABLE)
 
 
 def can_share(layouts: Sequence[WeightLayout | None]) -> bool:
@@ -389,7 +389,8 @@ class GhostNormEntry:
 
     fn: FactorFn
     layer_type: type[nn.Module]
-    weight_sum: WeightSumFn
+    #: None for a lookup table (its clipped sum comes from its factors: :attr:`sums_from_factors`).
+    weight_sum: WeightSumFn | None
     positions: PositionsFn
     cost_rule: CostRule | None = None
     #: the attribute holding the parameter the factors describe.
@@ -401,6 +402,12 @@ class GhostNormEntry:
     whole_call: bool = False
     #: where the factors lie in the weight (None: a shared weight is materialised).
     layout: WeightLayout | None = None
+
+    @property
+    def sums_from_factors(self) -> bool:
+        """A lookup table (layout ``TABLE`` or ``KEYED_TABLE``): its clipped sum comes from the
+        factors of its norm, not from a ``weight_sum``."""
+        return self.layout in _TABLE_LAYOUTS
 
     def weight(self, layer: nn.Module) -> torch.Tensor | None:
         """The parameter whose norm the factors give (None if the layer has none)."""
@@ -429,15 +436,17 @@ class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
     def __init__(self) -> None:
         super().__init__(what="ghost norm", decorator="register_ghost_norm")
 
-    def register(self, *layer_types: LayerKey, weight_sum: WeightSumFn, positions: PositionsFn,
+    def register(self, *layer_types: LayerKey, weight_sum: WeightSumFn | None = None, positions: PositionsFn,
                  is_cheaper: CostRule | None = None, parameter: str = "weight",
                  replace: bool = False, choose: ChooseFn | None = None,
                  whole_call: bool = False, layout: WeightLayout | None = None) -> Callable[[_Factors], _Factors]:
         """Decorator registering a factor function; see :func:`register_ghost_norm`."""
         self.check_keys(layer_types)
-        for name, piece in (("weight_sum", weight_sum), ("positions", positions)):
-            if not callable(piece):
-                raise ConfigError(f"register_ghost_norm: {name} must be callable, got {piece!r}")
+        if not callable(positions):
+            raise ConfigError(f"register_ghost_norm: positions must be callable, got {positions!r}")
+        if not callable(weight_sum) and not (weight_sum is None and layout in _TABLE_LAYOUTS):
+            raise ConfigError(f"register_ghost_norm: weight_sum must be callable (only a lookup table, layout "
+                              f"TABLE or KEYED_TABLE, may leave it out), got {weight_sum!r}")
         for name, optional in (("is_cheaper", is_cheaper), ("choose", choose)):
             if optional is not None and not callable(optional):
                 raise ConfigError(f"register_ghost_norm: {name} must be callable or None, got {optional!r}")
@@ -459,7 +468,7 @@ class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
 GHOST_NORMS = GhostNormRegistry()
 
 
-def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positions: PositionsFn,
+def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn | None = None, positions: PositionsFn,
                         is_cheaper: CostRule | None = None, parameter: str = "weight",
                         replace: bool = False, choose: ChooseFn | None = None,
                         whole_call: bool = False, layout: WeightLayout | None = None
@@ -477,6 +486,8 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn, positio
         layer_types: ``nn.Module`` subclasses, or dotted names ``"package.module.Class"``.
         weight_sum: ``(layer, activation, backprop) -> weight.shape``, the weight gradient
             summed over all rows (``backprop`` arrives scaled by each row's clipping factor).
+            A lookup table (``layout`` ``TABLE`` or ``KEYED_TABLE``) leaves it out: its clipped
+            sum comes from its factors, each entry's row scaled and added into its table row.
         positions: ``(layer, activation, output, batch_dim) -> int | None``, the factor rows T
             one input row contributes (None: no ghost norm for this call).
         is_cheaper: ``(layer, positions) -> bool``; default ``2 * positions**2 <= weight.numel()``.

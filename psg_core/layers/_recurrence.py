@@ -224,8 +224,9 @@ def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: S
         else:
             dh_next = torch.mm(dg[t], weight)
         if valid is not None:
-            dh_next = torch.addcmul(dh_next, dh, 1.0 - valid[t])
-            dc_next = torch.addcmul(dc_next, dc, 1.0 - valid[t])
+            passes = 1.0 - valid[t]
+            dh_next = torch.addcmul(dh_next, dh, passes)
+            dc_next = torch.addcmul(dc_next, dc, passes)
         dh, dc = dh_next, dc_next
     return (dgates.view(batch, steps, 4 * hidden) if dgates is not None else _stack(dg)), dh, dc
 

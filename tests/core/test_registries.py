@@ -11,6 +11,7 @@ from torch import nn
 
 from psg_core import GHOST_NORMS, GRAD_SAMPLERS, ConfigError, GhostFactors
 from psg_core.grad_sample import GhostNormRegistry, GradSamplerRegistry
+from psg_core.grad_sample.ghost_norm import WeightLayout
 
 
 def test_builtin_sampler_options_are_declared() -> None:
@@ -135,6 +136,11 @@ def test_ghost_norm_registry_rules() -> None:
         registry.register(nn.Embedding, weight_sum=None, positions=positions)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="parameter"):
         registry.register(nn.Embedding, weight_sum=weight_sum, positions=positions, parameter="")
+    # A lookup table needs no weight_sum: its clipped sum comes from its factors.
+    registry.register(nn.Embedding, positions=positions, layout=WeightLayout.TABLE)(factors)
+    table = registry.lookup(nn.Embedding(5, 2))
+    assert table is not None and table.weight_sum is None and table.sums_from_factors
+    assert not entry.sums_from_factors
     with pytest.raises(ConfigError, match="GhostFactors.dot"):
         GhostFactors.dot(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 5, 4))
     with pytest.raises(ConfigError, match="GhostFactors.index"):
