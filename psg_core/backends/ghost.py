@@ -136,7 +136,7 @@ class _GhostBookkeeping:
         self._via_meetings: set[torch.Tensor] = set()
         self._in_backward = False  # the gradient hooks act only inside backward()
         self._suspended = False
-        self._names = {id(m): f"'{p or '<root>'}' ({type(m).__qualname__})" for p, m in module.named_modules()}
+        self._module = module
         self._layers: dict[nn.Module, _LayerState] = {}
         self._owners_left: dict[torch.Tensor, int] = {}  # counts down as owning layers finish
         self._owner_layers: dict[torch.Tensor, list[nn.Module]] = {}
@@ -158,14 +158,20 @@ class _GhostBookkeeping:
         self.edges: list[GradientEdge] = []
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._owners_left), torch.float32)
         self.norm_dtype = dtype
-        self.sq_norms = {p: torch.zeros(self.num_samples, dtype=dtype, device=p.device)
-                         for p in self._owners_left}  # (N,) each
+        # (N,) per parameter, summed as the contributions come (a parameter no call reached has
+        # none: zero norm, see sq_norm).
+        self.sq_norms: dict[torch.Tensor, torch.Tensor] = {}
         # (N, *shape) per-sample gradients of the parameters that are not ghost weights.
         self._materialised: dict[torch.Tensor, torch.Tensor] = {}
         # The latest output gradient's Gram matrix, by the tensor it came from: layers fed one
         # output gradient (a DP LSTM's ih and hh, normed one after the other) compute it once;
         # one held at a time (a long sequence's Gram is large).
         self._grams = TensorMemo(capacity=1)
+
+    def _name(self, layer: nn.Module) -> str:
+        """``'path' (Type)`` of a layer, for messages (looked up only when one is written)."""
+        path = next((p for p, m in self._module.named_modules() if m is layer), "?")
+        return f"'{path or '<root>'}' ({type(layer).__qualname__})"
 
     def remove(self) -> None:
         """Removes the hooks and drops everything the pass held.
@@ -205,7 +211,7 @@ class _GhostBookkeeping:
         captured, outputs = capture
         if captured.rows != self.rows:
             raise BatchLayoutError(
-                f"{_WHERE}: module {self._names[id(layer)]} was called with {captured.rows} rows on its batch "
+                f"{_WHERE}: module {self._name(layer)} was called with {captured.rows} rows on its batch "
                 f"dimension {captured.batch_dim}, but the batch has {self.rows} (N*K); the ghost backend needs "
                 "every layer with trainable parameters to see the batch's rows")
         # Gram factors need the layer's one output gradient and its rows on the batch axis.
@@ -299,7 +305,7 @@ class _GhostBookkeeping:
     def _norm_contribution(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
         layer, state = call.layer, self._layers[call.layer]
         if state.done:
-            raise ConfigError(f"{_WHERE}: module {self._names[id(layer)]} received gradients after its "
+            raise ConfigError(f"{_WHERE}: module {self._name(layer)} received gradients after its "
                               "norms were computed; the model must be backpropagated once per pass")
         state.arrived += 1
         if state.ghost is None:
@@ -320,13 +326,23 @@ class _GhostBookkeeping:
             # has none): the layer's grad sampler, e.g. a grouped-convolution weight gradient
             # for a convolution rather than its unfolded patches.
             grad_samples = call_grad_samples(call.captured, grads, self.K,
-                                             where=f"{_WHERE} (module {self._names[id(layer)]})",
+                                             where=f"{_WHERE} (module {self._name(layer)})",
                                              suspend=self._suspend())
             for param, grad_sample in grad_samples.items():
                 if param.requires_grad:
                     self._add(param, grad_sample)
         if state.arrived == len(state.calls) and not any(p in self._via_meetings for p in state.params):
             self.finish_layer(layer)
+
+    def _add_sq_norm(self, param: torch.Tensor, sq_norm: torch.Tensor) -> None:
+        current = self.sq_norms.get(param)
+        sq_norm = sq_norm.to(self.norm_dtype)
+        self.sq_norms[param] = sq_norm if current is None else current + sq_norm
+
+    def sq_norm(self, param: torch.Tensor) -> torch.Tensor:
+        """``(N,)`` squared norms of ``param``'s per-sample gradients (zeros where no call reached it)."""
+        current = self.sq_norms.get(param)
+        return torch.zeros(self.num_samples, dtype=self.norm_dtype, device=param.device) if current is None else current
 
     def _add(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
         current = self._materialised.get(param)
@@ -346,18 +362,18 @@ class _GhostBookkeeping:
             if self._owners[weight] > 1:  # normed with the other owners' once they are in
                 self._shared_factors.setdefault(weight, []).append((cast(WeightLayout, norm.layout), factors))
             else:
-                self.sq_norms[weight] += factors.sq_norms(self.norm_dtype, self._grams)
+                self._add_sq_norm(weight, factors.sq_norms(self.norm_dtype, self._grams))
         for param in state.params:
             if not param.requires_grad:
                 continue
             self._owners_left[param] -= 1
             shared = self._shared_factors.pop(param, None) if self._owners_left[param] == 0 else None
             if shared:
-                self.sq_norms[param] += shared_sq_norms(shared, param.shape, self.norm_dtype)
+                self._add_sq_norm(param, shared_sq_norms(shared, param.shape, self.norm_dtype))
             grad_sample = self._materialised.get(param) if self._owners_left[param] == 0 else None
             if grad_sample is not None:
                 flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)
-                self.sq_norms[param] += torch.linalg.vector_norm(flat, dim=1, dtype=self.norm_dtype).square()
+                self._add_sq_norm(param, torch.linalg.vector_norm(flat, dim=1, dtype=self.norm_dtype).square())
 
     def backward(self, total_loss: torch.Tensor) -> None:
         """The one backward pass: ``total_loss`` through the hooked outputs only (no parameter
@@ -390,7 +406,6 @@ class _GhostBookkeeping:
             flat = zero_dropped(grad_sample.reshape(self.num_samples, -1), dropped)  # (N, numel)
             sums[param] = (weights @ flat).view(param.shape)
         self._materialised = {}
-        row_dropped = None if dropped is None else dropped.repeat_interleave(self.K)  # (N*K,)
         # Output gradients scaled by their rows' factors, by (gradient, factors): layers fed one
         # output gradient (a DP LSTM's ih and hh) under one factor vector scale it once.
         scaled_grads = TensorMemo(capacity=1)
@@ -400,20 +415,18 @@ class _GhostBookkeeping:
             if not state.kept or norm is None or weight is None:
                 continue
             sample_factors = factors[weight]
-            row_factors = sample_factors.repeat_interleave(self.K)  # (N*K,)
             for a, g, calls in _stacked_calls(state.kept):
                 if isinstance(a, GhostFactors):
                     total = _table_sum(a, sample_factors, dropped, weight)
                     sums[weight] = total if weight not in sums else sums[weight] + total
                     continue
                 assert norm.weight_sum is not None  # every family but the tables has one
-                rows_dropped = None if row_dropped is None else row_dropped.repeat(calls)
-                scaled = scaled_grads.get(g, functools.partial(_scale_rows, factors=row_factors.repeat(calls),
-                                                               dropped=rows_dropped),
+                scaled = scaled_grads.get(g, functools.partial(_scale_rows, factors=sample_factors, K=self.K,
+                                                               calls=calls, dropped=dropped),
                                           id(sample_factors), calls)
-                if rows_dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
+                if dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
                     # an overflowing input row: inf * 0 would be NaN
-                    a = zero_dropped(a, rows_dropped)
+                    a = zero_dropped(a, dropped.repeat_interleave(self.K).repeat(calls))  # (calls*N*K,)
                 total = norm.weight_sum(layer, a, scaled)
                 current = sums.get(weight)
                 sums[weight] = total if current is None else current + total
@@ -421,9 +434,17 @@ class _GhostBookkeeping:
         return sums
 
 
-def _scale_rows(g: torch.Tensor, *, factors: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:
-    """Output-gradient rows ``(R, ...)`` scaled by their ``(R,)`` factors (a dropped row zeroed)."""
-    return zero_dropped(g, dropped) * factors.view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
+def _scale_rows(g: torch.Tensor, *, factors: torch.Tensor, K: int, calls: int, dropped: torch.Tensor | None
+                ) -> torch.Tensor:
+    """Output-gradient rows ``(calls*N*K, ...)`` (``calls`` stacked calls, each ``N*K`` rows sample
+    by sample) scaled by their sample's factor from ``(N,)`` ``factors`` (a dropped sample's rows
+    zeroed): broadcast over a view that splits the rows, never a per-row copy of the factors."""
+    samples = factors.shape[0]
+    rows = g.unflatten(0, (calls, samples, K))  # a view: splitting one axis needs no copy
+    shape = (1, samples, 1) + (1,) * (g.dim() - 1)
+    if dropped is not None:
+        rows = torch.where(dropped.view(shape), torch.zeros((), dtype=g.dtype, device=g.device), rows)
+    return (rows * factors.view(shape).to(g.dtype)).flatten(0, 2)
 
 
 def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: torch.Tensor | None,
@@ -472,7 +493,9 @@ def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter
                   loss_scale: float = 1.0) -> tuple[dict[torch.Tensor, torch.Tensor], torch.Tensor, int]:
     """Each parameter's ``(N,)`` clipping factors, the ``(N,)`` total norms and the clip count."""
     names = list(params)
-    layer_norms = torch.stack([bookkeeping.sq_norms[params[n]] for n in names], 1).sqrt() / loss_scale  # (N, P)
+    layer_norms = torch.stack([bookkeeping.sq_norm(params[n]) for n in names], 1).sqrt()  # (N, P)
+    if loss_scale != 1.0:
+        layer_norms = layer_norms / loss_scale
     factors, norms, clipped = clip_factors(layer_norms, names, max_grad_norm=config.max_grad_norm,
                                            clipping=config.clipping,
                                            per_layer_max_grad_norms=config.per_layer_max_grad_norms)

@@ -135,7 +135,10 @@ class GhostFactors:
 
 
 def _gram(rows: torch.Tensor) -> torch.Tensor:
-    """``(..., T, T)`` inner products of the last axis' ``T`` rows."""
+    """``(..., T, T)`` inner products of the last axis' ``T`` rows (one row, as a Linear layer on
+    ``(N, d)`` inputs has: its squared norm, without a batched matmul of 1 x 1 products)."""
+    if rows.shape[-2] == 1:
+        return (rows * rows).sum(-1, keepdim=True)  # (..., 1, 1)
     return rows @ rows.transpose(-1, -2)
 
 

@@ -184,15 +184,25 @@ def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: S
     sig, cand, c_prev, tanh_c = (t.transpose(0, 1) for t in saved)  # (T, B, ·) views
     steps, batch, hidden = cand.shape
     i, f, o = sig[..., :hidden], sig[..., hidden:2 * hidden], sig[..., 3 * hidden:]
-    # d gates_{i,f,g} = dc_new * from_c, d gates_o = dh_new * from_h, dc_new = dc + dh_new * to_c.
-    to_c = (o * (1.0 - tanh_c * tanh_c)).unbind(0)  # T x (B, H)
-    from_c = torch.stack([cand * i * (1.0 - i), c_prev * f * (1.0 - f), i * (1.0 - cand * cand)],
-                         dim=2).unbind(0)  # T x (B, 3, H)
-    from_h = (tanh_c * o * (1.0 - o)).unbind(0)  # T x (B, H)
-    forget = f.unbind(0)
-    # Written in place into one buffer, but for tensors of a torch.func transform (grad's backward
+    # Written in place into buffers, but for tensors of a torch.func transform (grad's backward
     # runs with a graph one level up, and out= ops do not differentiate): those are stacked.
     in_place = not any(_wrapped(t) or t.requires_grad for t in (d_out, dh, dc, weight, *saved))
+    # d gates_{i,f,g} = dc_new * from_c, d gates_o = dh_new * from_h, dc_new = dc + dh_new * to_c.
+    if in_place:  # s' = s - s*s once for the i, f (adjacent) and o gates; from_c written in place
+        d_if = torch.addcmul(sig[..., :2 * hidden], sig[..., :2 * hidden], sig[..., :2 * hidden], value=-1.0)
+        from_c_all = cand.new_empty(steps, batch, 3, hidden)
+        torch.mul(cand, d_if[..., :hidden], out=from_c_all[:, :, 0])
+        torch.mul(c_prev, d_if[..., hidden:], out=from_c_all[:, :, 1])
+        torch.addcmul(i, i, cand * cand, value=-1.0, out=from_c_all[:, :, 2])  # i (1 - g^2)
+        to_c = torch.addcmul(o, o, tanh_c * tanh_c, value=-1.0).unbind(0)  # T x (B, H)
+        from_c = from_c_all.unbind(0)  # T x (B, 3, H)
+        from_h = (tanh_c * torch.addcmul(o, o, o, value=-1.0)).unbind(0)  # T x (B, H)
+    else:
+        to_c = (o * (1.0 - tanh_c * tanh_c)).unbind(0)
+        from_c = torch.stack([cand * i * (1.0 - i), c_prev * f * (1.0 - f), i * (1.0 - cand * cand)],
+                             dim=2).unbind(0)
+        from_h = (tanh_c * o * (1.0 - o)).unbind(0)
+    forget = f.unbind(0)
     dgates = cand.new_empty(batch, steps, 4, hidden) if in_place else None
     dg: list[torch.Tensor] = (list(dgates.view(batch, steps, 4 * hidden).unbind(1)) if dgates is not None
                               else [dh] * steps)  # T x (B, 4H)

@@ -433,3 +433,35 @@ def test_a_table_sample_with_a_non_finite_gradient_is_dropped(mode: str, bag: bo
     for name, grad in result.grads.items():
         assert bool(torch.isfinite(grad).all()), name
         torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
+
+
+class _TwiceModel(nn.Module):
+    """One Linear called twice on a sequence, so ghost stacks its two calls' rows for the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(32, 32)  # wide enough for its Gram matrices to be the cheaper norm
+        self.head = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (rows, 32) -> (rows, 2)
+        return self.head(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_dropped_sample_of_a_layer_called_twice_leaves_the_other_rows_exact(mode: str, device: torch.device) -> None:
+    """Ghost scales the stacked rows of a layer's calls (calls x N x K rows) by their sample's
+    factor: a dropped sample's rows are zeroed in every call, the other samples' sums are kept."""
+    torch.manual_seed(5)
+    model = _TwiceModel().to(device)
+    x, y = torch.randn(12, 32), torch.randn(12, 2)
+    y[3:6] = 3e38  # sample 1 of 4 (K = 3): its output gradient overflows
+    x, y = x.to(device), y.to(device)
+    config = DPConfig(mode=mode, augmentation_multiplicity=3, max_grad_norm=0.5)
+    result = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
+    keep = torch.ones(12, dtype=torch.bool, device=device)
+    keep[3:6] = False
+    expected = dp_gradient(model, x[keep], y[keep], loss_fn=nn.MSELoss(), config=config)
+    assert result.num_dropped == 1 and result.num_samples == 4
+    for name, grad in result.grads.items():
+        assert bool(torch.isfinite(grad).all()), name
+        torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
