@@ -19,7 +19,7 @@ import torch
 
 from psg_core.errors import ConfigError
 
-__all__ = ["add_noise", "check_noise_arguments", "secure_generator", "secure_normal"]
+__all__ = ["add_noise", "add_noise_", "check_noise_arguments", "secure_generator", "secure_normal"]
 
 
 def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
@@ -141,19 +141,46 @@ def add_noise(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, sen
                                          max_grad_norm=max_grad_norm)
     if sigma == 0.0:
         return {name: grad.clone() for name, grad in grads.items()}
-    std = sigma * bound
     out = {}
     for name, grad in grads.items():
-        work_dtype = torch.promote_types(grad.dtype, torch.float32)
-        if secure_rng:
-            noise = secure_normal(tuple(grad.shape), std=std, dtype=work_dtype)  # (*shape)
-        else:
-            noise_device = generator.device if generator is not None else grad.device
-            noise = torch.normal(0.0, std, size=tuple(grad.shape), generator=generator,
-                                 dtype=work_dtype, device=noise_device)  # (*shape)
-        noise = noise.to(grad.device)
-        if grad.dtype == work_dtype:
+        noise = _draw(grad, sigma * bound, generator, secure_rng)  # (*shape)
+        if grad.dtype == noise.dtype:
             out[name] = noise.add_(grad)  # the fresh noise tensor holds the sum: no second (*shape) buffer
         else:
-            out[name] = (grad.to(work_dtype) + noise).to(grad.dtype)
+            out[name] = (grad.to(noise.dtype) + noise).to(grad.dtype)
     return out
+
+
+def add_noise_(grads: Mapping[str, torch.Tensor], *, noise_multiplier: float, sensitivity: float,
+               generator: torch.Generator | None = None, secure_rng: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`add_noise` written into ``grads``' own tensors (returned): the same noise, drawn in
+    the same order, and bit for bit the same values, with no second parameter-sized buffer per
+    tensor (the noise is added where the sum is, instead of the sum copied onto the noise).
+
+    >>> grads = {"w": torch.zeros(4)}
+    >>> add_noise_(grads, noise_multiplier=1.0, sensitivity=1.0, generator=torch.Generator().manual_seed(0))["w"] is grads["w"]
+    True
+    """
+    sigma, bound = check_noise_arguments(grads, noise_multiplier=noise_multiplier, sensitivity=sensitivity,
+                                         generator=generator, secure_rng=secure_rng)
+    if sigma != 0.0:
+        for grad in grads.values():
+            noise = _draw(grad, sigma * bound, generator, secure_rng)  # (*shape)
+            if grad.dtype == noise.dtype:
+                grad.add_(noise)
+            else:
+                grad.copy_(grad.to(noise.dtype) + noise)
+    return dict(grads)
+
+
+def _draw(grad: torch.Tensor, std: float, generator: torch.Generator | None, secure_rng: bool) -> torch.Tensor:
+    """Gaussian noise for ``grad``: in (at least) fp32, drawn on the generator's device (or from the
+    OS, ``secure_rng``), then on ``grad``'s device."""
+    work_dtype = torch.promote_types(grad.dtype, torch.float32)
+    if secure_rng:
+        noise = secure_normal(tuple(grad.shape), std=std, dtype=work_dtype)  # (*shape)
+    else:
+        noise_device = generator.device if generator is not None else grad.device
+        noise = torch.normal(0.0, std, size=tuple(grad.shape), generator=generator,
+                             dtype=work_dtype, device=noise_device)  # (*shape)
+    return noise.to(grad.device)

@@ -30,7 +30,7 @@ from psg_core.accounting import PrivacyAccountant
 from psg_core.config import DPConfig
 from psg_core.dp import l2_sensitivity
 from psg_core.modes import LossReduction
-from psg_core.noise import add_noise, check_noise_arguments
+from psg_core.noise import add_noise, add_noise_, check_noise_arguments
 
 __all__ = ["PrivacyStep"]
 
@@ -88,9 +88,9 @@ class PrivacyStep:
                                                  secure_rng=secure_rng)
             if sigma == 0.0:
                 return {name: grad.div_(self.normaliser) for name, grad in clipped_sum.items()}
-            noised = add_noise(clipped_sum, noise_multiplier=sigma, sensitivity=bound, generator=generator,
-                               secure_rng=secure_rng)
-            return {name: clipped_sum[name].copy_(grad).div_(self.normaliser) for name, grad in noised.items()}
+            noised = add_noise_(clipped_sum, noise_multiplier=sigma, sensitivity=bound, generator=generator,
+                                secure_rng=secure_rng)
+            return {name: grad.div_(self.normaliser) for name, grad in noised.items()}
         if self.noise_multiplier == 0.0:
             # One pass per tensor (add_noise would copy, then the copy be divided).
             check_noise_arguments(clipped_sum, noise_multiplier=0.0, sensitivity=self.sensitivity,

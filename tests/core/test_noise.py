@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from psg_core.errors import ConfigError
-from psg_core.noise import add_noise, secure_generator
+from psg_core.noise import add_noise, add_noise_, secure_generator
 
 
 def pooled_noise(noised: dict[str, torch.Tensor], clean: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -145,3 +145,22 @@ def test_max_grad_norm_is_a_deprecated_alias_of_sensitivity() -> None:
         add_noise(clean, noise_multiplier=1.0, sensitivity=1.0, max_grad_norm=1.0)
     with pytest.raises(ConfigError, match="sensitivity is required"):
         add_noise(clean, noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_add_noise_in_place_is_add_noise_written_into_the_sums(dtype: torch.dtype) -> None:
+    """Same draws in the same order, bit for bit the same values, in the caller's tensors."""
+    grads = {"w": torch.randn(5, 3).to(dtype), "b": torch.randn(3).to(dtype)}
+    expected = add_noise(grads, noise_multiplier=1.3, sensitivity=0.7, generator=torch.Generator().manual_seed(2))
+    tensors = {name: t for name, t in grads.items()}
+    out = add_noise_(grads, noise_multiplier=1.3, sensitivity=0.7, generator=torch.Generator().manual_seed(2))
+    for name, t in out.items():
+        assert t is tensors[name] and t.dtype == dtype
+        assert torch.equal(t, expected[name])
+
+
+def test_add_noise_in_place_checks_its_arguments_and_leaves_the_sums_without_noise() -> None:
+    grads = {"w": torch.ones(3)}
+    with pytest.raises(ConfigError, match="sensitivity"):
+        add_noise_(grads, noise_multiplier=1.0, sensitivity=0.0)
+    assert torch.equal(add_noise_(grads, noise_multiplier=0.0, sensitivity=1.0)["w"], torch.ones(3))
