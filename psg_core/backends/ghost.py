@@ -137,6 +137,7 @@ class _GhostBookkeeping:
         self._in_backward = False  # the gradient hooks act only inside backward()
         self._suspended = False
         self._module = module
+        self._names: dict[int, str] | None = None  # module id -> path, listed when a message needs one
         self._layers: dict[nn.Module, _LayerState] = {}
         self._owners_left: dict[torch.Tensor, int] = {}  # counts down as owning layers finish
         self._owner_layers: dict[torch.Tensor, list[nn.Module]] = {}
@@ -169,9 +170,11 @@ class _GhostBookkeeping:
         self._grams = TensorMemo(capacity=1)
 
     def _name(self, layer: nn.Module) -> str:
-        """``'path' (Type)`` of a layer, for messages (looked up only when one is written)."""
-        path = next((p for p, m in self._module.named_modules() if m is layer), "?")
-        return f"'{path or '<root>'}' ({type(layer).__qualname__})"
+        """``'path' (Type)`` of a layer, for messages (the names are listed at the first one asked:
+        a model whose layers all take ghost norms never lists them)."""
+        if self._names is None:
+            self._names = {id(m): p for p, m in self._module.named_modules()}
+        return f"'{self._names.get(id(layer), '?') or '<root>'}' ({type(layer).__qualname__})"
 
     def remove(self) -> None:
         """Removes the hooks and drops everything the pass held.

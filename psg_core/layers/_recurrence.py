@@ -188,7 +188,7 @@ def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: S
     # runs with a graph one level up, and out= ops do not differentiate): those are stacked.
     in_place = not any(_wrapped(t) or t.requires_grad for t in (d_out, dh, dc, weight, *saved))
     # d gates_{i,f,g} = dc_new * from_c, d gates_o = dh_new * from_h, dc_new = dc + dh_new * to_c.
-    if in_place:  # s' = s - s*s once for the i, f (adjacent) and o gates; from_c written in place
+    if in_place:  # sigmoid' = s - s*s (one op for the adjacent i and f); from_c written in place
         d_if = torch.addcmul(sig[..., :2 * hidden], sig[..., :2 * hidden], sig[..., :2 * hidden], value=-1.0)
         from_c_all = cand.new_empty(steps, batch, 3, hidden)
         torch.mul(cand, d_if[..., :hidden], out=from_c_all[:, :, 0])

@@ -465,3 +465,22 @@ def test_a_dropped_sample_of_a_layer_called_twice_leaves_the_other_rows_exact(mo
     for name, grad in result.grads.items():
         assert bool(torch.isfinite(grad).all()), name
         torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
+
+
+class _PartRows(nn.Module):
+    """Its head sees only two of the batch's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 3))
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h[:2]).sum() + h.sum(1, keepdim=True)
+
+
+def test_ghost_names_the_module_that_saw_part_of_the_batch() -> None:
+    with pytest.raises(BatchLayoutError, match=r"module 'head' \(Linear\) was called with 2 rows"):
+        dp_gradient(_PartRows(), torch.randn(4, 3), torch.randn(4, 1), loss_fn=nn.MSELoss(),
+                    config=DPConfig(mode="ghost"))
