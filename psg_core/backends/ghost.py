@@ -446,7 +446,7 @@ def _scale_rows(g: torch.Tensor, *, factors: torch.Tensor, K: int, calls: int, d
     rows = g.unflatten(0, (calls, samples, K))  # a view: splitting one axis needs no copy
     shape = (1, samples, 1) + (1,) * (g.dim() - 1)
     if dropped is not None:
-        rows = torch.where(dropped.view(shape), torch.zeros((), dtype=g.dtype, device=g.device), rows)
+        rows = zero_dropped(rows.transpose(0, 1), dropped).transpose(0, 1)  # samples first for it
     return (rows * factors.view(shape).to(g.dtype)).flatten(0, 2)
 
 

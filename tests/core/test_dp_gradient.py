@@ -378,6 +378,20 @@ def test_dp_sgd_with_poisson_batches_learns() -> None:
     assert 0 < step.epsilon(1e-5) < math.inf
 
 
+def _drops_one_sample(model: nn.Module, inputs: torch.Tensor, y: torch.Tensor, keep: torch.Tensor,
+                      config: DPConfig) -> DPGradient:
+    """``dp_gradient`` on a batch with one sample whose gradient is not finite: it is dropped and
+    counted, and every clipped sum is finite and equal to the step without that sample's rows
+    (``keep`` False). Returns the step's result."""
+    result = dp_gradient(model, inputs, y, loss_fn=nn.MSELoss(), config=config)
+    expected = dp_gradient(model, inputs[keep], y[keep], loss_fn=nn.MSELoss(), config=config)
+    assert result.num_dropped == 1
+    for name, grad in result.grads.items():
+        assert bool(torch.isfinite(grad).all()), name
+        torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
+    return result
+
+
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ew", "ghost"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
 def test_a_sample_with_a_non_finite_gradient_is_dropped(mode: str, clipping: str, device: torch.device) -> None:
@@ -389,15 +403,11 @@ def test_a_sample_with_a_non_finite_gradient_is_dropped(mode: str, clipping: str
     x[2:4] = 3e38  # sample 1 of 4 (K = 2): its outputs and squared error overflow
     x, y = x.to(device), y.to(device)
     config = DPConfig(mode=mode, augmentation_multiplicity=2, max_grad_norm=0.5, clipping=clipping)
-    result = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
     keep = torch.tensor([True, True, False, False, True, True, True, True], device=device)
-    expected = dp_gradient(model, x[keep], y[keep], loss_fn=nn.MSELoss(), config=config)
-    assert result.num_dropped == 1 and result.num_samples == 4
+    result = _drops_one_sample(model, x, y, keep, config)
+    assert result.num_samples == 4
     assert not bool(torch.isfinite(result.per_sample_norms[1]))
     assert math.isfinite(result.loss_sum)
-    for name, grad in result.grads.items():
-        assert bool(torch.isfinite(grad).all()), name
-        torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
 
 
 class _TableModel(nn.Module):
@@ -426,13 +436,8 @@ def test_a_table_sample_with_a_non_finite_gradient_is_dropped(mode: str, bag: bo
     y[2:4] = 3e38  # sample 1 of 4 (K = 2): its output gradient overflows
     tokens, y = tokens.to(device), y.to(device)
     config = DPConfig(mode=mode, augmentation_multiplicity=2, max_grad_norm=0.5)
-    result = dp_gradient(model, tokens, y, loss_fn=nn.MSELoss(), config=config)
     keep = torch.tensor([True, True, False, False, True, True, True, True], device=device)
-    expected = dp_gradient(model, tokens[keep], y[keep], loss_fn=nn.MSELoss(), config=config)
-    assert result.num_dropped == 1
-    for name, grad in result.grads.items():
-        assert bool(torch.isfinite(grad).all()), name
-        torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
+    _drops_one_sample(model, tokens, y, keep, config)
 
 
 class _TwiceModel(nn.Module):
@@ -457,14 +462,9 @@ def test_a_dropped_sample_of_a_layer_called_twice_leaves_the_other_rows_exact(mo
     y[3:6] = 3e38  # sample 1 of 4 (K = 3): its output gradient overflows
     x, y = x.to(device), y.to(device)
     config = DPConfig(mode=mode, augmentation_multiplicity=3, max_grad_norm=0.5)
-    result = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
     keep = torch.ones(12, dtype=torch.bool, device=device)
     keep[3:6] = False
-    expected = dp_gradient(model, x[keep], y[keep], loss_fn=nn.MSELoss(), config=config)
-    assert result.num_dropped == 1 and result.num_samples == 4
-    for name, grad in result.grads.items():
-        assert bool(torch.isfinite(grad).all()), name
-        torch.testing.assert_close(grad, expected.grads[name], rtol=1e-5, atol=1e-7)
+    assert _drops_one_sample(model, x, y, keep, config).num_samples == 4
 
 
 class _PartRows(nn.Module):
