@@ -153,24 +153,35 @@ def earliest_edges(edges: list[GradientEdge]) -> list[GradientEdge]:
     [False]
     """
     hooked = {e.node for e in edges}
-    below: dict[Any, bool] = {}
-    for edge in edges:
-        stack = [(edge.node, False)]
+    clear: set[Any] = set()  # nodes explored to the leaves with no hooked node below them
+
+    def below(start: Any) -> bool:
+        # Depth first from start's children, stopping at the first hooked node: in a chain of
+        # layers the layer beneath is a few nodes away, so each edge looks at a handful of nodes,
+        # not at the whole graph under it (only the earliest edges are explored to the leaves).
+        stack = [child for child, _ in start.next_functions if child is not None]
+        seen: set[Any] = set()
         while stack:
-            node, expanded = stack.pop()
-            if node in below:
+            node = stack.pop()
+            if node in hooked:
+                return True
+            if node in seen or node in clear:
                 continue
-            children = [child for child, _ in node.next_functions if child is not None]
-            if expanded:
-                below[node] = any(child in hooked or below[child] for child in children)
-                continue
-            stack.append((node, True))
-            stack.extend((child, False) for child in children if child not in below)
+            seen.add(node)
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+        clear.update(seen)
+        return False
+
+    decided: dict[Any, bool] = {}
     seen: set[tuple[int, int]] = set()
     out = []
     for edge in edges:
         key = (id(edge.node), edge.output_nr)
-        if not below[edge.node] and key not in seen:
+        if key in seen:
+            continue
+        if edge.node not in decided:
+            decided[edge.node] = below(edge.node)
+        if not decided[edge.node]:
             seen.add(key)
             out.append(edge)
     return out

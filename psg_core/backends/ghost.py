@@ -424,9 +424,15 @@ class _GhostBookkeeping:
                     sums[weight] = total if weight not in sums else sums[weight] + total
                     continue
                 assert norm.weight_sum is not None  # every family but the tables has one
-                scaled = scaled_grads.get(g, functools.partial(_scale_rows, factors=sample_factors, K=self.K,
-                                                               calls=calls, dropped=dropped),
-                                          id(sample_factors), calls)
+                scale = functools.partial(_scale_rows, factors=sample_factors, K=self.K, calls=calls, dropped=dropped)
+                if dropped is None and norm.linear_in_input and isinstance(a, torch.Tensor) \
+                        and a.is_floating_point() and a.numel() < g.numel():
+                    # The input's rows are fewer numbers to scale (a Linear widening its input, a
+                    # recurrent layer's input and state beside its gates' gradient, a first conv).
+                    total = norm.weight_sum(layer, scale(a), g)
+                    sums[weight] = total if weight not in sums else sums[weight] + total
+                    continue
+                scaled = scaled_grads.get(g, scale, id(sample_factors), calls)
                 if dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
                     # an overflowing input row: inf * 0 would be NaN
                     a = zero_dropped(a, dropped.repeat_interleave(self.K).repeat(calls))  # (calls*N*K,)

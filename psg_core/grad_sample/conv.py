@@ -648,7 +648,8 @@ def _ghost_candidate(strategy: ConvStrategy, layer: _ConvLayer | _ConvTransposeL
 
 @register_ghost_norm(nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                      nn.ConvTranspose3d, weight_sum=_conv_weight_sum, positions=_conv_positions,
-                     is_cheaper=_conv_gram_is_cheaper, choose=_conv_prefers_gram, layout=WeightLayout.ROWS_RIGHT)
+                     is_cheaper=_conv_gram_is_cheaper, choose=_conv_prefers_gram, layout=WeightLayout.ROWS_RIGHT,
+                     linear_in_input=True)
 def conv_ghost_factors(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
                        backprop: torch.Tensor, K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """The unfolded factors of :func:`conv_weight_factors`, one Gram pair per group.

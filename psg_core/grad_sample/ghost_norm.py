@@ -126,7 +126,8 @@ class GhostFactors:
         right = self.right.to(dtype)
         if self.kind is FactorKind.KEYED:
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
-        gram_right = _gram(right) if grams is None else grams.get(right, _gram)  # (N, [G,] T, T)
+        # (a one-row Gram is a squared norm: computing it costs less than looking it up)
+        gram_right = _gram(right) if grams is None or right.shape[-2] == 1 else grams.get(right, _gram)  # (N, [G,] T, T)
         if self.kind is FactorKind.DOT:
             gram_left = _gram(self.left.to(dtype))  # (N, G, T, T)
             return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
@@ -405,6 +406,10 @@ class GhostNormEntry:
     whole_call: bool = False
     #: where the factors lie in the weight (None: a shared weight is materialised).
     layout: WeightLayout | None = None
+    #: ``weight_sum`` is linear in each row of the activation as well as of the output gradient
+    #: (a matrix product or a convolution of the two): the clipped sum may scale whichever of the
+    #: two is smaller by the rows' clipping factors.
+    linear_in_input: bool = False
 
     @property
     def sums_from_factors(self) -> bool:
@@ -442,7 +447,8 @@ class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
     def register(self, *layer_types: LayerKey, weight_sum: WeightSumFn | None = None, positions: PositionsFn,
                  is_cheaper: CostRule | None = None, parameter: str = "weight",
                  replace: bool = False, choose: ChooseFn | None = None,
-                 whole_call: bool = False, layout: WeightLayout | None = None) -> Callable[[_Factors], _Factors]:
+                 whole_call: bool = False, layout: WeightLayout | None = None,
+                 linear_in_input: bool = False) -> Callable[[_Factors], _Factors]:
         """Decorator registering a factor function; see :func:`register_ghost_norm`."""
         self.check_keys(layer_types)
         if not callable(positions):
@@ -457,11 +463,15 @@ class GhostNormRegistry(LayerTypeRegistry[GhostNormEntry]):
             raise ConfigError(f"register_ghost_norm: parameter must be an attribute name, got {parameter!r}")
         if layout is not None and not isinstance(layout, WeightLayout):
             raise ConfigError(f"register_ghost_norm: layout must be a WeightLayout or None, got {layout!r}")
+        if linear_in_input and (whole_call or weight_sum is None):
+            raise ConfigError("register_ghost_norm: linear_in_input needs a weight_sum over the first input "
+                              "(not whole_call, not a lookup table)")
 
         def decorator(fn: _Factors) -> _Factors:
             self.add(layer_types, lambda layer_type: GhostNormEntry(
                 fn, layer_type, weight_sum=weight_sum, positions=positions, cost_rule=is_cheaper,
-                parameter=parameter, chooser=choose, whole_call=whole_call, layout=layout), replace=replace)
+                parameter=parameter, chooser=choose, whole_call=whole_call, layout=layout,
+                linear_in_input=bool(linear_in_input)), replace=replace)
             return fn
 
         return decorator
@@ -474,8 +484,8 @@ GHOST_NORMS = GhostNormRegistry()
 def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn | None = None, positions: PositionsFn,
                         is_cheaper: CostRule | None = None, parameter: str = "weight",
                         replace: bool = False, choose: ChooseFn | None = None,
-                        whole_call: bool = False, layout: WeightLayout | None = None
-                        ) -> Callable[[_Factors], _Factors]:
+                        whole_call: bool = False, layout: WeightLayout | None = None,
+                        linear_in_input: bool = False) -> Callable[[_Factors], _Factors]:
     """Registers how the ghost backend gets per-sample norms of ``layer_types``' weight.
 
     The decorated function is ``factors(layer, activation, backprop, K)``: from the layer's
@@ -488,7 +498,8 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn | None =
     Args:
         layer_types: ``nn.Module`` subclasses, or dotted names ``"package.module.Class"``.
         weight_sum: ``(layer, activation, backprop) -> weight.shape``, the weight gradient
-            summed over all rows (``backprop`` arrives scaled by each row's clipping factor).
+            summed over all rows (``backprop`` arrives scaled by each row's clipping factor,
+            or, with ``linear_in_input``, whichever of the two is smaller).
             A lookup table (``layout`` ``TABLE`` or ``KEYED_TABLE``) leaves it out: its clipped
             sum comes from its factors, each entry's row scaled and added into its table row.
         positions: ``(layer, activation, output, batch_dim) -> int | None``, the factor rows T
@@ -506,6 +517,10 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn | None =
             this layer shares with other modules that declare theirs keeps its ghost norm
             (:func:`shared_sq_norms`), without it that weight's per-sample gradient is
             materialised.
+        linear_in_input: ``weight_sum`` is linear in each row of ``activation`` too (a matrix
+            product, a convolution): the clipped sum then scales the smaller of the activation
+            and the output gradient by the rows' clipping factors (a normalisation layer, whose
+            gradient normalises its input, must leave it False).
 
     A layer ``y = x @ W`` (weight ``(d_in, d_out)``), with its grad sampler and its ghost norm:
 
@@ -540,4 +555,4 @@ def register_ghost_norm(*layer_types: LayerKey, weight_sum: WeightSumFn | None =
     """
     return GHOST_NORMS.register(*layer_types, weight_sum=weight_sum, positions=positions,
                                 is_cheaper=is_cheaper, parameter=parameter, replace=replace, choose=choose,
-                                whole_call=whole_call, layout=layout)
+                                whole_call=whole_call, layout=layout, linear_in_input=linear_in_input)

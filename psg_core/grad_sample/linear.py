@@ -93,7 +93,8 @@ def _linear_weight_sum(layer: nn.Linear, activation: torch.Tensor, backprop: tor
     return (g2.transpose(0, 1) @ a2).to(layer.weight.dtype)  # (d_out, d_in)
 
 
-@register_ghost_norm(nn.Linear, _RNN_LINEAR, weight_sum=_linear_weight_sum, positions=_positions, layout=WeightLayout.ROWS_RIGHT)
+@register_ghost_norm(nn.Linear, _RNN_LINEAR, weight_sum=_linear_weight_sum, positions=_positions,
+                     layout=WeightLayout.ROWS_RIGHT, linear_in_input=True)
 def linear_ghost_factors(layer: nn.Linear, activation: torch.Tensor, backprop: torch.Tensor,
                          K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """Sample n's weight gradient is ``g_n^T x_n`` over its ``K*T`` rows: one group of factors.
@@ -133,7 +134,7 @@ def _conv1d_weight_sum(layer: _AffineLayer, activation: torch.Tensor, backprop: 
 
 
 @register_ghost_norm(TRANSFORMERS_CONV1D, weight_sum=_conv1d_weight_sum, positions=_positions,
-                     layout=WeightLayout.ROWS_LEFT)
+                     layout=WeightLayout.ROWS_LEFT, linear_in_input=True)
 def conv1d_ghost_factors(layer: _AffineLayer, activation: torch.Tensor, backprop: torch.Tensor,
                          K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """The factors of ``nn.Linear``: a transposed weight has the same norm."""

@@ -484,3 +484,45 @@ def test_ghost_names_the_module_that_saw_part_of_the_batch() -> None:
     with pytest.raises(BatchLayoutError, match=r"module 'head' \(Linear\) was called with 2 rows"):
         dp_gradient(_PartRows(), torch.randn(4, 3), torch.randn(4, 1), loss_fn=nn.MSELoss(),
                     config=DPConfig(mode="ghost"))
+
+
+# ------------------------------------------------------------------ which side the clipped sum scales
+@pytest.mark.parametrize("K", [1, 3])
+def test_ghost_scales_the_smaller_side_of_each_weight_sum(K: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family whose weight sum is linear in its input (Linear, Conv) has the clipping factors
+    applied to the smaller of its input and its output gradient: a widening Linear and a conv
+    from 2 to 32 channels (Gram factors) scale their inputs, a narrowing Linear its output gradient; the clipped
+    sum is the microbatch oracle's either way."""
+    from psg_core.backends import ghost
+
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Conv1d(2, 32, 3), nn.Flatten(), nn.Linear(32, 40), nn.Tanh(), nn.Linear(40, 3))
+    x, y = torch.randn(4 * K, 2, 3), torch.randn(4 * K, 3)
+    scaled: list[tuple[int, ...]] = []
+    real = ghost._scale_rows
+
+    def spy(rows: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        scaled.append(tuple(rows.shape[1:]))
+        return real(rows, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ghost, "_scale_rows", spy)
+    config = DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05)
+    result = dp_gradient(model, x, y, loss_fn=nn.MSELoss(), config=config)
+    assert sorted(scaled) == sorted([(2, 3), (32,), (3,)])  # conv input, Linear(32, 40) input, last output grad
+    sums, norms, clipped, _ = clipped_oracle(model, x, y, K=K, loss_reduction="mean", C=0.05, clipping="flat")
+    assert 0 < clipped == result.num_clipped
+    torch.testing.assert_close(result.per_sample_norms.double(), norms, rtol=1e-4, atol=1e-6)
+    for name, grad in result.grads.items():
+        assert_close_scaled(grad, sums[name], name=name)
+
+
+def test_linear_in_input_needs_a_weight_sum_of_the_first_input() -> None:
+    from psg_core.grad_sample.ghost_norm import GHOST_NORMS, GhostNormRegistry, WeightLayout
+
+    for layer_type in (nn.Linear, nn.Conv2d, nn.ConvTranspose1d):
+        entry = GHOST_NORMS.lookup(layer_type)
+        assert entry is not None and entry.linear_in_input, layer_type
+    registry = GhostNormRegistry()
+    with pytest.raises(ConfigError, match="linear_in_input needs a weight_sum"):
+        registry.register(nn.EmbeddingBag, positions=lambda *a: 1, layout=WeightLayout.KEYED_TABLE, whole_call=True,
+                          linear_in_input=True)
