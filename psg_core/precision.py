@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
@@ -37,23 +37,35 @@ def autocast_active() -> bool:
     return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 
-@contextlib.contextmanager
-def no_autocast() -> Iterator[None]:
+class no_autocast:  # noqa: N801 (a context manager used like a function: ``with no_autocast():``)
     """Switches autocast off (CPU and CUDA) for psg's own arithmetic.
+
+    A class rather than a generator: it is entered on every hooked call, and in the common case
+    (no autocast region) it only asks whether one is active.
 
     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
     ...     with no_autocast():
     ...         (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
     torch.float32
     """
-    if not autocast_active():  # the common case, on every hooked call: nothing to switch off
-        yield
-        return
-    with contextlib.ExitStack() as stack:
+
+    __slots__ = ("_stack",)
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        if not autocast_active():  # the common case: nothing to switch off
+            return
+        stack = self._stack = contextlib.ExitStack()
         stack.enter_context(torch.autocast("cpu", enabled=False))
         if torch.cuda.is_available():
             stack.enter_context(torch.autocast("cuda", enabled=False))
-        yield
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(*exc)
 
 
 def compute_dtype(params: Iterable[torch.Tensor]) -> torch.dtype:

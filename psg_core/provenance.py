@@ -447,6 +447,8 @@ class BatchTracker(TorchFunctionMode):
     def _meet(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
               free: list[torch.Tensor], batched: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         frame = self._frames[-1] if self._frames else None
+        if frame is not None and frame.own is not None and all(id(t) in frame.own for t in free):
+            return args, kwargs  # the layer's own parameters as they are (the common case, below)
         sources: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         for t in free:
             origin = self._origin_of(t)

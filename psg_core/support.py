@@ -19,7 +19,7 @@ from torch import nn
 from psg_core.errors import UnsupportedModuleError
 
 __all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
-           "frequency_scaled", "reject_frequency_scaling"]
+           "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -33,6 +33,33 @@ def _label(path: str, layer: nn.Module) -> str:
     return f"'{path or '<root>'}' ({type(layer).__qualname__})"
 
 
+def _batch_mixing(path: str, layer: nn.Module, where: str) -> UnsupportedModuleError | None:
+    if isinstance(layer, SAMPLE_MIXING) and layer.training:
+        return UnsupportedModuleError(
+            f"{where}: module {_label(path, layer)} is a BatchNorm in "
+            "training mode, which mixes the samples of a batch, so per-sample gradients are "
+            "undefined; call .eval() on it or replace it with GroupNorm (psg_core.fix_model does)")
+    return None
+
+
+def _fused(path: str, layer: nn.Module, where: str, layer_types: tuple[type[nn.Module], ...] = FUSED,
+           why: str = "a fused layer whose kernel hooks cannot see into") -> UnsupportedModuleError | None:
+    if isinstance(layer, layer_types) and any(p.requires_grad for p in layer.parameters(recurse=False)):
+        return UnsupportedModuleError(
+            f"{where}: module {_label(path, layer)} is {why}; swap it for its DP rewrite with "
+            "psg_core.fix_model")
+    return None
+
+
+def _frequency_scaling(path: str, layer: nn.Module, where: str) -> UnsupportedModuleError | None:
+    if frequency_scaled(layer):
+        return UnsupportedModuleError(
+            f"{where}: module {_label(path, layer)} has scale_grad_by_freq=True, which scales gradients "
+            "by token frequencies over the whole batch, so a per-layer grad sampler cannot give each "
+            "sample its own; use mode='functorch' (each sample alone) or scale_grad_by_freq=False")
+    return None
+
+
 def reject_batch_mixing(module: nn.Module, *, where: str) -> None:
     """Raises :class:`UnsupportedModuleError` naming the first BatchNorm in training mode.
 
@@ -42,12 +69,9 @@ def reject_batch_mixing(module: nn.Module, *, where: str) -> None:
     psg_core.errors.UnsupportedModuleError: demo: module '1' (BatchNorm1d) is a BatchNorm in training mode, ...
     """
     for path, layer in module.named_modules():
-        if isinstance(layer, SAMPLE_MIXING) and layer.training:
-            raise UnsupportedModuleError(
-                f"{where}: module {_label(path, layer)} is a BatchNorm in "
-                "training mode, which mixes the samples of a batch, so per-sample gradients are "
-                "undefined; call .eval() on it or replace it with GroupNorm (psg_core.fix_model does)")
-
+        error = _batch_mixing(path, layer, where)
+        if error is not None:
+            raise error
 
 
 def reject_fused(module: nn.Module, *, where: str, layer_types: tuple[type[nn.Module], ...] = FUSED,
@@ -61,10 +85,9 @@ def reject_fused(module: nn.Module, *, where: str, layer_types: tuple[type[nn.Mo
     psg_core.errors.UnsupportedModuleError: demo: module '0' (LSTM) is a fused layer whose kernel hooks cannot see into; ...
     """
     for path, layer in module.named_modules():
-        if isinstance(layer, layer_types) and any(p.requires_grad for p in layer.parameters(recurse=False)):
-            raise UnsupportedModuleError(
-                f"{where}: module {_label(path, layer)} is {why}; swap it for its DP rewrite with "
-                "psg_core.fix_model")
+        error = _fused(path, layer, where, layer_types, why)
+        if error is not None:
+            raise error
 
 
 def frequency_scaled(layer: nn.Module) -> bool:
@@ -82,8 +105,26 @@ def reject_frequency_scaling(module: nn.Module, *, where: str) -> None:
     psg_core.errors.UnsupportedModuleError: demo: module '0' (Embedding) has scale_grad_by_freq=True, ...
     """
     for path, layer in module.named_modules():
-        if frequency_scaled(layer):
-            raise UnsupportedModuleError(
-                f"{where}: module {_label(path, layer)} has scale_grad_by_freq=True, which scales gradients "
-                "by token frequencies over the whole batch, so a per-layer grad sampler cannot give each "
-                "sample its own; use mode='functorch' (each sample alone) or scale_grad_by_freq=False")
+        error = _frequency_scaling(path, layer, where)
+        if error is not None:
+            raise error
+
+
+def reject_per_layer_unsupported(module: nn.Module, *, where: str) -> None:
+    """:func:`reject_batch_mixing`, :func:`reject_frequency_scaling` and :func:`reject_fused`
+    (in that order of precedence) in one walk of the model: what a per-layer backend (hooks,
+    ghost) checks before every step.
+
+    >>> reject_per_layer_unsupported(nn.Sequential(nn.LSTM(2, 2), nn.BatchNorm1d(2)), where="demo")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    psg_core.errors.UnsupportedModuleError: demo: module '1' (BatchNorm1d) is a BatchNorm in training mode, ...
+    """
+    first: list[UnsupportedModuleError | None] = [None, None, None]
+    for path, layer in module.named_modules():
+        for i, check in enumerate((_batch_mixing, _frequency_scaling, _fused)):
+            if first[i] is None:
+                first[i] = check(path, layer, where)
+    for error in first:
+        if error is not None:
+            raise error

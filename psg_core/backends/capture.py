@@ -83,7 +83,7 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     >>> call.rows, call.batch_dim, call.custom_rows, len(outputs)
     (5, 1, False, 1)
     """
-    flat = tree_flatten(output)[0]
+    flat = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
     index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not index:
         return None

@@ -71,9 +71,9 @@ from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, FactorKind, GhostFacto
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
-from psg_core.precision import layer_dtype, no_autocast, to_compute, with_loss_scale
+from psg_core.precision import compute_dtype, no_autocast, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
-from psg_core.support import reject_batch_mixing, reject_frequency_scaling, reject_fused
+from psg_core.support import reject_per_layer_unsupported
 
 __all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
 
@@ -112,6 +112,8 @@ class _Call:
 class _LayerState:
     #: the layer's own parameters (read once per pass, not per call)
     params: tuple[torch.Tensor, ...] = ()
+    #: the precision its per-sample arithmetic runs in (:func:`~psg_core.precision.layer_dtype`)
+    dtype: torch.dtype = torch.float32
     calls: list[_Call] = field(default_factory=list)
     arrived: int = 0
     ghost: bool | None = None  # decided at the first backward of the layer
@@ -146,7 +148,7 @@ class _GhostBookkeeping:
             params = tuple(layer.parameters(recurse=False))
             own = [p for p in params if p.requires_grad]
             if own:
-                self._layers[layer] = _LayerState(params=params)
+                self._layers[layer] = _LayerState(params=params, dtype=compute_dtype(params))
                 for p in own:
                     self._owners_left[p] = self._owners_left.get(p, 0) + 1
                     self._owner_layers.setdefault(p, []).append(layer)
@@ -264,7 +266,7 @@ class _GhostBookkeeping:
         else:
             # A layer called once may choose with its tensors in hand (the convolutions measure).
             chosen = norm.choose(layer, *self._ghost_inputs(call, grad), self.K) \
-                if len(state.calls) == 1 and grad is not None else None
+                if norm.chooser is not None and len(state.calls) == 1 and grad is not None else None
             if chosen is None:
                 chosen = _ghost_is_cheaper(layer, self.K * sum(c.positions or 0 for c in state.calls))
         if not chosen:
@@ -292,13 +294,12 @@ class _GhostBookkeeping:
             return False
         return all(_ghost_is_cheaper(owner, self.K * positions) for owner, _ in called)
 
-    @staticmethod
-    def _ghost_inputs(call: _Call, grad: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    def _ghost_inputs(self, call: _Call, grad: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """A ghost call's batch-first ``(N*K, ...)`` input (the whole call for a ``whole_call``
         family) and output gradient, in the parameters' precision (autocast leaves
         half-precision gradients: see psg_core.precision)."""
         bd = call.captured.batch_dim
-        dtype = layer_dtype(call.layer)
+        dtype = self._layers[call.layer].dtype
         g = to_compute(cast(torch.Tensor, call.captured.unmerge(grad)).movedim(bd, 0), dtype)  # (N*K, ...)
         if call.norm is not None and call.norm.whole_call:
             return call.captured, g
@@ -493,9 +494,7 @@ def _stacked_calls(kept: list[tuple[Any, torch.Tensor]]) -> Iterator[tuple[Any, 
 
 # ------------------------------------------------------------------------------ entry point
 def _check_supported(module: nn.Module) -> None:
-    reject_batch_mixing(module, where=_WHERE)
-    reject_frequency_scaling(module, where=_WHERE)
-    reject_fused(module, where=_WHERE)
+    reject_per_layer_unsupported(module, where=_WHERE)
 
 
 def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter], config: DPConfig,
