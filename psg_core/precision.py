@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 import torch
 
-__all__ = ["no_autocast", "compute_dtype", "layer_dtype", "to_compute", "autocast_active", "fp16_autocast",
+__all__ = ["no_autocast", "compute_dtype", "layer_dtype", "to_compute", "as_dtype", "autocast_active", "fp16_autocast",
            "with_loss_scale", "INITIAL_LOSS_SCALE"]
 
 #: The first loss scale tried under fp16 autocast (halved by 16x until the result is finite).
@@ -90,6 +90,12 @@ def to_compute(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
         return value.to(dtype)
     return value
+
+
+def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, without the call when it already is (the common case, on every layer:
+    reading the dtype costs less than ``to``'s argument parsing and dispatch)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def fp16_autocast() -> bool:

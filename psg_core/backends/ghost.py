@@ -71,7 +71,7 @@ from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, FactorKind, GhostFacto
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
-from psg_core.precision import compute_dtype, no_autocast, to_compute, with_loss_scale
+from psg_core.precision import as_dtype, compute_dtype, no_autocast, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
 from psg_core.support import reject_per_layer_unsupported
 
@@ -84,6 +84,18 @@ def ghost_norm_layers() -> tuple[type[nn.Module], ...]:
     """Layer types whose weight norm the ghost backend can get from Gram matrices: those
     registered with :func:`psg_core.register_ghost_norm` by type."""
     return tuple(GHOST_NORMS)
+
+
+def _own_parameters(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer.parameters(recurse=False))`` read from ``_parameters`` directly (once per
+    module and step: ``parameters()`` goes through the module-tree machinery)."""
+    seen: set[int] = set()
+    own = []
+    for p in layer._parameters.values():
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            own.append(p)
+    return tuple(own)
 
 
 def _ghost_is_cheaper(layer: nn.Module, positions: int) -> bool:
@@ -145,7 +157,7 @@ class _GhostBookkeeping:
         self._owner_layers: dict[torch.Tensor, list[nn.Module]] = {}
         self._handles: list[Any] = []
         for _, layer in module.named_modules():
-            params = tuple(layer.parameters(recurse=False))
+            params = _own_parameters(layer)
             own = [p for p in params if p.requires_grad]
             if own:
                 self._layers[layer] = _LayerState(params=params, dtype=compute_dtype(params))
@@ -340,7 +352,7 @@ class _GhostBookkeeping:
 
     def _add_sq_norm(self, param: torch.Tensor, sq_norm: torch.Tensor) -> None:
         current = self.sq_norms.get(param)
-        sq_norm = sq_norm.to(self.norm_dtype)
+        sq_norm = as_dtype(sq_norm, self.norm_dtype)
         self.sq_norms[param] = sq_norm if current is None else current + sq_norm
 
     def sq_norm(self, param: torch.Tensor) -> torch.Tensor:
@@ -370,11 +382,14 @@ class _GhostBookkeeping:
         for param in state.params:
             if not param.requires_grad:
                 continue
-            self._owners_left[param] -= 1
-            shared = self._shared_factors.pop(param, None) if self._owners_left[param] == 0 else None
+            left = self._owners_left[param] - 1
+            self._owners_left[param] = left
+            if left:
+                continue  # another owner is still to finish
+            shared = self._shared_factors.pop(param, None) if self._shared_factors else None
             if shared:
                 self._add_sq_norm(param, shared_sq_norms(shared, param.shape, self.norm_dtype))
-            grad_sample = self._materialised.get(param) if self._owners_left[param] == 0 else None
+            grad_sample = self._materialised.get(param)
             if grad_sample is not None:
                 flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)
                 self._add_sq_norm(param, torch.linalg.vector_norm(flat, dim=1, dtype=self.norm_dtype).square())
@@ -406,7 +421,7 @@ class _GhostBookkeeping:
         """
         sums: dict[torch.Tensor, torch.Tensor] = {}
         for param, grad_sample in self._materialised.items():
-            weights = factors[param].to(grad_sample.dtype)  # (N,)
+            weights = as_dtype(factors[param], grad_sample.dtype)  # (N,)
             flat = zero_dropped(grad_sample.reshape(self.num_samples, -1), dropped)  # (N, numel)
             sums[param] = (weights @ flat).view(param.shape)
         self._materialised = {}
@@ -454,7 +469,7 @@ def _scale_rows(g: torch.Tensor, *, factors: torch.Tensor, K: int, calls: int, d
     shape = (1, samples, 1) + (1,) * (g.dim() - 1)
     if dropped is not None:
         rows = zero_dropped(rows.transpose(0, 1), dropped).transpose(0, 1)  # samples first for it
-    return (rows * factors.view(shape).to(g.dtype)).flatten(0, 2)
+    return (rows * as_dtype(factors, g.dtype).view(shape)).flatten(0, 2)
 
 
 def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: torch.Tensor | None,
@@ -469,10 +484,10 @@ def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: tor
         tokens, right = factors.left, factors.right  # (N, T), (N, T, d)
         samples = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(tokens).reshape(-1)
         rows, right = tokens.reshape(-1), right.reshape(-1, right.shape[-1])  # (N*T,), (N*T, d)
-    scale = sample_factors.to(right.dtype)[samples][:, None]  # (M, 1)
+    scale = as_dtype(sample_factors, right.dtype)[samples][:, None]  # (M, 1)
     scaled = right * scale if dropped is None else torch.where(dropped[samples][:, None], 0, right * scale)
     total = right.new_zeros(weight.shape).index_add_(0, rows, scaled)  # (V, d)
-    return total.to(weight.dtype)
+    return as_dtype(total, weight.dtype)
 
 
 def _stacked_calls(kept: list[tuple[Any, torch.Tensor]]) -> Iterator[tuple[Any, torch.Tensor, int]]:
@@ -592,7 +607,7 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
     grads = {}
     for (name, p), grad in zip(params.items(), summed):
         grad = torch.zeros_like(p) if grad is None else (grad.to_dense() if grad.is_sparse else grad)
-        grads[name] = grad.detach().to(p.dtype)
+        grads[name] = as_dtype(grad.detach(), p.dtype)
     return DPGradient(grads=grads, per_sample_norms=norms.detach().to(torch.float32),
                       loss_sum=float((losses if dropped is None else losses[~dropped]).detach().sum()),
                       num_samples=num_samples, num_clipped=num_clipped, num_dropped=count_dropped(dropped))

@@ -42,6 +42,7 @@ from torch import nn
 
 from psg_core.errors import ConfigError
 from psg_core.grad_sample._type_registry import LayerKey, LayerTypeRegistry
+from psg_core.precision import as_dtype
 
 __all__ = ["FactorKind", "GhostFactors", "GhostNormEntry", "GhostNormRegistry", "GHOST_NORMS", "TensorMemo",
            "WeightLayout", "can_share", "register_ghost_norm", "shared_sq_norms"]
@@ -123,13 +124,13 @@ class GhostFactors:
         >>> torch.allclose(GhostFactors.dot(a, g).sq_norms(torch.float32), grads.square().sum((1, 2, 3)))
         True
         """
-        right = self.right.to(dtype)
+        right = as_dtype(self.right, dtype)
         if self.kind is FactorKind.KEYED:
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
         # (a one-row Gram is a squared norm: computing it costs less than looking it up)
         gram_right = _gram(right) if grams is None or right.shape[-2] == 1 else grams.get(right, _gram)  # (N, [G,] T, T)
         if self.kind is FactorKind.DOT:
-            gram_left = _gram(self.left.to(dtype))  # (N, G, T, T)
+            gram_left = _gram(as_dtype(self.left, dtype))  # (N, G, T, T)
             return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
         same_token = self.left.unsqueeze(2) == self.left.unsqueeze(1)  # (N, T, T)
         return (gram_right * same_token).sum((1, 2)).clamp_min(0)
@@ -146,7 +147,7 @@ def _gram(rows: torch.Tensor) -> torch.Tensor:
 class TensorMemo:
     """Results computed from tensors in one ghost pass, by the tensor (and any extra key parts).
 
-    A tensor is known by its storage, offset, shape, strides, dtype and version: equal keys hold
+    A tensor is known by its first element's address, shape, strides, dtype and version: equal keys hold
     equal values as long as the tensor lives, and the memo holds it alive, so a key can never be
     taken over by another tensor's memory. Only the ``capacity`` latest results are kept (layers
     that share an output gradient, as a DP LSTM's ih and hh, come one after the other; a
@@ -169,8 +170,10 @@ class TensorMemo:
         """``compute(tensor)``, computed once per distinct (tensor, ``key``)."""
         if tensor.requires_grad or tensor.is_sparse:
             return compute(tensor)
-        full_key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                    tensor.stride(), tensor.dtype, tensor.device, tensor._version, *key)
+        # (the address of its first element stands for storage and offset: the memo holds the
+        # tensor, so no other storage can start there while the key lives)
+        full_key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device,
+                    tensor._version, *key)
         held = self._results.get(full_key)
         if held is None:
             while len(self._results) >= self._capacity:

@@ -17,6 +17,7 @@ from torch import nn
 from psg_core.grad_sample._utils import wants_grad
 from psg_core.grad_sample.ghost_norm import GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
+from psg_core.precision import as_dtype
 
 __all__ = ["linear_grad_sample", "linear_ghost_factors", "conv1d_grad_sample", "conv1d_ghost_factors",
            "TRANSFORMERS_CONV1D"]
@@ -61,7 +62,7 @@ def _positions(layer: nn.Module, x: torch.Tensor, output: Any, batch_dim: int) -
 
 def _flat(activation: torch.Tensor, backprop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows*T, d_in)`` and ``(rows*T, d_out)``, the input in the gradient's dtype."""
-    a2 = activation.reshape(-1, activation.shape[-1]).to(backprop.dtype)  # (rows*T, d_in)
+    a2 = as_dtype(activation.reshape(-1, activation.shape[-1]), backprop.dtype)  # (rows*T, d_in)
     return a2, backprop.reshape(-1, backprop.shape[-1])  # (rows*T, d_out)
 
 
@@ -90,7 +91,7 @@ def linear_grad_sample(layer: nn.Linear, activations: list[torch.Tensor], backpr
 
 def _linear_weight_sum(layer: nn.Linear, activation: torch.Tensor, backprop: torch.Tensor) -> torch.Tensor:
     a2, g2 = _flat(activation, backprop)  # (rows*T, d_in), (rows*T, d_out)
-    return (g2.transpose(0, 1) @ a2).to(layer.weight.dtype)  # (d_out, d_in)
+    return as_dtype(g2.transpose(0, 1) @ a2, layer.weight.dtype)  # (d_out, d_in)
 
 
 @register_ghost_norm(nn.Linear, _RNN_LINEAR, weight_sum=_linear_weight_sum, positions=_positions,
@@ -130,7 +131,7 @@ def conv1d_grad_sample(layer: _AffineLayer, activations: list[torch.Tensor], bac
 
 def _conv1d_weight_sum(layer: _AffineLayer, activation: torch.Tensor, backprop: torch.Tensor) -> torch.Tensor:
     a2, g2 = _flat(activation, backprop)  # (rows*T, d_in), (rows*T, d_out)
-    return (a2.transpose(0, 1) @ g2).to(layer.weight.dtype)  # (d_in, d_out)
+    return as_dtype(a2.transpose(0, 1) @ g2, layer.weight.dtype)  # (d_in, d_out)
 
 
 @register_ghost_norm(TRANSFORMERS_CONV1D, weight_sum=_conv1d_weight_sum, positions=_positions,
