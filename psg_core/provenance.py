@@ -51,6 +51,7 @@ UNKNOWN = -1
 _TLS = threading.local()
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 _PLAIN = (torch.Tensor, nn.Parameter)
+_NULL = contextlib.nullcontext()  # reusable and reentrant: one for every tracked op
 
 
 def active_tracker() -> BatchTracker | None:
@@ -417,7 +418,7 @@ class BatchTracker(TorchFunctionMode):
         # The book-keeping reads tensor attributes; tensor subclasses (ExpandedWeights) must not
         # see those reads, only the op itself.
         plain = all(type(t) in _PLAIN for t in leaves)
-        with contextlib.nullcontext() if plain else _NO_SUBCLASS():
+        with _NULL if plain else _NO_SUBCLASS():
             entries = self._batched.entries
             batched: list[tuple[torch.Tensor, tuple[int, int]]] = []
             for t in leaves:
@@ -433,7 +434,7 @@ class BatchTracker(TorchFunctionMode):
                     if free:
                         args, kwargs = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
         out = func(*args, **kwargs)
-        with contextlib.nullcontext() if plain else _NO_SUBCLASS():
+        with _NULL if plain else _NO_SUBCLASS():
             if not batched:
                 if origin:
                     for t in _tensors(out, []):
