@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,24 +153,37 @@ def earliest_edges(edges: list[GradientEdge]) -> list[GradientEdge]:
     [False]
     """
     hooked = {e.node for e in edges}
-    clear: set[Any] = set()  # nodes explored to the leaves with no hooked node below them
+    # node -> whether a hooked node lies at or below it, for every node a search has decided: a
+    # node is visited once over all the edges' searches (the whole graph at worst), and a search
+    # stops at the first hooked node it meets (in a chain of layers, a few nodes below the edge).
+    reaches: dict[Any, bool] = {}
+
+    def children(node: Any) -> Iterator[Any]:
+        return (child for child, _ in node.next_functions if child is not None)
+
+    def reach(root: Any) -> bool:
+        if root in hooked:
+            return True
+        if root in reaches:
+            return reaches[root]
+        path = [(root, children(root))]  # depth first; the nodes on the path are undecided
+        while path:
+            node, rest = path[-1]
+            for child in rest:
+                if child in hooked or reaches.get(child):
+                    for on_path, _ in path:
+                        reaches[on_path] = True
+                    return True
+                if child not in reaches:
+                    path.append((child, children(child)))
+                    break
+            else:
+                reaches[node] = False  # every child decided, none reaching a hooked node
+                path.pop()
+        return reaches[root]
 
     def below(start: Any) -> bool:
-        # Depth first from start's children, stopping at the first hooked node: in a chain of
-        # layers the layer beneath is a few nodes away, so each edge looks at a handful of nodes,
-        # not at the whole graph under it (only the earliest edges are explored to the leaves).
-        stack = [child for child, _ in start.next_functions if child is not None]
-        seen: set[Any] = set()
-        while stack:
-            node = stack.pop()
-            if node in hooked:
-                return True
-            if node in seen or node in clear:
-                continue
-            seen.add(node)
-            stack.extend(child for child, _ in node.next_functions if child is not None)
-        clear.update(seen)
-        return False
+        return any(reach(child) for child in children(start))
 
     decided: dict[Any, bool] = {}
     seen: set[tuple[int, int]] = set()

@@ -511,3 +511,44 @@ def test_backends_benchmark_runs() -> None:
     assert [row["mode"] for row in rows] == list(BENCH_MODES)
     assert all("error" not in row and row["median_s"] > 0 for row in rows), rows
     assert render(rows).count("\n") == 2 + len(BENCH_MODES)
+
+
+# ------------------------------------------------------------------------------ earliest edges
+def _lies_below(node: Any, targets: set[Any]) -> bool:
+    """Reference: whether any of ``targets`` is reachable strictly below ``node`` (a full walk)."""
+    stack = [child for child, _ in node.next_functions if child is not None]
+    seen: set[Any] = set()
+    while stack:
+        current = stack.pop()
+        if current in targets:
+            return True
+        if current not in seen:
+            seen.add(current)
+            stack.extend(child for child, _ in current.next_functions if child is not None)
+    return False
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_earliest_edges_match_a_full_walk_on_random_graphs(seed: int) -> None:
+    """The searches stop at the first hooked node and share what they decided; on random graphs
+    (branches, merges, unhooked stretches, leaves of several depths) the edges kept are exactly
+    those with no other hooked node below them, as a full walk from each edge finds."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from psg_core.backends.base import earliest_edges
+
+    gen = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    values = list(leaves)
+    ops = [torch.sin, torch.cos, lambda t: t * 2.0, torch.tanh]
+    for _ in range(40):
+        a, b = (values[int(torch.randint(len(values), (1,), generator=gen))] for _ in range(2))
+        op = ops[int(torch.randint(len(ops), (1,), generator=gen))]
+        values.append(op(a + b) if bool(torch.rand(1, generator=gen) < 0.5) else op(a))
+    derived = values[len(leaves):]
+    picks = torch.randperm(len(derived), generator=gen)[:10].tolist()
+    edges = [get_gradient_edge(derived[i]) for i in picks]
+    hooked = {e.node for e in edges}
+    expected = [e.node for e in edges if not _lies_below(e.node, hooked)]
+    assert [e.node for e in earliest_edges(edges)] == list(dict.fromkeys(expected))
+    assert expected  # the lowest picked node has none below it
