@@ -127,8 +127,8 @@ class GhostFactors:
         right = as_dtype(self.right, dtype)
         if self.kind is FactorKind.KEYED:
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
-        # (a one-row Gram is a squared norm: computing it costs less than looking it up)
-        gram_right = _gram(right) if grams is None or right.shape[-2] == 1 else grams.get(right, _gram)  # (N, [G,] T, T)
+        # (N, [G,] T, T); a one-row Gram is a squared norm: computing it costs less than looking it up
+        gram_right = _gram(right) if grams is None or right.shape[-2] == 1 else grams.get(right, _gram)
         if self.kind is FactorKind.DOT:
             gram_left = _gram(as_dtype(self.left, dtype))  # (N, G, T, T)
             return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
