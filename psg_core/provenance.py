@@ -152,11 +152,13 @@ def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, (list, tuple)):
-        for item in value:
-            _tensors(item, out)
+        for item in value:  # a tensor or a scalar item is handled here: no call per argument
+            if isinstance(item, torch.Tensor):
+                out.append(item)
+            elif isinstance(item, (list, tuple, dict)):
+                _tensors(item, out)
     elif isinstance(value, dict):
-        for item in value.values():
-            _tensors(item, out)
+        _tensors(list(value.values()), out)
     return out
 
 
