@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from psg_core._layout import STATE_BATCH_AXIS
 from psg_core.errors import UnsupportedModuleError
+from psg_core.support import own_parameters
 
 __all__ = ["rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN"]
 
@@ -250,9 +251,8 @@ def _batch_axis_after_view(shape_in: Sequence[int], bd: int, merged: int, shape_
 
 
 def _own_params(layer: nn.Module) -> frozenset[int]:
-    """ids of the layer's own trainable parameters (its ``_parameters``: cheaper than
-    ``parameters(recurse=False)``, which walks the module tree machinery)."""
-    return frozenset(id(p) for p in layer._parameters.values() if p is not None and p.requires_grad)
+    """ids of the layer's own trainable parameters."""
+    return frozenset(id(p) for p in own_parameters(layer) if p.requires_grad)
 
 
 def _only_mask(args: tuple[Any, ...], kwargs: dict[str, Any], sources: dict[int, Any]) -> bool:

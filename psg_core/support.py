@@ -14,12 +14,15 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+
 from torch import nn
 
 from psg_core.errors import UnsupportedModuleError
 
 __all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
-           "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported"]
+           "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -60,6 +63,38 @@ def _frequency_scaling(path: str, layer: nn.Module, where: str) -> UnsupportedMo
     return None
 
 
+_Check = Callable[[str, nn.Module], UnsupportedModuleError | None]
+
+
+def _reject(module: nn.Module, checks: Sequence[_Check]) -> None:
+    """One walk of ``module``: raises the first error of the first check that finds one (each
+    check's first offending layer in walk order; the checks in the order given)."""
+    first: list[UnsupportedModuleError | None] = [None] * len(checks)
+    for path, layer in module.named_modules():
+        for i, check in enumerate(checks):
+            if first[i] is None:
+                first[i] = check(path, layer)
+    for error in first:
+        if error is not None:
+            raise error
+
+
+def own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
+    """``tuple(layer.parameters(recurse=False))`` read from ``_parameters`` directly (asked once
+    per module and step: ``parameters()`` goes through the module-tree machinery).
+
+    >>> len(own_parameters(nn.Linear(2, 3))), own_parameters(nn.Linear(2, 3, bias=False))[0].shape
+    (2, torch.Size([3, 2]))
+    """
+    seen: set[int] = set()
+    own = []
+    for p in layer._parameters.values():
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            own.append(p)
+    return tuple(own)
+
+
 def reject_batch_mixing(module: nn.Module, *, where: str) -> None:
     """Raises :class:`UnsupportedModuleError` naming the first BatchNorm in training mode.
 
@@ -68,10 +103,7 @@ def reject_batch_mixing(module: nn.Module, *, where: str) -> None:
     ...
     psg_core.errors.UnsupportedModuleError: demo: module '1' (BatchNorm1d) is a BatchNorm in training mode, ...
     """
-    for path, layer in module.named_modules():
-        error = _batch_mixing(path, layer, where)
-        if error is not None:
-            raise error
+    _reject(module, [functools.partial(_batch_mixing, where=where)])
 
 
 def reject_fused(module: nn.Module, *, where: str, layer_types: tuple[type[nn.Module], ...] = FUSED,
@@ -84,10 +116,7 @@ def reject_fused(module: nn.Module, *, where: str, layer_types: tuple[type[nn.Mo
     ...
     psg_core.errors.UnsupportedModuleError: demo: module '0' (LSTM) is a fused layer whose kernel hooks cannot see into; ...
     """
-    for path, layer in module.named_modules():
-        error = _fused(path, layer, where, layer_types, why)
-        if error is not None:
-            raise error
+    _reject(module, [functools.partial(_fused, where=where, layer_types=layer_types, why=why)])
 
 
 def frequency_scaled(layer: nn.Module) -> bool:
@@ -104,10 +133,7 @@ def reject_frequency_scaling(module: nn.Module, *, where: str) -> None:
     ...
     psg_core.errors.UnsupportedModuleError: demo: module '0' (Embedding) has scale_grad_by_freq=True, ...
     """
-    for path, layer in module.named_modules():
-        error = _frequency_scaling(path, layer, where)
-        if error is not None:
-            raise error
+    _reject(module, [functools.partial(_frequency_scaling, where=where)])
 
 
 def reject_per_layer_unsupported(module: nn.Module, *, where: str) -> None:
@@ -120,11 +146,5 @@ def reject_per_layer_unsupported(module: nn.Module, *, where: str) -> None:
     ...
     psg_core.errors.UnsupportedModuleError: demo: module '1' (BatchNorm1d) is a BatchNorm in training mode, ...
     """
-    first: list[UnsupportedModuleError | None] = [None, None, None]
-    for path, layer in module.named_modules():
-        for i, check in enumerate((_batch_mixing, _frequency_scaling, _fused)):
-            if first[i] is None:
-                first[i] = check(path, layer, where)
-    for error in first:
-        if error is not None:
-            raise error
+    _reject(module, [functools.partial(check, where=where)
+                     for check in (_batch_mixing, _frequency_scaling, _fused)])

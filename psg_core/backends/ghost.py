@@ -73,7 +73,7 @@ from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_los
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.precision import as_dtype, compute_dtype, no_autocast, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
-from psg_core.support import reject_per_layer_unsupported
+from psg_core.support import own_parameters, reject_per_layer_unsupported
 
 __all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
 
@@ -84,18 +84,6 @@ def ghost_norm_layers() -> tuple[type[nn.Module], ...]:
     """Layer types whose weight norm the ghost backend can get from Gram matrices: those
     registered with :func:`psg_core.register_ghost_norm` by type."""
     return tuple(GHOST_NORMS)
-
-
-def _own_parameters(layer: nn.Module) -> tuple[torch.Tensor, ...]:
-    """``tuple(layer.parameters(recurse=False))`` read from ``_parameters`` directly (once per
-    module and step: ``parameters()`` goes through the module-tree machinery)."""
-    seen: set[int] = set()
-    own = []
-    for p in layer._parameters.values():
-        if p is not None and id(p) not in seen:
-            seen.add(id(p))
-            own.append(p)
-    return tuple(own)
 
 
 def _ghost_is_cheaper(layer: nn.Module, positions: int) -> bool:
@@ -157,7 +145,7 @@ class _GhostBookkeeping:
         self._owner_layers: dict[torch.Tensor, list[nn.Module]] = {}
         self._handles: list[Any] = []
         for _, layer in module.named_modules():
-            params = _own_parameters(layer)
+            params = own_parameters(layer)
             own = [p for p in params if p.requires_grad]
             if own:
                 self._layers[layer] = _LayerState(params=params, dtype=compute_dtype(params))
@@ -435,35 +423,40 @@ class _GhostBookkeeping:
                 continue
             sample_factors = factors[weight]
             for a, g, calls in _stacked_calls(state.kept):
-                if isinstance(a, GhostFactors):
-                    total = _table_sum(a, sample_factors, dropped, weight)
-                    sums[weight] = total if weight not in sums else sums[weight] + total
-                    continue
-                assert norm.weight_sum is not None  # every family but the tables has one
-                scale = functools.partial(_scale_rows, factors=sample_factors, K=self.K, calls=calls, dropped=dropped)
-                if dropped is None and norm.linear_in_input and isinstance(a, torch.Tensor) \
-                        and a.is_floating_point() and a.numel() < g.numel():
-                    # The input's rows are fewer numbers to scale (a Linear widening its input, a
-                    # recurrent layer's input and state beside its gates' gradient, a first conv).
-                    total = norm.weight_sum(layer, scale(a), g)
-                    sums[weight] = total if weight not in sums else sums[weight] + total
-                    continue
-                scaled = scaled_grads.get(g, scale, id(sample_factors), calls)
-                if dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
-                    # an overflowing input row: inf * 0 would be NaN
-                    a = zero_dropped(a, dropped.repeat_interleave(self.K).repeat(calls))  # (calls*N*K,)
-                total = norm.weight_sum(layer, a, scaled)
+                total = self._weight_sum(layer, norm, weight, a, g, calls, factors=sample_factors,
+                                         dropped=dropped, scaled_grads=scaled_grads)
                 current = sums.get(weight)
                 sums[weight] = total if current is None else current + total
             state.kept = []
         return sums
 
+    def _weight_sum(self, layer: nn.Module, norm: GhostNormEntry, weight: torch.Tensor, a: Any, g: torch.Tensor,
+                    calls: int, *, factors: torch.Tensor, dropped: torch.Tensor | None,
+                    scaled_grads: TensorMemo) -> torch.Tensor:
+        """``calls`` stacked calls' share of ``weight``'s clipped sum, from their kept input (a
+        lookup table's factors) and output gradient, each sample's rows under its factor."""
+        if isinstance(a, GhostFactors):
+            return _table_sum(a, factors, dropped, weight)
+        assert norm.weight_sum is not None  # every family but the tables has one
+        scale = functools.partial(_scale_rows, factors=factors, K=self.K, calls=calls, dropped=dropped)
+        if dropped is None and norm.linear_in_input and isinstance(a, torch.Tensor) and a.is_floating_point() \
+                and a.numel() < g.numel():
+            # The input's rows are fewer numbers to scale (a Linear widening its input, a recurrent
+            # layer's input and state beside its gates' gradient, a first conv).
+            return norm.weight_sum(layer, scale(a), g)
+        scaled = scaled_grads.get(g, scale, id(factors), calls)
+        if dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
+            # an overflowing input row: inf * 0 would be NaN
+            a = zero_dropped(a, dropped.repeat_interleave(self.K).repeat(calls))  # (calls*N*K,)
+        return norm.weight_sum(layer, a, scaled)
+
 
 def _scale_rows(g: torch.Tensor, *, factors: torch.Tensor, K: int, calls: int, dropped: torch.Tensor | None
                 ) -> torch.Tensor:
-    """Output-gradient rows ``(calls*N*K, ...)`` (``calls`` stacked calls, each ``N*K`` rows sample
-    by sample) scaled by their sample's factor from ``(N,)`` ``factors`` (a dropped sample's rows
-    zeroed): broadcast over a view that splits the rows, never a per-row copy of the factors."""
+    """Rows ``(calls*N*K, ...)`` of an output gradient or an input (``calls`` stacked calls, each
+    ``N*K`` rows sample by sample) scaled by their sample's factor from ``(N,)`` ``factors`` (a
+    dropped sample's rows zeroed): broadcast over a view that splits the rows, never a per-row
+    copy of the factors."""
     samples = factors.shape[0]
     rows = g.unflatten(0, (calls, samples, K))  # a view: splitting one axis needs no copy
     shape = (1, samples, 1) + (1,) * (g.dim() - 1)
