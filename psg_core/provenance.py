@@ -23,6 +23,14 @@ Two things follow from that knowledge:
 Inside the forward of a layer that owns trainable parameters and was called with the batch, the
 layer's own parameters meeting the batch is what its grad sampler is for, so it is not a meeting
 point.
+
+An op that combines different samples' rows (a reduction, cumulative op, sort or softmax along the
+batch axis, a permutation or partial selection of the rows, a product contracting the batch axis,
+pairs of rows from two batched operands) marks its outputs :data:`MIXED`, and so does every op fed
+one. A hooked layer or a loss that receives a mixed tensor raises
+:class:`~psg_core.errors.UnsupportedModuleError` naming the op and module where the samples met:
+per-sample gradients are the gradients of each sample alone, which such a forward pass does not
+compute. Mixing that never reaches a value (``bool(mask.all())`` to pick a code path) is harmless.
 """
 
 from __future__ import annotations
@@ -44,10 +52,26 @@ from psg_core._layout import STATE_BATCH_AXIS
 from psg_core.errors import UnsupportedModuleError
 from psg_core.support import own_parameters
 
-__all__ = ["rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN"]
+__all__ = ["rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN", "MIXED", "GROUPED",
+           "PERMUTED"]
 
 #: The batch axis of a batched tensor whose layout the tracker could not follow.
 UNKNOWN = -1
+#: The "axis" of a tensor whose values mix samples: an op reduced, reordered, selected or paired the
+#: batch's rows (``x - x.mean(0)``, ``cumsum(x, 0)``, ``x.flip(0)``, ``x[mask]``, ``h @ h.T``). A
+#: sample's gradient computed alone differs from its share of such a batch: a layer or a loss that
+#: receives one is refused (:meth:`BatchTracker.check_rows`), never given a silent answer.
+MIXED = -2
+#: The "axis" of rows a boolean mask picked from every sample (``h[mask]``): grouped by sample, in
+#: order, but how many each sample has is data. A view that gives them back one leading row per
+#: batch row (``h[eos].view(B, -1, d)``, as BART's and T5's classification heads do) restores the
+#: batch axis; a layer or a loss that receives them as they are is refused.
+GROUPED = -3
+#: The "axis" of the batch's rows reordered by a sort of the batch (``lengths.sort()``, then
+#: ``x.index_select(0, indices)``: what ``pack_padded_sequence(..., enforce_sorted=False)`` does).
+#: Packing them is allowed (a PackedSequence keeps its order, and the DP recurrent layers restore
+#: it); anything else computed from them mixes samples.
+PERMUTED = -4
 
 _TLS = threading.local()
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
@@ -170,6 +194,9 @@ class _Frame:
     #: the module owns trainable parameters and was called with the batch: its own parameters
     #: meeting the batch are its grad sampler's business.
     own: frozenset[int] | None
+    #: the versions of the call's positional tensor arguments when it started (an in-place change
+    #: during the call shows as a newer version).
+    versions: tuple[int, ...] = ()
 
 
 @dataclass
@@ -308,6 +335,11 @@ class BatchTracker(TorchFunctionMode):
         # view merged the batch with the axes after it, (N, T, d) -> (N*T, d)).
         self._batched = _TensorMap()
         self._origin = _TensorMap()  # batch-free tensor -> frozenset of param ids
+        self._mixed_by = _TensorMap()  # MIXED tensor -> where its samples met (for messages)
+        # Index tensors known to put rows back in the batch's order (a PackedSequence's sorted and
+        # unsorted indices, which torch's pack and pad functions apply): see trust_order.
+        self._orders = _TensorMap()
+        self._paired = False  # the last MIXED came from two operands' batch axes not lining up
         self._params: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if p.requires_grad}
         self._frames: list[_Frame] = []
         self._handles: list[Any] = []
@@ -341,11 +373,28 @@ class BatchTracker(TorchFunctionMode):
         self.meetings.clear()
         self._batched.clear()
         self._origin.clear()
+        self._mixed_by.clear()
+        self._orders.clear()
 
     # ------------------------------------------------------------------------------ queries
     def mark(self, tensor: torch.Tensor, batch_dim: int) -> None:
         """Declares ``tensor`` a batch tensor with its batch on ``batch_dim``."""
         self._batched[tensor] = (batch_dim, 1)
+
+    def trust_order(self, *indices: torch.Tensor | None) -> None:
+        """Declares index tensors that put rows back in the batch's order: a PackedSequence's
+        ``unsorted_indices``, which torch's ``pad_packed_sequence`` applies to the rows it unpacks
+        in the sequence's sorted order. Selecting rows on the batch axis with one keeps the batch
+        axis; with any other index it reorders samples."""
+        for index in indices:
+            if isinstance(index, torch.Tensor):
+                self._orders[index] = True
+
+    def mark_targets(self, targets: Any, layout: Any) -> None:
+        """Declares the targets batched (their rows on ``layout.target_dim``), so that a loss that
+        combines samples through them (a count of the batch's tokens) is seen too."""
+        if isinstance(targets, torch.Tensor) and targets.dim():
+            self.mark(targets, layout.target_dim(targets))
 
     def is_batched(self, value: Any) -> bool:
         """Whether ``value`` is a tensor that carries the batch (or a structure holding one)."""
@@ -362,6 +411,47 @@ class BatchTracker(TorchFunctionMode):
         with the following axes, as ``hidden.reshape(-1, d)`` does)."""
         entry = self._batched.get(tensor)
         return 1 if entry is None else int(entry[1])
+
+    def check_rows(self, tensor: torch.Tensor, consumer: str, *, unknown_ok: bool = True) -> None:
+        """Raises :class:`~psg_core.errors.UnsupportedModuleError` when ``tensor``'s values mix
+        samples (:data:`MIXED`), or, unless ``unknown_ok``, when its batch axis could not be followed;
+        ``consumer`` (a layer, "the loss") names the receiver in the message."""
+        entry = self._batched.get(tensor)
+        if entry is None:
+            return
+        if entry[0] == MIXED:
+            raise UnsupportedModuleError(
+                f"per-sample gradients: {consumer} receives values that mix samples: "
+                f"{self._mixed_by.get(tensor, 'an op combined rows of different samples')}. A sample's "
+                "gradient is the gradient of its own rows alone, which this forward pass does not compute "
+                "(and its clipping bound would not bound what the sample contributes); keep ops along the "
+                "batch axis out of the model and the loss, or apply them per sample")
+        if entry[0] == PERMUTED:
+            raise UnsupportedModuleError(
+                f"per-sample gradients: {consumer} receives the batch's rows reordered by a sort of the "
+                "batch; row i is no longer sample i's. Pack them (pack_padded_sequence) for a DP "
+                "recurrent layer, or keep the batch's order")
+        if entry[0] == GROUPED:
+            raise UnsupportedModuleError(
+                f"per-sample gradients: {consumer} receives rows that a boolean mask picked from every "
+                "sample into one axis (h[mask]); how many belong to each sample is data psg does not "
+                "read. Keep the batch axis (mask by multiplying, or view the picked rows back to one "
+                "row per sample)")
+        if entry[0] == UNKNOWN and not unknown_ok:
+            raise UnsupportedModuleError(
+                f"per-sample gradients: {consumer} receives a tensor whose batch axis psg could not "
+                "follow through the forward pass (an op whose layout it does not know); psg does not "
+                "guess it from a size. Reshape so that the batch stays a plain axis, or use "
+                "mode='functorch'")
+
+    def modified_in_call(self, layer: nn.Module, args: tuple[Any, ...]) -> bool:
+        """Whether ``layer``'s running call (the innermost frame) changed one of its positional
+        tensor arguments in place."""
+        frame = self._frames[-1] if self._frames else None
+        if frame is None or frame.module is not layer:
+            return False
+        now = tuple(a._version for a in args if isinstance(a, torch.Tensor))
+        return len(now) == len(frame.versions) and now != frame.versions
 
     def current_module(self) -> str:
         """The innermost running module, for messages."""
@@ -390,7 +480,8 @@ class BatchTracker(TorchFunctionMode):
                 if isinstance(leaf, torch.Tensor):
                     self._batched[leaf] = (state_axis, 1)
         covered = own_params if own_params and self.is_batched((args, kwargs)) else None
-        self._frames.append(_Frame(layer, label, covered))
+        versions = tuple(a._version for a in args if isinstance(a, torch.Tensor))
+        self._frames.append(_Frame(layer, label, covered, versions))
 
     def pop_frame(self) -> None:
         """Leaves the innermost module's forward."""
@@ -442,6 +533,9 @@ class BatchTracker(TorchFunctionMode):
                     for t in _tensors(out, []):
                         if t.requires_grad:
                             self._origin[t] = origin
+                if self._orders.entries and isinstance(out, torch.Tensor) and leaves and leaves[0] in self._orders \
+                        and getattr(func, "__name__", "") in _COPIES:
+                    self._orders[out] = True  # the same order on another device or dtype
             else:
                 self._follow(name, args, kwargs, batched, out)
         return out
@@ -484,7 +578,7 @@ class BatchTracker(TorchFunctionMode):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             ref = batched[0]
             bd = self._batched[ref][0]
-            if bd == UNKNOWN or dim % ref.dim() == bd:
+            if bd < 0 or dim % ref.dim() == bd:
                 raise self._cannot(name, where, "it concatenates along the batch axis (or an unknown one)")
             shape, out_bd, merged = None, bd, self.merged(ref)
         else:
@@ -512,7 +606,7 @@ class BatchTracker(TorchFunctionMode):
     def _broadcast_axis(self, batched: list[torch.Tensor], ndim: int) -> tuple[int | None, int]:
         for t in batched:
             bd = self._batched[t][0]
-            if bd != UNKNOWN:
+            if bd >= 0:
                 return int(bd) + ndim - t.dim(), self.merged(t)
         return None, 1
 
@@ -525,40 +619,167 @@ class BatchTracker(TorchFunctionMode):
     # ------------------------------------------------------------------------------ batch axes
     def _follow(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                 batched: list[tuple[torch.Tensor, tuple[int, int]]], out: Any) -> None:
+        if name == "__setitem__":
+            self._follow_setitem(args, batched)
+            return
         outs = [out] if isinstance(out, torch.Tensor) else _tensors(out, [])
         if not outs:
             return
-        # Follow an operand whose axis is known (another may be a batch-wide scalar like mask.all()).
-        first, (bd, merged) = batched[0]
-        if bd == UNKNOWN:
-            for t, entry in batched:
-                if entry[0] != UNKNOWN:
-                    first, (bd, merged) = t, entry
-                    break
-        batched_tensors: list[torch.Tensor] | None = None
-        for t in outs:
-            if t is first:
-                continue  # in place: keeps its axis
-            if bd == UNKNOWN:
-                self._batched[t] = (UNKNOWN, 1)
-            elif name in _VIEW:
-                self._batched[t] = _batch_axis_after_view(first.shape, bd, merged, t.shape)
+        if name == "_pack_padded_sequence" and args and isinstance(args[0], torch.Tensor):
+            # (data, batch_sizes) in the packed order: not an axis of rows; the lengths only shape it.
+            state = self._batched.get(args[0])
+            if state is not None and state[0] == MIXED:
+                self._mark_mixed(outs, self._mixed_by.get(args[0]))
             else:
-                if batched_tensors is None:
-                    batched_tensors = [b for b, _ in batched]
-                axis = self._axis(name, args, kwargs, first, bd, t, batched_tensors)
-                self._batched[t] = (axis, merged if axis != UNKNOWN else 1)
+                for t in outs:
+                    self._batched[t] = (UNKNOWN, 1)
+            return
+        for t, entry in batched:
+            if entry[0] == MIXED:  # computed from values that mix samples: mixed too
+                self._mark_mixed(outs, self._mixed_by.get(t))
+                return
+        if any(entry[0] == PERMUTED for _, entry in batched):
+            self._follow_permuted(name, args, kwargs, batched, outs)
+            return
+        if name == "_pad_packed_sequence":  # (padded, lengths) from a PackedSequence's data
+            batch_first = args[2] if len(args) > 2 else kwargs.get("batch_first", False)
+            for t in outs:
+                self._batched[t] = ((0 if batch_first else 1) if t.dim() > 1 else 0, 1)
+            return
+        if name in ("embedding_bag", "_embedding_bag"):
+            # One output row per bag, bags in the batch's order (sample n's K rows own bags
+            # n*K*b .. with b bags per row, as the EmbeddingBag sampler counts them).
+            rows, bags = self.num_samples * self.K, outs[0].shape[0] if outs[0].dim() else 0
+            self._batched[outs[0]] = (0, bags // rows) if rows and bags and bags % rows == 0 else (UNKNOWN, 1)
+            for t in outs[1:]:
+                self._batched[t] = (UNKNOWN, 1)
+            return
+        # Follow an operand whose axis is known (another may be one the tracker lost).
+        known = next((item for item in batched if item[1][0] >= 0), None)
+        if known is None:
+            grouped = next((t for t, entry in batched if entry[0] == GROUPED), None)
+            for t in outs:
+                if all(t is not b for b, _ in batched):  # in place: keeps its state
+                    self._batched[t] = self._after_grouped(name, grouped, t) if grouped is not None else (UNKNOWN, 1)
+            return
+        first, (bd, merged) = known
+        for t in outs:
+            if name in _VIEW:
+                axis, kept = _batch_axis_after_view(first.shape, bd, merged, t.shape)
+            else:
+                axis = self._axis(name, args, kwargs, first, bd, t, batched)
+                kept = merged if axis >= 0 else 1
+            if axis == MIXED:
+                why = _paired(name) if self._paired else _describe(name)
+                self._paired = False
+                self._mark_mixed([t], f"{why} in module {self.current_module()}")
+            elif axis == PERMUTED:
+                self._batched[t] = (PERMUTED, 1)
+            elif t is not first:  # in place: keeps its axis
+                self._batched[t] = (axis, kept)
+
+    def _follow_permuted(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         batched: list[tuple[torch.Tensor, tuple[int, int]]], outs: list[torch.Tensor]) -> None:
+        """Rows reordered by a sort of the batch (PERMUTED) may be selected by that order, copied
+        and inverted (what packing does); any other use mixes samples."""
+        index = None
+        if name == "index_select":
+            index = kwargs.get("index", args[2] if len(args) > 2 else None)
+        elif name == "__getitem__" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            index = args[1]
+        if index is not None and index in self._orders:
+            source = self._batched.get(args[0])
+            if source is not None and source[0] >= 0:  # a PackedSequence's rows put back in order
+                for t in outs:
+                    self._batched[t] = source
+                return
+        if index is not None:
+            source = self._batched.get(args[0])
+            if source is not None and source[0] == 0 and self._batched.get(index, (None,))[0] == PERMUTED \
+                    and (name == "__getitem__" or _along_dims("index_select", args, kwargs, args[0].dim()) == (0,)):
+                for t in outs:
+                    self._batched[t] = (PERMUTED, 1)
+                return
+        if name in _COPIES or name in ("empty_like", "scatter_", "sort", "argsort"):
+            for t in outs:
+                self._batched[t] = (PERMUTED, 1)
+            return
+        self._mark_mixed(outs, f"'{name}' in module {self.current_module()} uses the batch's rows as a sort "
+                               "reordered them")
+
+    def _mark_mixed(self, tensors: list[torch.Tensor], why: str | None) -> None:
+        if self.num_samples * self.K <= 1:
+            # One row: nothing to mix, only an axis the tracker could not follow (a reduction or an
+            # index over a batch of one).
+            for t in tensors:
+                self._batched[t] = (UNKNOWN, 1)
+            return
+        for t in tensors:
+            self._batched[t] = (MIXED, 1)
+            if why is not None:
+                self._mixed_by[t] = why
+
+    def _after_grouped(self, name: str, grouped: torch.Tensor, t: torch.Tensor) -> tuple[int, int]:
+        """Rows a mask picked (GROUPED) stay so through row-wise ops; a view with one leading row per
+        batch row gives the batch axis back."""
+        rows = self.num_samples * self.K
+        if name in _VIEW and t.dim() and t.shape[0] == rows and rows:
+            return 0, 1
+        if t.dim() and grouped.dim() and t.shape[0] == grouped.shape[0] and name not in _PERMUTING:
+            return GROUPED, 1
+        return UNKNOWN, 1
+
+    def _follow_setitem(self, args: tuple[Any, ...], batched: list[tuple[torch.Tensor, tuple[int, int]]]) -> None:
+        """``target[index] = value``: the target mixes samples when the value does, or when batched
+        rows are written into a batched target at other rows."""
+        if len(args) < 3 or not isinstance(args[0], torch.Tensor):
+            return
+        target, index, value = args[0], args[1], args[2]
+        for t, entry in batched:
+            if entry[0] == MIXED and t is not target:
+                self._mark_mixed([target], self._mixed_by.get(t))
+                return
+        entry = self._batched.get(target)
+        if entry is None or entry[0] < 0 or not (isinstance(value, torch.Tensor) and value in self._batched):
+            return
+        if self._index_axis(target, entry[0], index) < 0:
+            self._mark_mixed([target], f"an assignment into selected rows of the batch in module "
+                                       f"{self.current_module()}")
+
+    def _agree(self, axis: int, x: torch.Tensor, operands: list[tuple[torch.Tensor, tuple[int, int]]],
+               axis_of: Callable[[torch.Tensor, int], int]) -> int:
+        """``axis`` (the output's batch axis as ``x`` puts it), or MIXED when another batched operand
+        puts its batch on another output axis (an outer sum or product pairs rows of two samples)."""
+        if axis < 0:
+            return axis
+        for t, (b, _) in operands:
+            if b == GROUPED and t.dim() and t.numel() > 1:
+                return MIXED  # rows a mask picked, lined up against the batch's
+            if t is x or b < 0 or t.dim() <= b or t.shape[b] == 1:
+                continue
+            if axis_of(t, b) != axis:
+                self._paired = True
+                return MIXED
+        return axis
 
     def _axis(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor, bd: int,
-              out: torch.Tensor, batched: list[torch.Tensor]) -> int:
-        if bd == UNKNOWN:
-            return UNKNOWN
+              out: torch.Tensor, operands: list[tuple[torch.Tensor, tuple[int, int]]]) -> int:
         nd_in, nd_out = x.dim(), out.dim()
         self_arg = args[0] if args else None
-        if name in _POINTWISE and name not in _MATMUL:
-            return bd + nd_out - nd_in
+        if name in _POINTWISE and name not in _MATMUL or (name in ("max", "min") and len(args) > 1
+                                                          and isinstance(args[1], torch.Tensor)):
+            return self._agree(bd + nd_out - nd_in, x, operands, lambda t, b: b + nd_out - t.dim())
+        if nd_out == 0 and x.shape[bd] > 1:
+            return MIXED  # the batch reduced to one number
+        along = self._along_batch(name, args, kwargs, x, bd, out, operands)
+        if along is not None:
+            return along
+        if name in _MATMUL:
+            return self._matmul_axis(name, args, x, bd, out, operands)
+        if name == "einsum":
+            return self._einsum_axis(args, x, bd, operands)
         if name not in _PERMUTING and nd_out == nd_in and out.shape == x.shape:
-            return bd  # same shape, no axis moved: activations, norms, dropout, softmax, ...
+            return bd  # same shape, no axis moved: activations, norms, dropout, ...
         if name in ("transpose", "swapaxes", "swapdims") and self_arg is x and len(args) >= 3:
             d0, d1 = args[1] % nd_in, args[2] % nd_in
             return d1 if bd == d0 else d0 if bd == d1 else bd
@@ -585,44 +806,107 @@ class BatchTracker(TorchFunctionMode):
             return UNKNOWN if bd in removed else bd - sum(1 for i in removed if i < bd)
         if name == "__getitem__" and self_arg is x:
             return self._index_axis(x, bd, args[1])
-        if name in _MATMUL:
-            return self._matmul_axis(args, x, bd, out)
         if name in _REDUCE:
             dims = _dims_arg(args, kwargs, nd_in)
             if dims is None or bd in dims:
-                return UNKNOWN if nd_out else UNKNOWN
+                return MIXED  # over the batch axis (or every axis)
             keep = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
             return bd if keep else bd - sum(1 for d in dims if d < bd)
         if name in _CAT:
-            return bd
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            parts = args[0] if args and isinstance(args[0], (list, tuple)) else ()
+            if isinstance(dim, int) and dim % nd_in == bd and len(parts) > 1:
+                return MIXED  # rows appended to the batch's: no longer one per sample
+            return self._agree(bd, x, operands, lambda t, b: b)
         if name == "stack":
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % (nd_in + 1)
-            return bd + 1 if dim <= bd else bd
+            return self._agree(bd + 1 if dim <= bd else bd, x, operands, lambda t, b: b + 1 if dim <= b else b)
         if name in ("unbind",):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % nd_in
-            return UNKNOWN if dim == bd else bd - (1 if dim < bd else 0)
+            return MIXED if dim == bd else bd - (1 if dim < bd else 0)
         if name in ("split", "chunk", "tensor_split", "split_with_sizes"):
             dim = kwargs.get("dim", args[2] if len(args) > 2 else 0) % nd_in
-            return UNKNOWN if dim == bd else bd
+            return MIXED if dim == bd else bd
         if name in ("expand", "expand_as", "repeat", "broadcast_to"):
             return bd + nd_out - nd_in
         if name in ("embedding",) and len(args) > 0 and args[0] is x:
             return bd
-        if name == "_pad_packed_sequence":  # (padded, lengths) from a PackedSequence's data
-            batch_first = args[2] if len(args) > 2 else kwargs.get("batch_first", False)
-            return (0 if batch_first else 1) if out.dim() > 1 else 0
+        if name == "one_hot" and self_arg is x:
+            return bd
         if nd_out == nd_in and out.shape[bd] == x.shape[bd]:
             # Shape-preserving along the batch (activations, norms, linear, convolutions, attention).
             return bd
         return UNKNOWN
 
-    @staticmethod
-    def _index_axis(x: torch.Tensor, bd: int, index: Any) -> int:
+    def _along_batch(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor, bd: int,
+                     out: torch.Tensor, operands: list[tuple[torch.Tensor, tuple[int, int]]]) -> int | None:
+        """The output axis of ops that work along given axes (MIXED when the batch axis is one of
+        them) and of the ops that combine samples by nature; None for every other op."""
+        nd_in, nd_out = x.dim(), out.dim()
+        if name in _ALONG_DIM:
+            if not args or args[0] is not x:
+                return None  # the batched tensor is an index or a source, not the input
+            dims = _along_dims(name, args, kwargs, nd_in)
+            if name == "index_select" and dims == (bd,) and self._orders.entries:
+                index = kwargs.get("index", args[2] if len(args) > 2 else None)
+                if isinstance(index, torch.Tensor) and index in self._orders:
+                    return bd  # a PackedSequence's order, or back
+            if name in ("sort", "argsort") and dims == (bd,) and nd_in == 1:
+                return PERMUTED  # a sort of per-sample values (lengths): its order may pack the batch
+            if name == "index_select" and dims == (bd,):
+                index = kwargs.get("index", args[2] if len(args) > 2 else None)
+                if isinstance(index, torch.Tensor) and index.dim() == 1 and index.shape[0] == x.shape[bd] \
+                        and torch.equal(index, torch.arange(x.shape[bd], device=index.device, dtype=index.dtype)):
+                    return bd  # every row in its place
+            if dims is None or bd in dims:
+                return MIXED
+            if nd_out == nd_in:
+                return bd if out.shape[bd] == x.shape[bd] else UNKNOWN
+            if nd_out == nd_in - len(dims):
+                return bd - sum(1 for d in dims if d < bd)
+            return UNKNOWN
+        if name in ("linear", "bilinear") and args and args[0] is x and nd_in > 1 and bd == nd_in - 1:
+            return MIXED  # the batch on the features a layer contracts
+        if name.startswith("conv") and args and args[0] is x and nd_in > 2 and bd != 0:
+            return MIXED  # the batch on the channels a convolution contracts, or on positions it slides over
+        if name == "batch_norm":
+            training = kwargs.get("training", args[5] if len(args) > 5 else False)
+            return MIXED if training and bd != 1 else None  # statistics over the batch (and positions)
+        if name in ("layer_norm", "rms_norm"):
+            shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+            width = 1 if isinstance(shape, int) else len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 0
+            return MIXED if args and args[0] is x and bd >= nd_in - width else None
+        if name in ("group_norm", "instance_norm", "local_response_norm"):
+            return MIXED if args and args[0] is x and bd != 0 else None
+        if name in ("pdist", "cov", "corrcoef"):
+            return MIXED
+        if name == "cdist" and len(args) >= 2:
+            if bd >= nd_in - 1 or x.dim() < 2:
+                return MIXED  # the feature axis, contracted
+            axis = (nd_out - 2 if args[0] is x else nd_out - 1) if bd == nd_in - 2 else bd + nd_out - nd_in
+            def cdist_axis(t: torch.Tensor, b: int) -> int:
+                if b >= t.dim() - 1:
+                    return MIXED
+                if b == t.dim() - 2:
+                    return nd_out - 2 if args[0] is t else nd_out - 1
+                return b + nd_out - t.dim()
+            return self._agree(axis, x, operands, cdist_axis)
+        if name in ("cross_entropy", "nll_loss") and args and args[0] is x:
+            reduction = kwargs.get("reduction", args[6] if name == "cross_entropy" and len(args) > 6 else "mean")
+            if reduction != "none" or (nd_in > 1 and bd == 1):
+                return MIXED  # over the batch, or along the class axis
+            return bd if bd == 0 else bd - 1
+        return None
+
+    def _index_axis(self, x: torch.Tensor, bd: int, index: Any) -> int:
         items = index if isinstance(index, tuple) else (index,)
         if any(isinstance(i, list) for i in items):
-            return UNKNOWN
+            try:
+                items = tuple(torch.as_tensor(i) if isinstance(i, list) else i for i in items)
+            except (TypeError, ValueError, RuntimeError):
+                return UNKNOWN
         if any(isinstance(i, torch.Tensor) for i in items):
-            return BatchTracker._gather_axis(x, bd, items)
+            return self._gather_axis(x, bd, items)
         if any(i is Ellipsis for i in items):
             pos = items.index(Ellipsis)
             consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
@@ -633,50 +917,175 @@ class BatchTracker(TorchFunctionMode):
                 out_axis += 1
                 continue
             if src == bd:
-                # An int picks one row; a slice other than ``:`` keeps only some rows.
-                return out_axis if item == slice(None) else UNKNOWN
+                # An int picks one sample's row; a slice other than every row keeps some rows only.
+                if isinstance(item, slice) and item.indices(x.shape[bd]) == (0, x.shape[bd], 1):
+                    return out_axis
+                return MIXED
             if not isinstance(item, int):
                 out_axis += 1
             src += 1
         return out_axis + (bd - src)
 
-    @staticmethod
-    def _gather_axis(x: torch.Tensor, bd: int, items: tuple[Any, ...]) -> int:
+    def _gather_axis(self, x: torch.Tensor, bd: int, items: tuple[Any, ...]) -> int:
         """Advanced indexing ``x[..., rows_index, ...]`` keeps the batch only where the index on the
         batch axis is ``arange(rows)`` along one axis (how mask utilities pick each row): its
-        values are checked, not its size."""
-        if len(items) > x.dim() or any(i is None or i is Ellipsis for i in items):
+        values are checked, not its size. Any other index on the batch axis (a mask, a permutation,
+        some rows) mixes samples; an index on other axes only keeps the batch where it was."""
+        if any(i is Ellipsis for i in items):
+            return UNKNOWN
+        src_pos = 0
+        covered: dict[int, tuple[int, ...]] = {}  # item position -> the source axes it indexes
+        for p, item in enumerate(items):
+            if item is None:
+                covered[p] = ()
+                continue
+            width = item.dim() if isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8) else 1
+            covered[p] = tuple(range(src_pos, src_pos + width))
+            src_pos += width
+        if src_pos > x.dim():
             return UNKNOWN
         tensor_pos = [p for p, i in enumerate(items) if isinstance(i, torch.Tensor)]
-        if bd not in tensor_pos or tensor_pos != list(range(tensor_pos[0], tensor_pos[-1] + 1)):
+        on_batch = [p for p in tensor_pos if bd in covered[p]]
+        if not on_batch:
+            before = [items[p] for p in range(len(items)) if covered[p] and covered[p][0] < bd]
+            if any(i is None for i in items) or not all(isinstance(i, slice) for i in before):
+                return UNKNOWN
+            if tensor_pos != list(range(tensor_pos[0], tensor_pos[-1] + 1)) or any(
+                    isinstance(items[p], int) for p in range(len(items))):
+                return UNKNOWN
+            if covered[tensor_pos[0]] and bd < covered[tensor_pos[0]][0]:
+                return bd  # the index axes come after the batch's
+            shape = torch.broadcast_shapes(*(items[p].shape for p in tensor_pos))
+            indexed = sum(len(covered[p]) for p in tensor_pos)
+            return bd - indexed + len(shape)
+        index = items[on_batch[0]]
+        if index.dtype in (torch.bool, torch.uint8):
+            # the rows a mask picks, from every sample, in one axis (grouped by sample, in order)
+            return GROUPED if len(on_batch) == 1 and covered[on_batch[0]][0] == 0 else MIXED
+        if index.is_floating_point():
+            return UNKNOWN
+        if len(items) == 1 and index.dim() == 1 and index in self._orders:
+            return bd  # a PackedSequence's order, or back
+        if len(items) > x.dim() or any(i is None for i in items):
+            return UNKNOWN
+        if tensor_pos != list(range(tensor_pos[0], tensor_pos[-1] + 1)):
             return UNKNOWN
         if not all(isinstance(items[p], slice) and items[p] == slice(None) for p in range(len(items))
                    if p not in tensor_pos):
-            return UNKNOWN
-        index = items[bd]
-        if index.dtype in (torch.bool, torch.uint8) or index.is_floating_point():
             return UNKNOWN
         shape = torch.broadcast_shapes(*(items[p].shape for p in tensor_pos))
         rows = x.shape[bd]
         axes = [a for a, size in enumerate(index.shape) if size != 1]
         if len(axes) != 1 or index.shape[axes[0]] != rows:
-            return UNKNOWN
+            return MIXED
         if not torch.equal(index.reshape(-1), torch.arange(rows, device=index.device, dtype=index.dtype)):
-            return UNKNOWN
+            return MIXED  # a permutation of the rows
         return tensor_pos[0] + axes[0] + len(shape) - index.dim()
 
-    def _matmul_axis(self, args: tuple[Any, ...], x: torch.Tensor, bd: int, out: torch.Tensor) -> int:
-        a, b = (args[0], args[1]) if len(args) >= 2 else (None, None)
-        if x is a:
-            if bd == x.dim() - 2 or (x.dim() == 1):
-                return out.dim() - 2 if x.dim() >= 2 else UNKNOWN
-            if bd < x.dim() - 2:
-                return bd + out.dim() - x.dim()
-        if x is b and isinstance(b, torch.Tensor):
-            if bd < b.dim() - 2:
-                return bd + out.dim() - b.dim()
-            if bd == b.dim() - 1 and b.dim() >= 2:
-                return out.dim() - 1
-        return UNKNOWN
+    def _matmul_axis(self, name: str, args: tuple[Any, ...], x: torch.Tensor, bd: int, out: torch.Tensor,
+                     operands: list[tuple[torch.Tensor, tuple[int, int]]]) -> int:
+        if len(args) < 2:
+            return UNKNOWN
+        if name == "baddbmm":
+            if args[0] is x:
+                return self._agree(bd + out.dim() - x.dim(), x, operands,
+                                   lambda t, b: _product_axis(t, b, args[1], args[2], out))
+            a, b = args[1], args[2]
+        elif name == "__rmatmul__":
+            a, b = args[1], args[0]
+        else:
+            a, b = args[0], args[1]
+        return self._agree(_product_axis(x, bd, a, b, out), x, operands,
+                           lambda t, k: _product_axis(t, k, a, b, out) if t is a or t is b else k + out.dim() - t.dim())
+
+    def _einsum_axis(self, args: tuple[Any, ...], x: torch.Tensor, bd: int,
+                     operands: list[tuple[torch.Tensor, tuple[int, int]]]) -> int:
+        if not args or not isinstance(args[0], str):
+            return UNKNOWN
+        tensors = list(args[1][0:] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
+        equation = args[0].replace(" ", "")
+        if "..." in equation:
+            return UNKNOWN
+        lhs, arrow, rhs = equation.partition("->")
+        terms = lhs.split(",")
+        if not arrow:
+            letters = lhs.replace(",", "")
+            rhs = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+        if len(terms) != len(tensors):
+            return UNKNOWN
+
+        def axis_of(t: torch.Tensor, b: int) -> int:
+            where = [k for k, s in enumerate(tensors) if s is t]
+            if not where or b >= len(terms[where[0]]):
+                return UNKNOWN
+            letter = terms[where[0]][b]
+            return rhs.index(letter) if letter in rhs else MIXED  # a summed letter contracts the batch
+
+        return self._agree(axis_of(x, bd), x, operands, axis_of)
 
 
+def _product_axis(t: torch.Tensor, b: int, a: Any, other: Any, out: torch.Tensor) -> int:
+    """Where ``t``'s batch axis ``b`` lands in ``out = a @ other`` (``t`` is ``a`` or ``other``):
+    MIXED when the product contracts it."""
+    if t is a:
+        if t.dim() == 1 or b == t.dim() - 1:
+            return MIXED
+        if b == t.dim() - 2:
+            return out.dim() - (2 if isinstance(other, torch.Tensor) and other.dim() >= 2 else 1)
+        return b + out.dim() - t.dim()
+    if t.dim() == 1 or b == t.dim() - 2:
+        return MIXED
+    if b == t.dim() - 1:
+        return out.dim() - 1
+    return b + out.dim() - t.dim()
+
+
+#: Ops that work along given axes of their input: the position of that argument (after the input
+#: itself; None: the op has none) and its default (``ALL``: every axis, as a flattened op or a
+#: reduction without ``dim``; ``IMPLICIT``: softmax's legacy choice by rank).
+_ALL, _IMPLICIT = "all", "implicit"
+_ALONG_DIM: dict[str, tuple[int | None, Any]] = {
+    "softmax": (1, _IMPLICIT), "log_softmax": (1, _IMPLICIT), "softmin": (1, _IMPLICIT),
+    "cumsum": (1, _ALL), "cumprod": (1, _ALL), "cummax": (1, _ALL), "cummin": (1, _ALL),
+    "logcumsumexp": (1, _ALL), "sort": (1, -1), "argsort": (1, -1), "msort": (None, 0),
+    "topk": (2, -1), "kthvalue": (2, -1), "median": (1, _ALL), "nanmedian": (1, _ALL), "mode": (1, -1),
+    "normalize": (2, 1), "glu": (1, -1), "diff": (2, -1), "cosine_similarity": (2, 1),
+    "flip": (1, _ALL), "fliplr": (None, 1), "flipud": (None, 0), "roll": (2, _ALL), "rot90": (2, (0, 1)),
+    "index_select": (1, _ALL), "gather": (1, _ALL), "take_along_dim": (2, _ALL), "narrow": (1, _ALL),
+    "select": (1, _ALL), "repeat_interleave": (2, _ALL), "index_add": (1, _ALL), "index_copy": (1, _ALL),
+    "index_fill": (1, _ALL), "scatter": (1, _ALL), "scatter_add": (1, _ALL), "scatter_reduce": (1, _ALL),
+    "index_add_": (1, _ALL), "index_copy_": (1, _ALL), "index_fill_": (1, _ALL), "scatter_": (1, _ALL),
+    "scatter_add_": (1, _ALL), "scatter_reduce_": (1, _ALL), "unique_consecutive": (None, _ALL),
+}
+_DIM_KEYWORDS = ("dim", "dims", "axis")
+_COPIES = {"to", "cpu", "cuda", "clone", "contiguous", "long", "int", "detach"}
+
+
+def _along_dims(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> tuple[int, ...] | None:
+    """The axes ``name`` works along (normalised), None for every axis."""
+    position, default = _ALONG_DIM[name]
+    value = next((kwargs[k] for k in _DIM_KEYWORDS if k in kwargs), None)
+    if value is None and position is not None and len(args) > position:
+        value = args[position]
+    if value is None:
+        if default == _ALL:
+            return None
+        if default == _IMPLICIT:
+            value = 0 if ndim in (0, 1, 3) else 1
+        else:
+            value = default
+    dims = value if isinstance(value, (tuple, list, torch.Size)) else (value,)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    return tuple(d % ndim if ndim else 0 for d in dims)
+
+
+def _paired(name: str) -> str:
+    return (f"'{name}' lines up two batched operands whose batch axes differ, pairing rows of different "
+            "samples (or an input whose size on the batch dimension equals N*K by coincidence was taken "
+            "for a batch tensor: pass a batch-free tensor with another shape, or build it in the model)")
+
+
+def _describe(name: str) -> str:
+    return (f"'{name}' reorders, selects or combines the rows of different samples (along the batch axis, "
+            "or pairing two batched operands)")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from psg_core.errors import ConfigError
+from psg_core.errors import ConfigError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, check_multiplicity
 from psg_core.modes import LossReduction, parse_enum
 
@@ -136,6 +136,21 @@ class AbstractGradSampleModule(nn.Module, abc.ABC):
             if module is not None and hasattr(module, item):
                 return getattr(module, item)
             raise err
+
+
+def backward_to_edges(loss: torch.Tensor, edges: list[GradientEdge], *, where: str) -> None:
+    """``torch.autograd.grad(loss, earliest_edges(edges))``: the one backward pass of the backends
+    that hook layer outputs. torch's reentrant checkpoint cannot run under ``autograd.grad``; its
+    error becomes a :class:`~psg_core.errors.UnsupportedModuleError` that says what to change."""
+    try:
+        torch.autograd.grad(loss, earliest_edges(edges), allow_unused=True)
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+        raise UnsupportedModuleError(
+            f"{where}: the model runs torch.utils.checkpoint with use_reentrant=True, which cannot be "
+            "differentiated with torch.autograd.grad (psg backpropagates to the hooked layers' "
+            "outputs only); pass use_reentrant=False") from err
 
 
 def earliest_edges(edges: list[GradientEdge]) -> list[GradientEdge]:

@@ -21,11 +21,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from psg_core._layout import ALWAYS_BATCH_FIRST
-from psg_core.errors import UnsupportedModuleError
+from psg_core.errors import PsgError, UnsupportedModuleError
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
-from psg_core.provenance import active_tracker
+from psg_core.provenance import GROUPED, MIXED, PERMUTED, active_tracker
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call"]
 
@@ -55,6 +55,21 @@ class LayerCall:
     #: entries of the batch axis per row in the layer's own tensors (a view merged the batch with
     #: the axes after it); the record's args are split back to rows, and so must the gradients be.
     merged: int = 1
+    #: the versions of the tensor arguments when the call was captured (see :meth:`check_unchanged`).
+    versions: tuple[int, ...] = ()
+    #: the batch axis of each output with a gradient, where the forward pass put it (a layer may
+    #: move the batch or reduce an axis before it); empty: ``batch_dim``.
+    output_dims: tuple[int, ...] = ()
+
+    def check_unchanged(self, where: str) -> None:
+        """Raises when an op after the call changed one of its tensor arguments in place: the
+        per-sample gradients would be computed from values the call never saw."""
+        now = tuple(a._version for a in self.args if isinstance(a, torch.Tensor))
+        if now != self.versions:
+            raise UnsupportedModuleError(
+                f"{where}: the input of {type(self.layer).__qualname__} was modified in place after the "
+                "call (by a later op), so its per-sample gradients cannot be computed from it; clone it "
+                "before modifying it (x = x.clone())")
 
     def unmerge(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """An output gradient in the record's layout (the batch split from the axes it was merged with)."""
@@ -98,6 +113,10 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             return None
         first = next((a for a in args if isinstance(a, torch.Tensor) and tracker.is_batched(a)), first)
     entry = GRAD_SAMPLERS.lookup(layer)
+    if tracker is not None and first is not None:
+        if tracker.batch_dim(first) in (MIXED, GROUPED, PERMUTED):
+            # Rows whose values mix samples, or rows a mask picked from every sample: refused.
+            tracker.check_rows(first, f"module {tracker.current_module()}")
     if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or (entry is not None and entry.batch_first_only):
         batch_dim = 0
     elif tracker is not None and first is not None:
@@ -115,6 +134,11 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         args = tuple(_unmerge(a, batch_dim, merged) if isinstance(a, torch.Tensor) and tracker.is_batched(a)
                      and tracker.batch_dim(a) == batch_dim and tracker.merged(a) == merged else a for a in args)
         first = args[0] if isinstance(args[0], torch.Tensor) else first
+    if tracker is not None and tracker.modified_in_call(layer, args):
+        raise UnsupportedModuleError(
+            f"per-sample gradients: module {tracker.current_module()} modifies its input in place; its "
+            "per-sample gradients are computed from the input it was called with, which no longer "
+            "exists. Clone the input before modifying it (x = x.clone()) in the module's forward")
     custom = entry.count_rows(layer, args, kwargs) if entry is not None else None
     rows = custom
     if rows is None:
@@ -122,8 +146,22 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     call = LayerCall(layer=layer, args=tuple(_detached(a) for a in args),
                      kwargs={k: _detached(v) for k, v in kwargs.items()}, entry=entry,
                      batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
-                     num_outputs=len(index), merged=merged)
+                     num_outputs=len(index), merged=merged,
+                     versions=tuple(a._version for a in args if isinstance(a, torch.Tensor)),
+                     output_dims=_output_dims(tracker, [flat[i] for i in index], batch_dim, merged))
     return call, [flat[i] for i in index]
+
+
+def _output_dims(tracker: Any, outputs: list[torch.Tensor], batch_dim: int, merged: int) -> tuple[int, ...]:
+    """Where the forward pass put the batch in each output (the call's ``batch_dim`` where the
+    tracker does not know it, or a view merged the batch with other axes)."""
+    if tracker is None or merged > 1:
+        return ()
+    dims = []
+    for out in outputs:
+        axis = tracker.batch_dim(out)
+        dims.append(axis if axis is not None and axis >= 0 else batch_dim)
+    return tuple(dims) if any(d != batch_dim for d in dims) else ()
 
 
 def call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int, *, where: str,
@@ -139,6 +177,7 @@ def call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int,
     """
     # Autocast leaves half-precision gradients (and maybe activations) beside fp32 parameters:
     # the per-sample arithmetic runs in the parameters' precision (psg_core.precision).
+    call.check_unchanged(where)
     dtype = layer_dtype(call.layer)
     grads = [to_compute(call.unmerge(g), dtype) for g in grads]
     if any(to_compute(a, dtype) is not a for a in call.args):
@@ -163,6 +202,14 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
                 f"{where}: {type(call.layer).__qualname__} was called without a batched tensor as its "
                 "first argument, so its rows cannot be attributed to samples")
         with suspend if suspend is not None else contextlib.nullcontext():
-            return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
-                                               call.batch_dim, call.rows)
+            try:
+                return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
+                                                   call.batch_dim, call.rows, call.output_dims or None)
+            except (RuntimeError, ValueError) as err:
+                if isinstance(err, PsgError):
+                    raise
+                raise UnsupportedModuleError(
+                    f"{where}: {type(call.layer).__qualname__} has no grad sampler, and running it per sample "
+                    f"under torch.func failed ({err}); register a grad sampler for it "
+                    "(psg_core.register_grad_sampler) or use mode='functorch'") from err
     return entry.compute(call.layer, call.args, call.kwargs, grads[0], K, call.batch_dim)

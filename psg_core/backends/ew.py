@@ -132,6 +132,12 @@ class _ExpandedWeightsMode(TorchFunctionMode):
         expanded = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, ExpandedWeight)]
         if not expanded or not (func in HANDLED_FUNCTIONS or func in expanded_weights_rnn_decomps):
             return func(*args, **kwargs)
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            # Non-reentrant checkpointing recomputes the forward in the backward pass, where torch's
+            # per-sample kernels see the recomputed call as well: the gradients come out wrong.
+            raise self._refuse(func, "under saved-tensor hooks (torch.utils.checkpoint, or "
+                               "torch.autograd.graph.saved_tensors_hooks), whose recomputed forward "
+                               "ExpandedWeights do not handle")
         padding_idx = None
         if func is F.embedding:
             padding_idx = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
@@ -148,6 +154,11 @@ class _ExpandedWeightsMode(TorchFunctionMode):
                 raise self._refuse(func, "on an input that does not carry the batch (e.g. broadcast position "
                                    "ids or a (T, T) bucket matrix); ExpandedWeights would read its first axis "
                                    "as the batch")
+            if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], ExpandedWeight):
+                # ExpandedWeights read the input's first (or second) axis as the batch: not where its
+                # rows mix samples.
+                batch.check_rows(args[0], f"module {self._tracker.current or '<root>'} "
+                                          f"({getattr(func, '__name__', func)})")
         for ew in expanded:
             self.uses.setdefault(id(ew), []).append(padding_idx)
         self.modules.setdefault(self._tracker.current or "<root>", None)
@@ -264,8 +275,13 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
     with _expanded_forward(module, batch_first=batch_first, where=_WHERE, inputs=inputs, layout=layout) as watcher, \
             no_autocast():
         outputs = functional_call(module, _as_tensor_dict(expanded), inputs.args, inputs.kwargs)
+        tracker = active_tracker()
+        if tracker is not None:
+            tracker.mark_targets(targets, layout)
+        per_element = loss_fn(outputs, targets)  # followed too: a loss that mixes samples is refused
+        if tracker is not None and per_element.dim():
+            tracker.check_rows(per_element, "the loss")
     padding_rows = watcher.padding_rows(expanded)
-    per_element = loss_fn(outputs, targets)
     batch_dim = loss_batch_dim(per_element, batch_dim)
     if per_element.dim() <= batch_dim or per_element.shape[batch_dim] != rows:
         raise BatchLayoutError(f"{_WHERE}: loss_fn must return the unreduced loss with {rows} rows on "

@@ -61,7 +61,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from psg_core.backends.base import AbstractGradSampleModule, earliest_edges, on_output_grads, trainable_parameters
+from psg_core.backends.base import (AbstractGradSampleModule, backward_to_edges, on_output_grads,
+                                    trainable_parameters)
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
 from psg_core.clipping import clip_factors, count_dropped, dropped_samples, zero_dropped
 from psg_core.config import DPConfig, DPGradient
@@ -298,6 +299,7 @@ class _GhostBookkeeping:
         """A ghost call's batch-first ``(N*K, ...)`` input (the whole call for a ``whole_call``
         family) and output gradient, in the parameters' precision (autocast leaves
         half-precision gradients: see psg_core.precision)."""
+        call.captured.check_unchanged(_WHERE)
         bd = call.captured.batch_dim
         dtype = self._layers[call.layer].dtype
         g = to_compute(cast(torch.Tensor, call.captured.unmerge(grad)).movedim(bd, 0), dtype)  # (N*K, ...)
@@ -389,7 +391,7 @@ class _GhostBookkeeping:
         self._in_backward = True
         try:
             if self.edges:
-                torch.autograd.grad(total_loss, earliest_edges(self.edges), allow_unused=True)
+                backward_to_edges(total_loss, self.edges, where=_WHERE)
             with no_autocast():
                 for layer in self._layers:
                     self.finish_layer(layer)
@@ -582,7 +584,10 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
                           on_meeting=bookkeeping.on_meeting) as tracker:
             for tensor, dim in model_inputs.batch_tensors(layout):
                 tracker.mark(tensor, dim)
+            tracker.mark_targets(targets, layout)
             per_element = loss_fn(module(*model_inputs.args, **model_inputs.kwargs), targets)
+            if per_element.dim():
+                tracker.check_rows(per_element, "the loss")
             loss_dim = loss_batch_dim(per_element, layout.batch_dim, tracker.batch_dim(per_element))
             tracker.release()
         losses = per_sample_loss(per_element, num_samples=num_samples, batch_dim=loss_dim,

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, check_rows, earliest_edges,
-                                    get_grad_sample, on_output_grads, set_grad_sample, trainable_parameters)
+from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, backward_to_edges, check_rows,
+                                    earliest_edges, get_grad_sample, on_output_grads, set_grad_sample,
+                                    trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
 from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
@@ -399,12 +400,15 @@ def hooks_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_
                                strict=False, augmentation_multiplicity=layout.augmentation_multiplicity)
     try:
         with wrapped.recording_edges() as edges, wrapped.tracking(inputs, layout) as tracker:
+            tracker.mark_targets(targets, layout)
             per_element = loss_fn(wrapped(*inputs.args, **inputs.kwargs), targets)
+            if per_element.dim():
+                tracker.check_rows(per_element, "the loss")
             loss_dim = loss_batch_dim(per_element, layout.batch_dim, tracker.batch_dim(per_element))
         losses = per_sample_loss(per_element, num_samples=n_samples, batch_dim=loss_dim, reduction=reduction)
         if edges and n_samples:
             # Gradients of the hooked layer outputs only: the hooks fill p.grad_sample.
-            torch.autograd.grad(losses.sum(), earliest_edges(edges), allow_unused=True)
+            backward_to_edges(losses.sum(), edges, where="per_sample_gradients(mode='hooks')")
         grads = {}
         for name, p in params.items():
             gs = get_grad_sample(p)

@@ -6,6 +6,7 @@ every module under ``force_functorch=True``. One vmapped item is one sample's K 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ def _is_batched(value: Any, batch_dim: int, rows: int) -> bool:
 
 def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 backprops: list[torch.Tensor | None], augmentation_multiplicity: int,
-                                batch_dim: int, rows: int) -> dict[torch.Tensor, torch.Tensor]:
+                                batch_dim: int, rows: int, output_dims: Sequence[int] | None = None
+                                ) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``layer``'s own trainable parameters (not its submodules').
 
     Args:
@@ -35,6 +37,8 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
         augmentation_multiplicity: K.
         batch_dim: 0 (batch first) or 1.
         rows: N*K, the number of rows in the batch.
+        output_dims: the batch axis of each output with a gradient (as the forward pass put it: a
+            layer may move the batch, or reduce the axis before it); default ``batch_dim``.
 
     Returns:
         ``{parameter: (N, *parameter.shape)}``, gradients of each sample's summed row losses.
@@ -50,8 +54,9 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
     flat_inputs, input_spec = tree_flatten((args, kwargs))
     in_dims = [0 if _is_batched(v, batch_dim, rows) else None for v in flat_inputs]
     batched_inputs = [to_samples(v) if d == 0 else v for v, d in zip(flat_inputs, in_dims)]
+    out_dims = list(output_dims) if output_dims is not None else [batch_dim] * len(backprops)
     bp_dims = [0 if b is not None else None for b in backprops]
-    batched_bps = [to_samples(b) if b is not None else None for b in backprops]
+    batched_bps = [fold_rows(b.movedim(d, 0), K) if b is not None else None for b, d in zip(backprops, out_dims)]
 
     def sample_loss(sample_params: dict[str, torch.Tensor], inputs: list[Any],
                     bps: list[torch.Tensor | None]) -> torch.Tensor:
@@ -60,9 +65,9 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
         outputs = [o for o in tree_flatten(functional_call(layer, sample_params, call_args, call_kwargs))[0]
                    if isinstance(o, torch.Tensor)]
         total = torch.zeros((), dtype=torch.float32, device=next(iter(sample_params.values())).device)
-        for out, bp in zip(outputs, bps):
+        for out, bp, dim in zip(outputs, bps, out_dims):
             if bp is not None:
-                total = total + (out * bp.movedim(0, batch_dim)).sum()
+                total = total + (out * bp.movedim(0, dim)).sum()
         return total
 
     per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from psg_core.errors import ConfigError
+from psg_core.provenance import active_tracker
 
 __all__ = ["DPMultiheadAttention", "SequenceBias"]
 
@@ -197,6 +198,11 @@ class DPMultiheadAttention(nn.Module):
             query, key, value = (t.unsqueeze(batch_dim) for t in (query, key, value))
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
+        tracker = active_tracker()
+        if key_padding_mask is not None and tracker is not None and tracker.is_batched(key_padding_mask):
+            # (B, S) whatever the layout (torch's convention): a time-major batch whose source length
+            # equals N*K has the caller's mask marked on the layout's axis 1.
+            tracker.mark(key_padding_mask, 0)
         for name, tensor, size in (("query", query, self.embed_dim), ("key", key, self.kdim),
                                    ("value", value, self.vdim)):
             if tensor.shape[-1] != size:

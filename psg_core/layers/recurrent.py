@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Union, cast
 
 import torch
@@ -30,7 +30,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from psg_core._layout import ALWAYS_BATCH_FIRST, STATE_BATCH_AXIS
 from psg_core.errors import ConfigError, UnsupportedModuleError
 import psg_core.layers._recurrence as _recurrence
-from psg_core.provenance import rowwise
+from psg_core.provenance import UNKNOWN, active_tracker, rowwise
 
 __all__ = ["RNNLinear", "DPRNNCell", "DPGRUCell", "DPLSTMCell", "DPRNN", "DPGRU", "DPLSTM"]
 
@@ -358,7 +358,7 @@ class _DPRNNBase(nn.Module):
         lengths: torch.Tensor | None = None
         batched = True
         if isinstance(input, PackedSequence):
-            sequence, lengths = pad_packed_sequence(input, batch_first=True)  # (B, T, F), (B,)
+            sequence, lengths = _unpack(input)  # (B, T, F), (B,)
         else:
             if input.dim() not in (2, 3):
                 raise ConfigError(f"{where}: expected a 3-D input (or 2-D unbatched), got shape "
@@ -394,7 +394,8 @@ class _DPRNNBase(nn.Module):
 
         output: torch.Tensor | PackedSequence = layer_input
         if isinstance(input, PackedSequence) and lengths is not None:
-            output = self._repack(layer_input, lengths, input)
+            output = _untracked(lambda: self._repack(layer_input, lengths, input))
+            _mark(output.data, UNKNOWN)  # the packed order: not an axis of rows
         elif not batched:
             output = layer_input.squeeze(0)  # (T, D*H)
         elif not self.batch_first:
@@ -410,6 +411,34 @@ class _DPRNNBase(nn.Module):
             lengths = lengths.index_select(0, like.sorted_indices.to(lengths.device))
         data = pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=True).data
         return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+
+
+def _untracked(fn: Callable[[], Any]) -> Any:
+    """``fn()`` with the batch tracker (psg_core.provenance) not following its ops: torch's pack and
+    pad functions reorder the rows into a PackedSequence's order and back, which the layer, not
+    the tracker, knows to be the batch's order again."""
+    with torch._C.DisableTorchFunction():
+        return fn()
+
+
+def _mark(tensor: torch.Tensor, axis: int) -> None:
+    tracker = active_tracker()
+    if tracker is not None:
+        tracker.mark(tensor, axis)
+
+
+def _unpack(packed: PackedSequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pad_packed_sequence(packed, batch_first=True)``: padded rows in the batch's order; with a
+    tracker, both are marked batched and the sequence's orders trusted (a caller unpacking the
+    layer's PackedSequence output applies them)."""
+    tracker = active_tracker()
+    if tracker is None:
+        return cast(tuple[torch.Tensor, torch.Tensor], pad_packed_sequence(packed, batch_first=True))
+    tracker.trust_order(packed.unsorted_indices)
+    sequence, lengths = _untracked(lambda: pad_packed_sequence(packed, batch_first=True))
+    tracker.mark(sequence, 0)
+    tracker.mark(lengths, 0)
+    return sequence, lengths
 
 
 # hx is (num_layers * D, B, H): its batch is on axis 1 (psg_core.provenance reads this).
