@@ -646,14 +646,6 @@ class BatchTracker(TorchFunctionMode):
             for t in outs:
                 self._batched[t] = ((0 if batch_first else 1) if t.dim() > 1 else 0, 1)
             return
-        if name in ("embedding_bag", "_embedding_bag"):
-            # One output row per bag, bags in the batch's order (sample n's K rows own bags
-            # n*K*b .. with b bags per row, as the EmbeddingBag sampler counts them).
-            rows, bags = self.num_samples * self.K, outs[0].shape[0] if outs[0].dim() else 0
-            self._batched[outs[0]] = (0, bags // rows) if rows and bags and bags % rows == 0 else (UNKNOWN, 1)
-            for t in outs[1:]:
-                self._batched[t] = (UNKNOWN, 1)
-            return
         # Follow an operand whose axis is known (another may be one the tracker lost).
         known = next((item for item in batched if item[1][0] >= 0), None)
         if known is None:
