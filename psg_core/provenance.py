@@ -277,6 +277,13 @@ def _batch_axis_after_view(shape_in: Sequence[int], bd: int, merged: int, shape_
     return UNKNOWN, 1
 
 
+def arg_versions(args: Sequence[Any]) -> tuple[int, ...]:
+    """The version counters of the tensors in ``args`` (read without the torch function mode: each
+    ``_version`` read would otherwise be a call of the tracker)."""
+    with torch._C.DisableTorchFunction():
+        return tuple(a._version for a in args if isinstance(a, torch.Tensor))
+
+
 def _own_params(layer: nn.Module) -> frozenset[int]:
     """ids of the layer's own trainable parameters."""
     return frozenset(id(p) for p in own_parameters(layer) if p.requires_grad)
@@ -444,14 +451,14 @@ class BatchTracker(TorchFunctionMode):
                 "guess it from a size. Reshape so that the batch stays a plain axis, or use "
                 "mode='functorch'")
 
-    def modified_in_call(self, layer: nn.Module, args: tuple[Any, ...]) -> bool:
+    def modified_in_call(self, layer: nn.Module, versions: tuple[int, ...]) -> bool:
         """Whether ``layer``'s running call (the innermost frame) changed one of its positional
-        tensor arguments in place."""
+        tensor arguments in place: ``versions`` (:func:`arg_versions` of them now) differ from
+        their versions when the call started."""
         frame = self._frames[-1] if self._frames else None
-        if frame is None or frame.module is not layer:
+        if frame is None or frame.module is not layer or not frame.versions:
             return False
-        now = tuple(a._version for a in args if isinstance(a, torch.Tensor))
-        return len(now) == len(frame.versions) and now != frame.versions
+        return len(versions) == len(frame.versions) and versions != frame.versions
 
     def current_module(self) -> str:
         """The innermost running module, for messages."""
@@ -480,8 +487,8 @@ class BatchTracker(TorchFunctionMode):
                 if isinstance(leaf, torch.Tensor):
                     self._batched[leaf] = (state_axis, 1)
         covered = own_params if own_params and self.is_batched((args, kwargs)) else None
-        versions = tuple(a._version for a in args if isinstance(a, torch.Tensor))
-        self._frames.append(_Frame(layer, label, covered, versions))
+        # (the calls of layers with parameters are captured: only they need the versions)
+        self._frames.append(_Frame(layer, label, covered, arg_versions(args) if own_params else ()))
 
     def pop_frame(self) -> None:
         """Leaves the innermost module's forward."""
@@ -634,11 +641,19 @@ class BatchTracker(TorchFunctionMode):
                 for t in outs:
                     self._batched[t] = (UNKNOWN, 1)
             return
-        for t, entry in batched:
-            if entry[0] == MIXED:  # computed from values that mix samples: mixed too
-                self._mark_mixed(outs, self._mixed_by.get(t))
+        known: tuple[torch.Tensor, tuple[int, int]] | None = None
+        permuted = False
+        for item in batched:
+            axis = item[1][0]
+            if axis >= 0:
+                if known is None:
+                    known = item
+            elif axis == MIXED:  # computed from values that mix samples: mixed too
+                self._mark_mixed(outs, self._mixed_by.get(item[0]))
                 return
-        if any(entry[0] == PERMUTED for _, entry in batched):
+            elif axis == PERMUTED:
+                permuted = True
+        if permuted:
             self._follow_permuted(name, args, kwargs, batched, outs)
             return
         if name == "_pad_packed_sequence":  # (padded, lengths) from a PackedSequence's data
@@ -647,7 +662,6 @@ class BatchTracker(TorchFunctionMode):
                 self._batched[t] = ((0 if batch_first else 1) if t.dim() > 1 else 0, 1)
             return
         # Follow an operand whose axis is known (another may be one the tracker lost).
-        known = next((item for item in batched if item[1][0] >= 0), None)
         if known is None:
             grouped = next((t for t, entry in batched if entry[0] == GROUPED), None)
             for t in outs:
@@ -763,9 +777,10 @@ class BatchTracker(TorchFunctionMode):
             return self._agree(bd + nd_out - nd_in, x, operands, lambda t, b: b + nd_out - t.dim())
         if nd_out == 0 and x.shape[bd] > 1:
             return MIXED  # the batch reduced to one number
-        along = self._along_batch(name, args, kwargs, x, bd, out, operands)
-        if along is not None:
-            return along
+        if name in _ALONG_BATCH:
+            along = self._along_batch(name, args, kwargs, x, bd, out, operands)
+            if along is not None:
+                return along
         if name in _MATMUL:
             return self._matmul_axis(name, args, x, bd, out, operands)
         if name == "einsum":
@@ -859,7 +874,7 @@ class BatchTracker(TorchFunctionMode):
             return UNKNOWN
         if name in ("linear", "bilinear") and args and args[0] is x and nd_in > 1 and bd == nd_in - 1:
             return MIXED  # the batch on the features a layer contracts
-        if name.startswith("conv") and args and args[0] is x and nd_in > 2 and bd != 0:
+        if name in _CONVOLUTIONS and args and args[0] is x and nd_in > 2 and bd != 0:
             return MIXED  # the batch on the channels a convolution contracts, or on positions it slides over
         if name == "batch_norm":
             training = kwargs.get("training", args[5] if len(args) > 5 else False)
@@ -1049,6 +1064,12 @@ _ALONG_DIM: dict[str, tuple[int | None, Any]] = {
     "index_add_": (1, _ALL), "index_copy_": (1, _ALL), "index_fill_": (1, _ALL), "scatter_": (1, _ALL),
     "scatter_add_": (1, _ALL), "scatter_reduce_": (1, _ALL), "unique_consecutive": (None, _ALL),
 }
+_CONVOLUTIONS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                 "conv_tbc", "convolution", "_convolution"}
+#: The ops :meth:`BatchTracker._along_batch` knows.
+_ALONG_BATCH = frozenset(_ALONG_DIM) | _CONVOLUTIONS | {
+    "linear", "bilinear", "batch_norm", "layer_norm", "rms_norm", "group_norm", "instance_norm",
+    "local_response_norm", "pdist", "cov", "corrcoef", "cdist", "cross_entropy", "nll_loss"}
 _DIM_KEYWORDS = ("dim", "dims", "axis")
 _COPIES = {"to", "cpu", "cuda", "clone", "contiguous", "long", "int", "detach"}
 

@@ -25,7 +25,7 @@ from psg_core.errors import PsgError, UnsupportedModuleError
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
-from psg_core.provenance import GROUPED, MIXED, PERMUTED, active_tracker
+from psg_core.provenance import GROUPED, MIXED, PERMUTED, arg_versions, active_tracker
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call"]
 
@@ -57,14 +57,15 @@ class LayerCall:
     merged: int = 1
     #: the versions of the tensor arguments when the call was captured (see :meth:`check_unchanged`).
     versions: tuple[int, ...] = ()
-    #: the batch axis of each output with a gradient, where the forward pass put it (a layer may
-    #: move the batch or reduce an axis before it); empty: ``batch_dim``.
+    #: for the torch.func fallback (no grad sampler): the batch axis of each output with a gradient,
+    #: where the forward pass put it (a layer may move the batch or reduce an axis before it);
+    #: empty: ``batch_dim``.
     output_dims: tuple[int, ...] = ()
 
     def check_unchanged(self, where: str) -> None:
         """Raises when an op after the call changed one of its tensor arguments in place: the
         per-sample gradients would be computed from values the call never saw."""
-        now = tuple(a._version for a in self.args if isinstance(a, torch.Tensor))
+        now = tuple(a._version for a in self.args if isinstance(a, torch.Tensor))  # (no tracker by now)
         if now != self.versions:
             raise UnsupportedModuleError(
                 f"{where}: the input of {type(self.layer).__qualname__} was modified in place after the "
@@ -134,7 +135,8 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         args = tuple(_unmerge(a, batch_dim, merged) if isinstance(a, torch.Tensor) and tracker.is_batched(a)
                      and tracker.batch_dim(a) == batch_dim and tracker.merged(a) == merged else a for a in args)
         first = args[0] if isinstance(args[0], torch.Tensor) else first
-    if tracker is not None and tracker.modified_in_call(layer, args):
+    versions = arg_versions(args)
+    if tracker is not None and tracker.modified_in_call(layer, versions):
         raise UnsupportedModuleError(
             f"per-sample gradients: module {tracker.current_module()} modifies its input in place; its "
             "per-sample gradients are computed from the input it was called with, which no longer "
@@ -147,8 +149,9 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      kwargs={k: _detached(v) for k, v in kwargs.items()}, entry=entry,
                      batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
                      num_outputs=len(index), merged=merged,
-                     versions=tuple(a._version for a in args if isinstance(a, torch.Tensor)),
-                     output_dims=_output_dims(tracker, [flat[i] for i in index], batch_dim, merged))
+                     versions=versions,
+                     output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
+                                                                           batch_dim, merged))
     return call, [flat[i] for i in index]
 
 
