@@ -72,6 +72,9 @@ GROUPED = -3
 #: Packing them is allowed (a PackedSequence keeps its order, and the DP recurrent layers restore
 #: it); anything else computed from them mixes samples.
 PERMUTED = -4
+#: MIXED, where two batched operands put their batch axes on different output axes (internal: the
+#: tensor is marked MIXED; the message says what may have caused it).
+_PAIRED = -5
 
 _TLS = threading.local()
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
@@ -346,7 +349,6 @@ class BatchTracker(TorchFunctionMode):
         # Index tensors known to put rows back in the batch's order (a PackedSequence's sorted and
         # unsorted indices, which torch's pack and pad functions apply): see trust_order.
         self._orders = _TensorMap()
-        self._paired = False  # the last MIXED came from two operands' batch axes not lining up
         self._params: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if p.requires_grad}
         self._frames: list[_Frame] = []
         self._handles: list[Any] = []
@@ -419,10 +421,10 @@ class BatchTracker(TorchFunctionMode):
         entry = self._batched.get(tensor)
         return 1 if entry is None else int(entry[1])
 
-    def check_rows(self, tensor: torch.Tensor, consumer: str, *, unknown_ok: bool = True) -> None:
-        """Raises :class:`~psg_core.errors.UnsupportedModuleError` when ``tensor``'s values mix
-        samples (:data:`MIXED`), or, unless ``unknown_ok``, when its batch axis could not be followed;
-        ``consumer`` (a layer, "the loss") names the receiver in the message."""
+    def check_rows(self, tensor: torch.Tensor, consumer: str) -> None:
+        """Raises :class:`~psg_core.errors.UnsupportedModuleError` when ``tensor``'s rows are not its
+        samples' own (:data:`MIXED`, :data:`PERMUTED`, :data:`GROUPED`); ``consumer`` (a layer, "the
+        loss") names the receiver in the message. An axis the tracker lost (:data:`UNKNOWN`) passes."""
         entry = self._batched.get(tensor)
         if entry is None:
             return
@@ -444,12 +446,6 @@ class BatchTracker(TorchFunctionMode):
                 "sample into one axis (h[mask]); how many belong to each sample is data psg does not "
                 "read. Keep the batch axis (mask by multiplying, or view the picked rows back to one "
                 "row per sample)")
-        if entry[0] == UNKNOWN and not unknown_ok:
-            raise UnsupportedModuleError(
-                f"per-sample gradients: {consumer} receives a tensor whose batch axis psg could not "
-                "follow through the forward pass (an op whose layout it does not know); psg does not "
-                "guess it from a size. Reshape so that the batch stays a plain axis, or use "
-                "mode='functorch'")
 
     def modified_in_call(self, layer: nn.Module, versions: tuple[int, ...]) -> bool:
         """Whether ``layer``'s running call (the innermost frame) changed one of its positional
@@ -675,9 +671,8 @@ class BatchTracker(TorchFunctionMode):
             else:
                 axis = self._axis(name, args, kwargs, first, bd, t, batched)
                 kept = merged if axis >= 0 else 1
-            if axis == MIXED:
-                why = _paired(name) if self._paired else _describe(name)
-                self._paired = False
+            if axis == MIXED or axis == _PAIRED:
+                why = _paired(name) if axis == _PAIRED else _describe(name)
                 self._mark_mixed([t], f"{why} in module {self.current_module()}")
             elif axis == PERMUTED:
                 self._batched[t] = (PERMUTED, 1)
@@ -693,15 +688,13 @@ class BatchTracker(TorchFunctionMode):
             index = kwargs.get("index", args[2] if len(args) > 2 else None)
         elif name == "__getitem__" and len(args) > 1 and isinstance(args[1], torch.Tensor):
             index = args[1]
-        if index is not None and index in self._orders:
-            source = self._batched.get(args[0])
-            if source is not None and source[0] >= 0:  # a PackedSequence's rows put back in order
+        source = self._batched.get(args[0]) if isinstance(index, torch.Tensor) else None
+        if source is not None and isinstance(index, torch.Tensor):
+            if source[0] >= 0 and index in self._orders:  # a PackedSequence's rows put back in order
                 for t in outs:
                     self._batched[t] = source
                 return
-        if index is not None:
-            source = self._batched.get(args[0])
-            if source is not None and source[0] == 0 and self._batched.get(index, (None,))[0] == PERMUTED \
+            if source[0] == 0 and self._batched.get(index, (None,))[0] == PERMUTED \
                     and (name == "__getitem__" or _along_dims("index_select", args, kwargs, args[0].dim()) == (0,)):
                 for t in outs:
                     self._batched[t] = (PERMUTED, 1)
@@ -755,7 +748,8 @@ class BatchTracker(TorchFunctionMode):
     def _agree(self, axis: int, x: torch.Tensor, operands: list[tuple[torch.Tensor, tuple[int, int]]],
                axis_of: Callable[[torch.Tensor, int], int]) -> int:
         """``axis`` (the output's batch axis as ``x`` puts it), or MIXED when another batched operand
-        puts its batch on another output axis (an outer sum or product pairs rows of two samples)."""
+        puts its batch on another output axis (_PAIRED: an outer sum or product pairs rows of two
+        samples)."""
         if axis < 0:
             return axis
         for t, (b, _) in operands:
@@ -764,8 +758,7 @@ class BatchTracker(TorchFunctionMode):
             if t is x or b < 0 or t.dim() <= b or t.shape[b] == 1:
                 continue
             if axis_of(t, b) != axis:
-                self._paired = True
-                return MIXED
+                return _PAIRED
         return axis
 
     def _axis(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor, bd: int,
