@@ -25,7 +25,7 @@ from psg_core.errors import PsgError, UnsupportedModuleError
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
-from psg_core.provenance import GROUPED, MIXED, PERMUTED, arg_versions, active_tracker
+from psg_core.provenance import GROUPED, MIXED, PERMUTED, UNKNOWN, arg_versions, active_tracker
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call"]
 
@@ -61,6 +61,10 @@ class LayerCall:
     #: where the forward pass put it (a layer may move the batch or reduce an axis before it);
     #: empty: ``batch_dim``.
     output_dims: tuple[int, ...] = ()
+    #: for the torch.func fallback: each tensor among the call's flattened ``(args, kwargs)`` as the
+    #: tracker followed it: None batch-free, else ``(axis, entries per row)``, the axis UNKNOWN where
+    #: it was not followed (judged by its size); empty: no tracker, every tensor judged by its size.
+    input_dims: tuple[tuple[int, int] | None, ...] = ()
 
     def check_unchanged(self, where: str) -> None:
         """Raises when an op after the call changed one of its tensor arguments in place: the
@@ -151,8 +155,33 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      num_outputs=len(index), merged=merged,
                      versions=versions,
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
-                                                                           batch_dim, merged))
+                                                                           batch_dim, merged),
+                     input_dims=() if entry is not None else _input_dims(tracker, args, kwargs, merged))
     return call, [flat[i] for i in index]
+
+
+def _input_dims(tracker: Any, args: tuple[Any, ...], kwargs: dict[str, Any], merged: int
+                ) -> tuple[tuple[int, int] | None, ...]:
+    """For the torch.func fallback: where the batch is in each of the call's tensors, as followed
+    (a batch-free tensor whose size on the batch dimension happens to equal N*K is not split).
+
+    Tensors whose values mix samples are refused here: the fallback would run each sample on rows
+    the forward pass computed from other samples."""
+    if tracker is None:
+        return ()
+    dims: list[tuple[int, int] | None] = []
+    for value in tree_flatten((args, kwargs))[0]:
+        axis = tracker.batch_dim(value) if isinstance(value, torch.Tensor) else None
+        if axis is None:
+            dims.append(None)
+            continue
+        if axis in (MIXED, GROUPED, PERMUTED):
+            tracker.check_rows(value, f"module {tracker.current_module()}")
+        if merged > 1 or axis < 0:
+            dims.append((UNKNOWN, 1))  # split back to rows with the call's own, or not followed
+        else:
+            dims.append((axis, tracker.merged(value)))
+    return tuple(dims)
 
 
 def _output_dims(tracker: Any, outputs: list[torch.Tensor], batch_dim: int, merged: int) -> tuple[int, ...]:
@@ -207,7 +236,8 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
         with suspend if suspend is not None else contextlib.nullcontext():
             try:
                 return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
-                                                   call.batch_dim, call.rows, call.output_dims or None)
+                                                   call.batch_dim, call.rows, call.output_dims or None,
+                                                   call.input_dims or None)
             except (RuntimeError, ValueError) as err:
                 if isinstance(err, PsgError):
                     raise

@@ -23,9 +23,22 @@ def _is_batched(value: Any, batch_dim: int, rows: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > batch_dim and value.shape[batch_dim] == rows
 
 
+def _batch_axis(value: Any, followed: tuple[int, int] | None, batch_dim: int, rows: int
+                ) -> tuple[int, int] | None:
+    """Where to split ``value`` into samples, ``(axis, entries per row)`` (None: shared by every
+    sample): where the tracker followed the batch, else (an axis it lost, or no tracker) on
+    ``batch_dim`` when the size matches."""
+    if followed is None:
+        return None
+    if followed[0] >= 0:
+        return followed
+    return (batch_dim, 1) if _is_batched(value, batch_dim, rows) else None
+
+
 def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 backprops: list[torch.Tensor | None], augmentation_multiplicity: int,
-                                batch_dim: int, rows: int, output_dims: Sequence[int] | None = None
+                                batch_dim: int, rows: int, output_dims: Sequence[int] | None = None,
+                                input_dims: Sequence[tuple[int, int] | None] | None = None
                                 ) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``layer``'s own trainable parameters (not its submodules').
 
@@ -48,19 +61,22 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
     if not params:
         return {}
 
-    def to_samples(t: torch.Tensor) -> torch.Tensor:
-        return fold_rows(t.movedim(batch_dim, 0), K)  # (N, K, ...)
-
     flat_inputs, input_spec = tree_flatten((args, kwargs))
-    in_dims = [0 if _is_batched(v, batch_dim, rows) else None for v in flat_inputs]
-    batched_inputs = [to_samples(v) if d == 0 else v for v, d in zip(flat_inputs, in_dims)]
+    followed: Sequence[tuple[int, int] | None] = (input_dims if input_dims is not None
+                                                  else [(-1, 1)] * len(flat_inputs))
+    splits = [_batch_axis(v, f, batch_dim, rows) for v, f in zip(flat_inputs, followed)]
+    axes = [None if s is None else s[0] for s in splits]
+    in_dims = [None if a is None else 0 for a in axes]
+    # A sample is K rows (K * m entries where a view merged m entries into each row).
+    batched_inputs = [v if s is None else fold_rows(v.movedim(s[0], 0), K * s[1])  # (N, K*m, ...)
+                      for v, s in zip(flat_inputs, splits)]
     out_dims = list(output_dims) if output_dims is not None else [batch_dim] * len(backprops)
     bp_dims = [0 if b is not None else None for b in backprops]
     batched_bps = [fold_rows(b.movedim(d, 0), K) if b is not None else None for b, d in zip(backprops, out_dims)]
 
     def sample_loss(sample_params: dict[str, torch.Tensor], inputs: list[Any],
                     bps: list[torch.Tensor | None]) -> torch.Tensor:
-        restored = [v.movedim(0, batch_dim) if d == 0 else v for v, d in zip(inputs, in_dims)]
+        restored = [v if a is None else v.movedim(0, a) for v, a in zip(inputs, axes)]
         call_args, call_kwargs = tree_unflatten(restored, input_spec)
         outputs = [o for o in tree_flatten(functional_call(layer, sample_params, call_args, call_kwargs))[0]
                    if isinstance(o, torch.Tensor)]
