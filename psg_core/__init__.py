@@ -29,6 +29,7 @@ from psg_core.grad_sample import (GHOST_NORMS, GRAD_SAMPLERS, GhostFactors, Grad
                                   register_ghost_norm, register_grad_sampler)
 from psg_core.grad_sample.conv_strategy import ConvStrategy, conv_strategy, set_conv_strategy
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
+from psg_core.layout import batch_free
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.noise import add_noise, secure_generator
 from psg_core.sampling import PoissonBatchSampler
@@ -78,6 +79,7 @@ __all__ = [
     "PrivacyAccountant",
     "QuantileClipping",
     "add_noise",
+    "batch_free",
     "calibrate_noise_multiplier",
     "clip_and_sum",
     "conv_strategy",

@@ -6,12 +6,16 @@ sample n), on the batch dimension of its batch tensors (0, or 1 when ``batch_fir
 tensor, a sequence of positional tensors or a mapping of named ones) and says which of them carry
 the batch, from what the caller passed: the rows are counted on the targets (on their own shape)
 or, without targets, on the first batch tensor; a ``PackedSequence`` counts its sequences.
+
+An input tensor with the batch's rows on the batch dimension is a batch tensor. One that holds no
+samples but has that many rows by coincidence (a ``(T, T)`` bias matrix when T equals N*K) is
+declared with :func:`batch_free`, and is then never split or followed as the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +24,62 @@ from torch.utils._pytree import tree_flatten
 
 from psg_core.errors import BatchLayoutError, ConfigError
 
-__all__ = ["BatchLayout", "ModelInputs", "fold_rows", "check_multiplicity"]
+__all__ = ["BatchFree", "BatchLayout", "ModelInputs", "batch_free", "fold_rows", "check_multiplicity"]
+
+
+@dataclass(frozen=True)
+class BatchFree:
+    """An input tensor declared batch-free (see :func:`batch_free`)."""
+
+    tensor: torch.Tensor
+
+
+def batch_free(tensor: torch.Tensor) -> BatchFree:
+    """Declares a model input that holds no samples: every sample sees the whole tensor, whatever
+    its size on the batch dimension (without it, an input with N*K rows there is a batch tensor).
+
+    Pass it among the inputs of :func:`psg_core.per_sample_gradients`, :func:`psg_core.dp_gradient`,
+    :class:`psg_core.DPStep`, :func:`psg_core.split_batch` or a wrapped model's forward; the model
+    receives the tensor itself.
+
+    >>> bias = torch.zeros(4, 4)  # a (T, T) matrix, T equal to the batch's 4 rows
+    >>> inputs = ModelInputs.parse((torch.zeros(4, 4, 8), batch_free(bias)), where="demo")
+    >>> inputs.args[1] is bias, [tuple(t.shape) for t, _ in inputs.batch_tensors(
+    ...     BatchLayout(rows=4, augmentation_multiplicity=1, batch_dim=0))]
+    (True, [(4, 4, 8)])
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigError(f"batch_free: expected a tensor, got {type(tensor).__name__}")
+    return BatchFree(tensor)
+
+
+def _unwrap(value: Any, free: set[int]) -> Any:
+    """``value`` with every :class:`BatchFree` replaced by its tensor (whose id goes into ``free``);
+    containers without one are returned as they are."""
+    if isinstance(value, BatchFree):
+        free.add(id(value.tensor))
+        return value.tensor
+    if isinstance(value, (torch.Tensor, PackedSequence)):
+        return value
+    if isinstance(value, Mapping):
+        items = {key: _unwrap(item, free) for key, item in value.items()}
+        return value if all(items[k] is value[k] for k in items) else items
+    if isinstance(value, (tuple, list)):
+        unwrapped = [_unwrap(item, free) for item in value]
+        if all(a is b for a, b in zip(unwrapped, value)):
+            return value
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*unwrapped)
+        return type(value)(unwrapped)
+    return value
+
+
+def unwrap_batch_free(args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any], frozenset[int]]:
+    """A call's arguments with the :class:`BatchFree` declarations replaced by their tensors, and
+    the ids of those tensors."""
+    free: set[int] = set()
+    return tuple(_unwrap(a, free) for a in args), {k: _unwrap(v, free) for k, v in kwargs.items()}, frozenset(free)
 
 
 def check_multiplicity(augmentation_multiplicity: Any, *, where: str) -> int:
@@ -133,30 +192,47 @@ class ModelInputs:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    #: ids of the tensors declared with :func:`batch_free` (never batch tensors, whatever their size).
+    free: frozenset[int] = field(default=frozenset())
 
     @classmethod
     def parse(cls, inputs: Any, *, where: str) -> ModelInputs:
         """A tensor is one positional argument; a tuple or list are positional arguments; a
-        mapping (str keys) holds keyword arguments (``input_ids``, ``attention_mask``, ...)."""
+        mapping (str keys) holds keyword arguments (``input_ids``, ``attention_mask``, ...).
+        Tensors declared with :func:`batch_free` are passed as themselves."""
         if isinstance(inputs, ModelInputs):
             return inputs
         if isinstance(inputs, Mapping):
             if not all(isinstance(k, str) for k in inputs):
                 raise ConfigError(f"{where}: a mapping of inputs must have str keys (argument names)")
-            return cls((), dict(inputs))
-        if isinstance(inputs, (tuple, list)) and not isinstance(inputs, PackedSequence):
-            return cls(tuple(inputs), {})
-        return cls((inputs,), {})
+            args: tuple[Any, ...] = ()
+            kwargs = dict(inputs)
+        elif isinstance(inputs, (tuple, list)) and not isinstance(inputs, PackedSequence):
+            args, kwargs = tuple(inputs), {}
+        else:
+            args, kwargs = (inputs,), {}
+        args, kwargs, free = unwrap_batch_free(args, kwargs)
+        return cls(args, kwargs, free)
+
+    @classmethod
+    def of_call(cls, args: tuple[Any, ...], kwargs: dict[str, Any], free: frozenset[int] = frozenset()
+                ) -> ModelInputs:
+        """A forward call's arguments as given (the :class:`BatchFree` ones already unwrapped into
+        the ids ``free``)."""
+        return cls(tuple(args), dict(kwargs), free)
 
     def leaves(self) -> list[Any]:
         return tree_flatten((self.args, self.kwargs))[0]
 
     def first_rows(self, batch_dim: int) -> int | None:
-        """Rows of the first batch tensor (a PackedSequence counts its sequences)."""
+        """Rows of the first batch tensor (a PackedSequence counts its sequences; batch-free
+        tensors are skipped)."""
         for value in list(self.args) + list(self.kwargs.values()):
             if isinstance(value, PackedSequence):
                 return _rows_of(value, batch_dim)
             for leaf in tree_flatten(value)[0]:
+                if id(leaf) in self.free:
+                    continue
                 rows = _rows_of(leaf, batch_dim)
                 if rows is not None:
                     return rows
@@ -183,6 +259,8 @@ class ModelInputs:
                     visit(item)
                 return
             if isinstance(value, torch.Tensor):
+                if id(value) in self.free:
+                    return
                 dim = layout.batch_dim if value.dim() > layout.batch_dim else 0
                 if value.dim() > dim and value.shape[dim] == layout.rows:
                     found.append((value, dim))
@@ -205,5 +283,5 @@ class ModelInputs:
                     return value.narrow(d, n * K, K)
                 return value
             out.append(ModelInputs(tuple(take(a) for a in self.args),
-                                   {k: take(v) for k, v in self.kwargs.items()}))
+                                   {k: take(v) for k, v in self.kwargs.items()}, self.free))
         return out

@@ -1089,7 +1089,7 @@ def _along_dims(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim: 
 def _paired(name: str) -> str:
     return (f"'{name}' lines up two batched operands whose batch axes differ, pairing rows of different "
             "samples (or an input whose size on the batch dimension equals N*K by coincidence was taken "
-            "for a batch tensor: pass a batch-free tensor with another shape, or build it in the model)")
+            "for a batch tensor: declare it with psg_core.batch_free(tensor), or build it in the model)")
 
 
 def _describe(name: str) -> str:

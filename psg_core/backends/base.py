@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from psg_core.errors import ConfigError, UnsupportedModuleError
-from psg_core.layout import BatchLayout, check_multiplicity
+from psg_core.layout import BatchLayout, check_multiplicity, unwrap_batch_free
 from psg_core.modes import LossReduction, parse_enum
 
 __all__ = ["AbstractGradSampleModule", "PerSampleOutput", "PerSampleBackend", "check_rows", "earliest_edges", "on_output_grads", "get_grad_sample", "set_grad_sample",
@@ -103,6 +104,8 @@ class AbstractGradSampleModule(nn.Module, abc.ABC):
         self.loss_reduction = LossReduction(parse_enum(LossReduction, loss_reduction,
                                                        what="loss_reduction"))
         self.augmentation_multiplicity = augmentation_multiplicity
+        #: ids of the running forward call's :func:`~psg_core.batch_free` tensors.
+        self._call_free: frozenset[int] = frozenset()
 
     @property
     def batch_dim(self) -> int:
@@ -110,7 +113,18 @@ class AbstractGradSampleModule(nn.Module, abc.ABC):
         return 0 if self.batch_first else 1
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._module(*args, **kwargs)
+        args, kwargs, free = unwrap_batch_free(args, kwargs)
+        with self._batch_free(free):
+            return self._module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _batch_free(self, free: frozenset[int]) -> Iterator[None]:
+        """The ids of the call's :func:`~psg_core.batch_free` tensors, for the forward's hooks."""
+        previous, self._call_free = self._call_free, free
+        try:
+            yield
+        finally:
+            self._call_free = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears ``p.grad`` as torch does, and ``p.grad_sample`` too."""

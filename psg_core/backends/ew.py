@@ -34,7 +34,7 @@ from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, c
                                    set_grad_sample, trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import BatchLayoutError, GradAccumulationError, PsgError, UnsupportedModuleError
-from psg_core.layout import BatchLayout, ModelInputs, fold_rows
+from psg_core.layout import BatchLayout, ModelInputs, fold_rows, unwrap_batch_free
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import GradSampleMode, LossReduction
 from psg_core.precision import no_autocast
@@ -309,13 +309,6 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
     return PerSampleOutput(grads=grads, per_sample_losses=losses.detach(), num_samples=num_samples)
 
 
-def _first_rows(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> int | None:
-    for value in tree_flatten((args, kwargs))[0]:
-        if isinstance(value, torch.Tensor) and value.dim() > batch_dim:
-            return int(value.shape[batch_dim])
-    return None
-
-
 class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
     """ExpandedWeights-based wrapper: after ``loss.backward()`` every trainable ``p`` has
     ``p.grad_sample`` of shape ``(N, *p.shape)`` (folded over the K copies) and ``p.grad`` as usual.
@@ -357,11 +350,13 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
         self._accumulation_allowed = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs, free = unwrap_batch_free(args, kwargs)
         params = trainable_parameters(self._module)
         if not torch.is_grad_enabled() or not params:
             return self._module(*args, **kwargs)
         where = type(self).__name__
-        rows = _first_rows(args, kwargs, self.batch_dim)
+        inputs = ModelInputs.of_call(args, kwargs, free)
+        rows = inputs.first_rows(self.batch_dim)
         if rows is None:
             raise BatchLayoutError(f"{where}: the inputs hold no tensor with a batch dimension {self.batch_dim}")
         num_samples = check_rows(rows, self.augmentation_multiplicity, where=where)
@@ -370,7 +365,7 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
         aliases, expanded = _expand(params, rows, self.batch_first)
         layout = BatchLayout(rows=rows, augmentation_multiplicity=self.augmentation_multiplicity, batch_dim=self.batch_dim)
         with _expanded_forward(self._module, batch_first=self.batch_first, where=where,
-                               inputs=ModelInputs(tuple(args), dict(kwargs)), layout=layout) as watcher, \
+                               inputs=inputs, layout=layout) as watcher, \
                 no_autocast():  # see ew_per_sample
             output = functional_call(self._module, _as_tensor_dict(expanded), args, kwargs)
         entry = (num_samples, aliases, watcher.padding_rows(expanded))

@@ -168,7 +168,7 @@ class GradSampleModule(AbstractGradSampleModule):
         if (self._explicit_tracker is not None or not self._hooks_enabled or self._capture_suspended
                 or not torch.is_grad_enabled() or self._implicit_tracker is not None):
             return
-        inputs = ModelInputs(tuple(args), dict(kwargs))
+        inputs = ModelInputs.of_call(args, kwargs, self._call_free)
         rows = inputs.first_rows(self.batch_dim)
         if rows is None:
             return
