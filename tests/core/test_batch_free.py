@@ -80,7 +80,7 @@ def test_undeclared_it_is_refused_with_a_hint_to_declare_it(mode: str) -> None:
                     config=DPConfig(mode=mode, augmentation_multiplicity=2, max_grad_norm=1.0))
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ew"])
+@pytest.mark.parametrize("mode", ["hooks", "ew", "functorch"])
 def test_a_wrapped_model_s_forward_takes_the_declaration(mode: str) -> None:
     torch.manual_seed(0)
     model = RelativeMix()
