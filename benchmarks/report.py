@@ -154,6 +154,12 @@ def render_markdown(documents: list[dict[str, Any]], *, out_dir: Path, markdown_
         "python -m benchmarks.run --models cnn transformer --suites training",
         "```",
         "",
+        "On a GPU machine without network access (the lent H100/H200): `bash benchmarks/gpu/prepare.sh` "
+        "here fetches the cp312 wheels it lacks into `.whl/` (Ray trimmed to ~40 MB), then "
+        "`bash benchmarks/gpu/on_device.sh tests` and `... bench` there (carrying `.whl`) run the CUDA "
+        "tests and the GPU training suite, each within one 10-minute call; copy the JSON it writes into "
+        "`benchmarks/results/` and run `python -m benchmarks.run --report-only` to add its section.",
+        "",
         "Timing: median of the timed steps after warm-up steps (min–max shown too). Peak memory: see each "
         "machine's *memory method*. Per-sample gradient memory: bytes of the per-sample gradient tensors "
         "a step holds (— for ghost clipping, which never materialises them). Numbers from a shared "
