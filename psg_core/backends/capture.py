@@ -65,6 +65,17 @@ class LayerCall:
     #: tracker followed it: None batch-free, else ``(axis, entries per row)``, the axis UNKNOWN where
     #: it was not followed (judged by its size); empty: no tracker, every tensor judged by its size.
     input_dims: tuple[tuple[int, int] | None, ...] = ()
+    #: per hooked output: the shape of an output whose gradient is taken at its base (see
+    #: :func:`_grad_target`), else None; empty: every gradient is taken at the output itself.
+    output_shapes: tuple[torch.Size | None, ...] = ()
+
+    def output_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The gradients of the call's outputs, from those of the tensors that were hooked (an
+        output's base has its elements in the same order: a view of its shape gives them)."""
+        if not self.output_shapes:
+            return grads
+        return [g if g is None or shape is None else g.view(shape) if g.is_contiguous() else g.reshape(shape)
+                for g, shape in zip(grads, self.output_shapes)]
 
     def check_unchanged(self, where: str) -> None:
         """Raises when an op after the call changed one of its tensor arguments in place: the
@@ -157,7 +168,30 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
                                                                            batch_dim, merged),
                      input_dims=() if entry is not None else _input_dims(tracker, args, kwargs, merged))
-    return call, [flat[i] for i in index]
+    outputs = [flat[i] for i in index]
+    targets = [_grad_target(t, tracker) for t in outputs]
+    if any(target is not t for target, t in zip(targets, outputs)):
+        call.output_shapes = tuple(None if target is t else t.shape for target, t in zip(targets, outputs))
+    return call, targets
+
+
+def _grad_target(output: torch.Tensor, tracker: Any) -> torch.Tensor:
+    """Where to take ``output``'s gradient: its base when it is a view of the whole of a tensor
+    that only the op which made it has seen (``F.linear`` on a 3-D input returns a view of its 2-D
+    matrix product), else itself.
+
+    A hook on such a view is lost when a later op changes the view in place (``out += residual``,
+    ``nn.ReLU(inplace=True)``): autograd moves the view onto a new node, and the old one, which
+    the hook and the gradient edge name, is never reached, so the layer would get no gradient.
+    The base keeps its node, and the gradient reaching it is the gradient of the layer's output as
+    the layer returned it, in the same element order. A base the forward pass handled itself (the
+    tracker followed it) might feed other ops too: the view itself is hooked then."""
+    base = output._base
+    if (base is None or base.grad_fn is None or base.numel() != output.numel() or tracker is None
+            or tracker.batch_dim(base) is not None or not base.is_contiguous() or not output.is_contiguous()
+            or base.storage_offset() != output.storage_offset()):
+        return output
+    return base
 
 
 def _input_dims(tracker: Any, args: tuple[Any, ...], kwargs: dict[str, Any], merged: int

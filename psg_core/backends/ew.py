@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 _WHERE = "per_sample_gradients(mode='ew')"
 # torch's own ExpandedWeights errors all name the feature; anything else is the model's own error.
 _EW_ERROR = re.compile(r"Expanded ?Weights?", re.IGNORECASE)
+#: torch's error for an in-place op on the view an ExpandedWeights function returned.
+_EW_VIEW_IN_PLACE = re.compile(r"of \w*PerSampleGrad is a view and is being modified inplace")
 
 
 def ew_supported_functions() -> list[str]:
@@ -215,7 +217,15 @@ def _expanded_forward(module: nn.Module, *, batch_first: bool, where: str, input
                 yield mode
             batch.release()
     except RuntimeError as err:
-        if isinstance(err, PsgError) or not _EW_ERROR.search(str(err)):
+        if isinstance(err, PsgError):
+            raise
+        if _EW_VIEW_IN_PLACE.search(str(err)):
+            raise UnsupportedModuleError(
+                f"{where}: the output of an ExpandedWeights layer, a view, is changed in place (for example by "
+                "nn.ReLU(inplace=True) or `out += residual` after a Linear on a sequence), which torch's "
+                "ExpandedWeights cannot differentiate; make that op out of place, or use mode='hooks', 'ghost' "
+                f"or 'functorch' ({err})") from err
+        if not _EW_ERROR.search(str(err)):
             raise
         layer = tracker.current or "<unknown>"
         raise UnsupportedModuleError(

@@ -235,7 +235,7 @@ class _GhostBookkeeping:
     def _on_grads(self, call: _Call, grads: Any) -> None:
         if self._in_backward:
             with no_autocast():  # the hook runs inside the caller's autocast region
-                self._norm_contribution(call, list(grads))
+                self._norm_contribution(call, call.captured.output_grads(list(grads)))
 
     def on_meeting(self, point: MeetingPoint, view: torch.Tensor) -> None:
         """A batch-free tensor computed from parameters meets the batch (see BatchTracker)."""

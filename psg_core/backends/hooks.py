@@ -301,7 +301,8 @@ class GradSampleModule(AbstractGradSampleModule):
                 raise UnsupportedModuleError(
                     f"GradSampleModule: a second backward pass through the same graph reached "
                     f"{type(layer).__qualname__} (retain_graph=True); run the forward pass again")
-            self._on_backprops(held.pop(), list(grads), forward_id)
+            captured = held.pop()
+            self._on_backprops(captured, captured.output_grads(list(grads)), forward_id)
 
         on_output_grads(outputs, on_grads)
         if self._edge_log is not None:

@@ -1,0 +1,95 @@
+"""A layer's output changed in place after the call, and layers whose outputs depend on each other.
+
+``F.linear`` on a ``(B, T, d)`` input returns a view of its 2-D product; an in-place op on that view
+(``nn.ReLU(inplace=True)``, ``out += residual``) moves it onto a new autograd node, and a gradient
+hook on the view was lost: hooks returned a zero per-sample gradient for the Linear and ghost's norms
+missed it, without an error. ew cannot differentiate it and says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from psg_core import DPConfig, UnsupportedModuleError, dp_gradient, per_sample_gradients
+from tests.oracle import assert_close_scaled, microbatch_oracle
+
+N, T, D = 3, 4, 5
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.proj(x)
+        out += x  # in place on the Linear's output view
+        return out
+
+
+class Pool(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.mean(1)
+
+
+def _models() -> dict[str, nn.Module]:
+    return {
+        "relu inplace": nn.Sequential(nn.Linear(D, 6), nn.ReLU(inplace=True), nn.Linear(6, 3), Pool()),
+        "residual +=": nn.Sequential(Residual(), nn.Tanh(), nn.Linear(D, 3), Pool()),
+        "slice mul_": nn.Sequential(nn.Linear(D, 6), _SliceScale(), nn.Linear(6, 3), Pool()),
+    }
+
+
+class _SliceScale(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h[..., :2].mul_(2.0)
+        return h
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def _data(K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N * K, T, D, generator=g), torch.randint(0, 3, (N * K,), generator=g)
+
+
+def _oracle(model: nn.Module, x: torch.Tensor, y: torch.Tensor, K: int) -> dict[str, torch.Tensor]:
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    return microbatch_oracle(model, samples, lambda out, t: _loss(out, t).mean())
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("name", list(_models()))
+def test_hooks_per_sample_gradients_of_a_layer_whose_output_view_is_changed_in_place(name: str, K: int) -> None:
+    torch.manual_seed(0)
+    model = _models()[name]
+    x, y = _data(K)
+    got = per_sample_gradients(model, x, y, loss_fn=_loss, mode="hooks", augmentation_multiplicity=K)
+    for key, value in _oracle(model, x, y, K).items():
+        assert_close_scaled(got[key], value.to(got[key].dtype), name=key)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("name", list(_models()))
+def test_ghost_norms_and_sum_when_an_output_view_is_changed_in_place(name: str, K: int) -> None:
+    torch.manual_seed(0)
+    model = _models()[name]
+    x, y = _data(K)
+    expected = _oracle(model, x, y, K)
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in expected.values()))
+    out = dp_gradient(model, x, y, loss_fn=_loss,
+                      config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=1e9))
+    assert_close_scaled(out.per_sample_norms, norms.to(torch.float32), name="norms")
+    for key, value in expected.items():
+        assert_close_scaled(out.grads[key], value.sum(0).to(torch.float32), name=key)
+
+
+def test_ew_refuses_it_with_the_remedy() -> None:
+    x, y = _data(1)
+    with pytest.raises(UnsupportedModuleError, match="changed in place"):
+        per_sample_gradients(_models()["relu inplace"], x, y, loss_fn=_loss, mode="ew")
