@@ -390,6 +390,14 @@ class BatchTracker(TorchFunctionMode):
         """Declares ``tensor`` a batch tensor with its batch on ``batch_dim``."""
         self._batched[tensor] = (batch_dim, 1)
 
+    def same_rows(self, copy: torch.Tensor, source: torch.Tensor) -> None:
+        """Declares ``copy`` (made from ``source`` outside the tracker's sight, row for row) to hold
+        the batch as ``source`` does."""
+        for table in (self._batched, self._origin, self._mixed_by):
+            value = table.get(source)
+            if value is not None:
+                table[copy] = value
+
     def trust_order(self, *indices: torch.Tensor | None) -> None:
         """Declares index tensors that put rows back in the batch's order: a PackedSequence's
         ``unsorted_indices``, which torch's ``pad_packed_sequence`` applies to the rows it unpacks

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import PsgError, UnsupportedModuleError
@@ -27,7 +27,7 @@ from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import GROUPED, MIXED, PERMUTED, UNKNOWN, arg_versions, active_tracker
 
-__all__ = ["LayerCall", "call_grad_samples", "capture_call"]
+__all__ = ["LayerCall", "call_grad_samples", "capture_call", "separate_outputs"]
 
 
 def _detached(value: Any) -> Any:
@@ -100,8 +100,10 @@ def _unmerge(tensor: torch.Tensor, dim: int, merged: int) -> torch.Tensor:
 
 def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
                  batch_dim: int) -> tuple[LayerCall, list[torch.Tensor]] | None:
-    """The call's record and its outputs that require grad, or None when there are none
-    (nothing to backpropagate).
+    """The call's record and the tensors whose gradients to take (its outputs that require grad,
+    or their stand-ins, see :func:`_grad_target`), or None when there are none (nothing to
+    backpropagate). A call with several such outputs gets them replaced first (see
+    :func:`separate_outputs`, which the forward hook runs before this).
 
     ``batch_dim`` is the model's; layers marked always-batch-first (by class or by their grad
     sampler) get 0. The record holds no output: a gradient hook on an output that refers back to
@@ -173,6 +175,30 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if any(target is not t for target, t in zip(targets, outputs)):
         call.output_shapes = tuple(None if target is t else t.shape for target, t in zip(targets, outputs))
     return call, targets
+
+
+def separate_outputs(output: Any) -> Any:
+    """``output`` with each of its tensors that require grad copied, when there are several (None
+    when there is at most one: nothing to replace). A forward hook returns it for the module's output.
+
+    The gradient that reaches an output tensor includes the paths through the layer's other
+    outputs computed from it (``nn.LSTMCell`` returns ``(h, c)`` with ``h = o * tanh(c)``): the
+    per-sample gradient, a vector-Jacobian product of every output with its gradient, would count
+    those paths twice. A copy receives only what the rest of the model sends it.
+    """
+    if isinstance(output, torch.Tensor):
+        return None
+    flat, spec = tree_flatten(output)
+    index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if len(index) < 2:
+        return None
+    tracker = active_tracker()
+    for i in index:
+        copy = flat[i].clone()
+        if tracker is not None:
+            tracker.same_rows(copy, flat[i])
+        flat[i] = copy
+    return tree_unflatten(flat, spec)
 
 
 def _grad_target(output: torch.Tensor, tracker: Any) -> torch.Tensor:

@@ -63,7 +63,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from psg_core.backends.base import (AbstractGradSampleModule, backward_to_edges, on_output_grads,
                                     trainable_parameters)
-from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
+from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, separate_outputs
 from psg_core.clipping import clip_factors, count_dropped, dropped_samples, zero_dropped
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError
@@ -204,16 +204,21 @@ class _GhostBookkeeping:
             self._suspended = previous
 
     # ---------------------------------------------------------------------------- forward
-    def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         with torch._C.DisableTorchFunction():  # the hook's own reads need no tracking (see hooks.py)
-            self._capture_call(layer, args, kwargs, output)
+            return self._capture_call(layer, args, kwargs, output)
 
-    def _capture_call(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def _capture_call(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        """Records the call; returns the output that replaces the module's (see
+        :func:`~psg_core.backends.capture.separate_outputs`), or None."""
         if self._suspended or not torch.is_grad_enabled():
-            return
+            return None
+        replaced = separate_outputs(output)
+        if replaced is not None:
+            output = replaced
         capture = capture_call(layer, args, kwargs, output, self.batch_dim)
         if capture is None:
-            return
+            return replaced
         captured, outputs = capture
         if captured.rows != self.rows:
             raise BatchLayoutError(
@@ -231,6 +236,7 @@ class _GhostBookkeeping:
         self._layers[layer].calls.append(call)
         self.edges.extend(get_gradient_edge(t) for t in outputs)
         self._handles.append(on_output_grads(outputs, functools.partial(self._on_grads, call)))
+        return replaced
 
     def _on_grads(self, call: _Call, grads: Any) -> None:
         if self._in_backward:

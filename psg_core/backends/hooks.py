@@ -16,7 +16,7 @@ from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, b
                                     earliest_edges, get_grad_sample, on_output_grads, set_grad_sample,
                                     trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
-from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call
+from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, separate_outputs
 from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
 from psg_core.grad_sample.registry import GRAD_SAMPLERS
 from psg_core.layout import BatchLayout, ModelInputs
@@ -262,21 +262,24 @@ class GradSampleModule(AbstractGradSampleModule):
             self._capture_suspended = previous
 
     def _capture(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any) -> None:
+                 output: Any) -> Any:
         # The hook's own tensor reads (requires_grad, shapes, detach) need no tracking: without
         # torch function dispatch they cost nanoseconds, not microseconds, per read.
         with torch._C.DisableTorchFunction():
-            self._capture_call(layer, args, kwargs, output)
+            return self._capture_call(layer, args, kwargs, output)
 
     def _capture_call(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      output: Any) -> None:
+                      output: Any) -> Any:
+        """Records the call; returns the output that replaces the module's (see
+        :func:`~psg_core.backends.capture.separate_outputs`), or None."""
         if not self._hooks_enabled or self._capture_suspended or not torch.is_grad_enabled():
-            return
+            return None
         if not _own_trainable(layer):
-            return
-        captured = capture_call(layer, args, kwargs, output, self.batch_dim)
+            return None
+        replaced = separate_outputs(output)
+        captured = capture_call(layer, args, kwargs, output if replaced is None else replaced, self.batch_dim)
         if captured is None:
-            return
+            return replaced
         call, outputs = captured
         if call.rows is None:
             raise UnsupportedModuleError(
@@ -307,6 +310,7 @@ class GradSampleModule(AbstractGradSampleModule):
         on_output_grads(outputs, on_grads)
         if self._edge_log is not None:
             self._edge_log.extend(get_gradient_edge(t) for t in outputs)
+        return replaced
 
     def _on_backprops(self, call: LayerCall, backprops: list[torch.Tensor | None], forward_id: int) -> None:
         if not self._hooks_enabled:

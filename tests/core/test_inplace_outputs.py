@@ -93,3 +93,65 @@ def test_ew_refuses_it_with_the_remedy() -> None:
     x, y = _data(1)
     with pytest.raises(UnsupportedModuleError, match="changed in place"):
         per_sample_gradients(_models()["relu inplace"], x, y, loss_fn=_loss, mode="ew")
+
+
+# ------------------------------------------------------------------ outputs computed from each other
+class Dependent(nn.Module):
+    """No grad sampler (the torch.func fallback); its second output is computed from its first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x @ self.w
+        return y, torch.tanh(y)
+
+
+class DependentNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = Dependent()
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, t = self.f(x)
+        return self.head(y + 2.0 * t)
+
+
+class CellLoop(nn.Module):
+    """torch's nn.LSTMCell over time: it returns (h, c), h = o * tanh(c)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(D, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D)
+        h = c = x.new_zeros(x.shape[0], 6)
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("make", [DependentNet, CellLoop], ids=["dependent", "lstm_cell"])
+def test_a_layer_whose_outputs_depend_on_each_other(make: type[nn.Module], K: int, mode: str) -> None:
+    torch.manual_seed(0)
+    model = make()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N * K, T, D, generator=g) if make is CellLoop else torch.randn(N * K, D, generator=g)
+    y = torch.randint(0, 3, (N * K,), generator=g)
+    expected = _oracle(model, x, y, K)
+    if mode == "hooks":
+        got = per_sample_gradients(model, x, y, loss_fn=_loss, mode="hooks", augmentation_multiplicity=K)
+        for key, value in expected.items():
+            assert_close_scaled(got[key], value.to(got[key].dtype), name=key)
+        return
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in expected.values()))
+    out = dp_gradient(model, x, y, loss_fn=_loss,
+                      config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=1e9))
+    assert_close_scaled(out.per_sample_norms, norms.to(torch.float32), name="norms")
+    for key, value in expected.items():
+        assert_close_scaled(out.grads[key], value.sum(0).to(torch.float32), name=key)
