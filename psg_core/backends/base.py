@@ -17,7 +17,7 @@ from psg_core.errors import ConfigError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, check_multiplicity, unwrap_batch_free
 from psg_core.modes import LossReduction, parse_enum
 
-__all__ = ["AbstractGradSampleModule", "PerSampleOutput", "PerSampleBackend", "check_rows", "earliest_edges", "on_output_grads", "get_grad_sample", "set_grad_sample",
+__all__ = ["AbstractGradSampleModule", "PerSampleOutput", "PerSampleBackend", "check_rows", "earliest_edges", "parameters_kept", "on_output_grads", "get_grad_sample", "set_grad_sample",
            "trainable_parameters"]
 
 
@@ -79,6 +79,34 @@ def check_rows(rows: int, augmentation_multiplicity: int, *, where: str) -> int:
 def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """``named_parameters()`` restricted to parameters with ``requires_grad``."""
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
+@contextlib.contextmanager
+def parameters_kept(module: nn.Module) -> Iterator[None]:
+    """Puts every module's own parameters and buffers back as they were when the block ends.
+
+    ``torch.func.functional_call`` swaps a module's tensors in and out by attribute, once per path
+    to the module; a module registered under two paths (``nn.Sequential(l, act, l)``) is swapped
+    twice, and the restore leaves the swapped-in plain tensors in it: the model would keep training
+    a copy the optimizer never sees.
+
+    >>> from torch.func import functional_call
+    >>> shared = nn.Linear(2, 2)
+    >>> weight, model = shared.weight, nn.Sequential(shared, nn.Tanh(), shared)
+    >>> with parameters_kept(model):
+    ...     _ = functional_call(model, {n: p.detach() for n, p in model.named_parameters()}, torch.zeros(1, 2))
+    >>> shared.weight is weight
+    True
+    """
+    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, params, buffers in saved:
+            for table, held in ((m._parameters, params), (m._buffers, buffers)):
+                for name, value in held.items():
+                    if table.get(name) is not value:
+                        table[name] = value
 
 
 class AbstractGradSampleModule(nn.Module, abc.ABC):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from psg_core.backends.base import PerSampleOutput, trainable_parameters
+from psg_core.backends.base import PerSampleOutput, parameters_kept, trainable_parameters
 from psg_core.errors import BatchLayoutError, ConfigError, PsgError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.precision import no_autocast
@@ -133,7 +133,7 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
     try:
         # vmap over autocast's casts mixes bf16 and fp32 in backward kernels (a dtype error on
         # attention): functorch runs in the parameters' precision, as ew does (psg_core.precision).
-        with _ModulePath(module) as where, no_autocast():
+        with _ModulePath(module) as where, no_autocast(), parameters_kept(module):
             try:
                 per_sample_grads, losses = vmap(grad_and_value(sample_loss), in_dims=(None, arg_in, tgt_in),
                                                 randomness="different")(detached, split_args, split_tgts)

@@ -369,9 +369,12 @@ class GradSampleModule(AbstractGradSampleModule):
                 f"and {grad_sample.shape[0]} samples; clear p.grad_sample between batches of "
                 "different sizes")
         owned = self._owned.get(key)
-        if forward_id in sources and owned is not None and owned() is existing:
+        if forward_id in sources and owned is not None and owned() is existing \
+                and torch._debug_has_internal_overlap(existing) == 0:
             # Another call of the same forward pass (a recurrent cell, a shared layer): this
-            # wrapper made ``existing`` and nobody has seen it yet, so add in place.
+            # wrapper made ``existing`` and nobody has seen it yet, so add in place (unless its
+            # elements share memory: torch.func returns an expanded zero for a parameter whose
+            # gradient is zero).
             existing.add_(grad_sample)
             return
         # First sum (the sampler's output may alias autograd's buffers) or a new backward pass

@@ -110,3 +110,35 @@ def test_a_second_input_that_mixes_samples_is_refused_at_the_module(mode: str) -
     with pytest.raises(UnsupportedModuleError, match=r"'gate' \(Gate\) receives values that mix samples"):
         dp_gradient(Net(outputs=6, source="mixed"), x, y, loss_fn=_loss,
                     config=DPConfig(mode=mode, max_grad_norm=1.0))
+
+
+class TwoOutputs(nn.Module):
+    """No grad sampler; ``v`` feeds only the second output, which the caller drops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) * 0.5)
+        self.v = nn.Parameter(torch.randn(D))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ self.w, x * self.v
+
+
+class TwiceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = TwoOutputs()
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, _ = self.f(x)
+        b, _ = self.f(torch.tanh(a))
+        return self.head(b)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+def test_a_module_called_twice_with_a_parameter_whose_gradient_is_zero(mode: str) -> None:
+    """torch.func returns an expanded zero for ``v``; the second call's sum must not add into it."""
+    torch.manual_seed(0)
+    x, y = torch.randn(N, D), torch.randint(0, 3, (N,))
+    _check(TwiceNet(), x, y, 1, mode)
