@@ -103,10 +103,12 @@ def parameters_kept(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         for m, params, buffers in saved:
-            for table, held in ((m._parameters, params), (m._buffers, buffers)):
-                for name, value in held.items():
-                    if table.get(name) is not value:
-                        table[name] = value
+            for name, param in params.items():
+                if m._parameters.get(name) is not param:
+                    m._parameters[name] = param
+            for name, buffer in buffers.items():
+                if m._buffers.get(name) is not buffer:
+                    m._buffers[name] = buffer
 
 
 class AbstractGradSampleModule(nn.Module, abc.ABC):

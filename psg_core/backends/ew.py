@@ -27,6 +27,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.utils._expanded_weights.expanded_weights_impl import (HANDLED_FUNCTIONS, ExpandedWeight,
                                                                     expanded_weights_rnn_decomps)
+from torch.nn.utils._expanded_weights.expanded_weights_utils import (forward_helper, set_grad_sample_if_exists,
+                                                                     unpack_expanded_weight_or_tensor)
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -98,6 +100,59 @@ class _ModuleTracker:
         self._handles.clear()
 
 
+#: F.instance_norm's parameters, in order (modules pass some positionally, torch's dispatch as keywords).
+_INSTANCE_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
+
+
+def _instance_norm_eval(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                        running_mean: torch.Tensor, running_var: torch.Tensor, eps: float) -> torch.Tensor:
+    """The forward an InstanceNorm with running statistics computes in eval() (what the module runs)."""
+    return torch.instance_norm(input, weight, bias, running_mean, running_var, False, 0.0, eps,
+                               torch.backends.cudnn.enabled)
+
+
+class _InstanceNormRunningStats(torch.autograd.Function):
+    """``F.instance_norm(..., use_input_stats=False)`` with per-sample gradients for ExpandedWeights.
+
+    An InstanceNorm with ``track_running_stats=True`` in eval() normalises with its running
+    statistics: a per-channel affine map of the input. torch's ExpandedWeights kernel for
+    ``instance_norm`` differentiates it as if the input's own statistics had been used (the input
+    gradient and the weight's per-sample gradient come out wrong, silently); this one is exact:
+    with ``x_hat = (x - running_mean) / sqrt(running_var + eps)``, a row's weight gradient is
+    ``sum(x_hat * g)`` and its bias gradient ``sum(g)`` over the row's spatial positions, and the
+    input gradient is ``g * weight / sqrt(running_var + eps)``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                eps: float, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        # Checks the ExpandedWeights' batch size against the input's, and runs the unexpanded op.
+        output = forward_helper(_instance_norm_eval, (input, weight, bias, running_mean, running_var, eps), {})
+        ctx.save_for_backward(input, running_mean, running_var)
+        ctx.eps, ctx.weight, ctx.bias = eps, weight, bias
+        return cast(torch.Tensor, output)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, running_mean, running_var = ctx.saved_tensors
+        channels = (1, -1) + (1,) * (input.dim() - 2)
+        invstd = torch.rsqrt(running_var + ctx.eps).reshape(channels)
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            weight = unpack_expanded_weight_or_tensor(ctx.weight)
+            grad_input = grad_output * (invstd if weight is None else invstd * weight.reshape(channels))
+        rows, num_channels = input.shape[0], input.shape[1]
+
+        def per_row(value: torch.Tensor) -> torch.Tensor:  # (rows, C): summed over the spatial axes
+            return value.reshape(rows, num_channels, -1).sum(-1)
+
+        set_grad_sample_if_exists(
+            ctx.weight, lambda _: per_row((input - running_mean.reshape(channels)) * invstd * grad_output))
+        set_grad_sample_if_exists(ctx.bias, lambda _: per_row(grad_output))
+        # The ExpandedWeights get no gradient through autograd: their per-row gradients are set above.
+        return grad_input, None, None, None, None, None
+
+
 class _ExpandedWeightsMode(TorchFunctionMode):
     """Watches the ops that receive ExpandedWeights during one forward pass.
 
@@ -109,17 +164,30 @@ class _ExpandedWeightsMode(TorchFunctionMode):
       the ops each parameter meets are recorded: a parameter used only by embeddings with one
       ``padding_idx`` gets that row zeroed afterwards; a mix is refused. ``scale_grad_by_freq``
       mixes samples and is refused.
+    * An embedding with ``max_norm`` renormalises, in place, the weight rows of every token in the
+      batch. Lookups read only their own tokens' rows, which are renormalised either way, but any
+      other op on that weight (a tied output head) reads rows that other samples' tokens changed:
+      a parameter used by such an embedding and by any op other than embeddings with the same
+      ``max_norm`` and ``norm_type`` is refused.
+    * ``instance_norm`` with running statistics (an InstanceNorm with ``track_running_stats=True``
+      in eval()), whose torch kernel differentiates as if the input's statistics were used, runs
+      :class:`_InstanceNormRunningStats` instead.
     """
 
     _BATCH_FIRST_ONLY = (set(HANDLED_FUNCTIONS) | set(expanded_weights_rnn_decomps)) - {F.linear}
 
-    def __init__(self, tracker: _ModuleTracker, *, batch_first: bool, where: str) -> None:
+    def __init__(self, tracker: _ModuleTracker, *, batch_first: bool, where: str,
+                 expanded: dict[str, ExpandedWeight] | None = None) -> None:
         super().__init__()
         self._tracker = tracker
         self._batch_first = batch_first
         self._where = where
+        self._expanded = expanded or {}  # to name a parameter in an error
         #: id(ExpandedWeight) -> the padding_idx of every op that used it (None for other ops).
         self.uses: dict[int, list[int | None]] = {}
+        #: id(ExpandedWeight) -> the first op that used it, and the (max_norm, norm_type) with which
+        #: it renormalised the weight (None for an op that does not); every later use must agree.
+        self._first_read: dict[int, tuple[str, tuple[float, float] | None]] = {}
         #: the modules whose ops received ExpandedWeights, in call order (to name them when the
         #: backward pass fails).
         self.modules: dict[str, None] = {}
@@ -140,9 +208,12 @@ class _ExpandedWeightsMode(TorchFunctionMode):
             raise self._refuse(func, "under saved-tensor hooks (torch.utils.checkpoint, or "
                                "torch.autograd.graph.saved_tensors_hooks), whose recomputed forward "
                                "ExpandedWeights do not handle")
-        padding_idx = None
+        padding_idx, renorm = None, None
         if func is F.embedding:
             padding_idx = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
+            max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
+            if max_norm is not None:
+                renorm = (float(max_norm), float(kwargs.get("norm_type", args[4] if len(args) > 4 else 2.0)))
             if kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False):
                 raise self._refuse(func, "with scale_grad_by_freq=True, which scales gradients by token "
                                    "counts over the whole batch (samples mix)")
@@ -162,9 +233,17 @@ class _ExpandedWeightsMode(TorchFunctionMode):
                 batch.check_rows(args[0], f"module {self._tracker.current or '<root>'} "
                                           f"({getattr(func, '__name__', func)})")
         for ew in expanded:
+            self._check_renorm(func, ew, renorm)
             self.uses.setdefault(id(ew), []).append(padding_idx)
         self.modules.setdefault(self._tracker.current or "<root>", None)
         if self._batch_first:
+            if func is F.instance_norm:
+                call = dict(zip(_INSTANCE_NORM_ARGS, args), **kwargs)
+                if not call.get("use_input_stats", True) and call.get("running_mean") is not None \
+                        and call.get("running_var") is not None:
+                    return _InstanceNormRunningStats.apply(
+                        call["input"], call["running_mean"], call["running_var"], float(call.get("eps", 1e-5)),
+                        call.get("weight"), call.get("bias"))
             return func(*args, **kwargs)
         if func is F.linear and getattr(type(self._tracker.current_module), ALWAYS_BATCH_FIRST, False):
             for ew in expanded:
@@ -178,6 +257,22 @@ class _ExpandedWeightsMode(TorchFunctionMode):
             raise self._refuse(func, "with batch_first=False; torch's ExpandedWeights only honours a batch "
                                "on dimension 1 for linear layers (or use batch-first inputs)")
         return func(*args, **kwargs)
+
+    def _check_renorm(self, func: Any, ew: ExpandedWeight, renorm: tuple[float, float] | None) -> None:
+        """Refuses a weight that an embedding with ``max_norm`` renormalises in place and another op
+        reads (see the class docstring); called before the op runs, for each of its ExpandedWeights."""
+        here = f"{self._tracker.current or '<root>'} ({getattr(func, '__name__', func)})"
+        first = self._first_read.setdefault(id(ew), (here, renorm))
+        if first[1] == renorm:
+            return
+        name = next((n for n, e in self._expanded.items() if e is ew), "<unknown>")
+        embedding, other = (first[0], here) if first[1] is not None else (here, first[0])
+        raise UnsupportedModuleError(
+            f"{self._where}: parameter {name!r} is renormalised in place by an embedding with max_norm, "
+            f"module {embedding}, and also read by module {other}. The embedding rescales the rows of every "
+            "token in the batch, so what the other op reads depends on the other samples' tokens: a sample's "
+            "gradient would not be its own. Untie the weight (give the other op its own parameter), or drop "
+            "max_norm and renormalise the weight outside the per-sample step")
 
     def padding_rows(self, expanded: dict[str, ExpandedWeight]) -> dict[str, int]:
         """``{name: padding_idx}`` for parameters used only by embeddings with that padding_idx."""
@@ -198,7 +293,8 @@ class _ExpandedWeightsMode(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _expanded_forward(module: nn.Module, *, batch_first: bool, where: str, inputs: ModelInputs,
-                      layout: BatchLayout) -> Iterator[_ExpandedWeightsMode]:
+                      layout: BatchLayout, expanded: dict[str, ExpandedWeight] | None = None
+                      ) -> Iterator[_ExpandedWeightsMode]:
     """Runs a forward with ExpandedWeights: torch's errors become psg errors naming the layer.
 
     The batch is followed through the forward (:class:`~psg_core.provenance.BatchTracker`), so an
@@ -206,7 +302,7 @@ def _expanded_forward(module: nn.Module, *, batch_first: bool, where: str, input
     table on ``(1, T)`` ids, a bias on a ``(T, T)`` bucket matrix with T = N*K) is refused.
     """
     tracker = _ModuleTracker(module)
-    mode = _ExpandedWeightsMode(tracker, batch_first=batch_first, where=where)
+    mode = _ExpandedWeightsMode(tracker, batch_first=batch_first, where=where, expanded=expanded)
     batch = BatchTracker(module, num_samples=layout.num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
                          on_meeting=lambda point, view: None)
     try:
@@ -247,11 +343,24 @@ def _expand(params: dict[str, nn.Parameter], rows: int, batch_first: bool
     return aliases, expanded
 
 
-def _as_tensor_dict(expanded: dict[str, ExpandedWeight]) -> dict[str, torch.Tensor]:
-    """``expanded`` typed as ``functional_call`` wants it: torch annotates that argument as an
-    invariant ``dict[str, Tensor]`` although it only reads it, so a dict of a Tensor subclass is
-    refused by mypy. No copy."""
-    return cast("dict[str, torch.Tensor]", expanded)
+def _call_expanded(module: nn.Module, params: dict[str, nn.Parameter], expanded: dict[str, ExpandedWeight],
+                   args: Any, kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` with each trainable parameter's ExpandedWeight in its place.
+
+    Every slot (submodule, attribute) that holds one of ``params`` is swapped once, and put back by
+    ``functional_call`` whatever happens. torch's own untying (``tie_weights=True``) is not used:
+    it names a submodule registered twice in the tree (``nn.Sequential(l, act, l)``) once per path
+    and swaps the same slot twice, so its restore leaves the ExpandedWeight in the model. A
+    parameter shared by different submodules (tied weights) has a slot in each.
+    """
+    by_param = {id(params[name]): ew for name, ew in expanded.items()}
+    slots: dict[str, torch.Tensor] = {}
+    for prefix, layer in module.named_modules():  # each submodule once, however often it is registered
+        for attr, param in layer._parameters.items():
+            ew = by_param.get(id(param)) if param is not None else None
+            if ew is not None:
+                slots[f"{prefix}.{attr}" if prefix else attr] = ew
+    return functional_call(module, slots, args, kwargs, tie_weights=False)
 
 
 def _take_per_row(alias: torch.Tensor, padding_row: int | None) -> torch.Tensor | None:
@@ -282,9 +391,9 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
     aliases, expanded = _expand(params, rows, batch_first)
     # ExpandedWeights' per-sample kernels do not follow autocast's casts (fp32 weights beside
     # half-precision inputs fail on CUDA): ew runs the forward in the parameters' precision.
-    with _expanded_forward(module, batch_first=batch_first, where=_WHERE, inputs=inputs, layout=layout) as watcher, \
-            no_autocast():
-        outputs = functional_call(module, _as_tensor_dict(expanded), inputs.args, inputs.kwargs)
+    with _expanded_forward(module, batch_first=batch_first, where=_WHERE, inputs=inputs, layout=layout,
+                           expanded=expanded) as watcher, no_autocast():
+        outputs = _call_expanded(module, params, expanded, inputs.args, inputs.kwargs)
         tracker = active_tracker()
         if tracker is not None:
             tracker.mark_targets(targets, layout)
@@ -375,9 +484,9 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
         aliases, expanded = _expand(params, rows, self.batch_first)
         layout = BatchLayout(rows=rows, augmentation_multiplicity=self.augmentation_multiplicity, batch_dim=self.batch_dim)
         with _expanded_forward(self._module, batch_first=self.batch_first, where=where,
-                               inputs=inputs, layout=layout) as watcher, \
+                               inputs=inputs, layout=layout, expanded=expanded) as watcher, \
                 no_autocast():  # see ew_per_sample
-            output = functional_call(self._module, _as_tensor_dict(expanded), args, kwargs)
+            output = _call_expanded(self._module, params, expanded, args, kwargs)
         entry = (num_samples, aliases, watcher.padding_rows(expanded))
 
         def on_output_grad(grad: torch.Tensor) -> None:
