@@ -5,7 +5,10 @@ batch on the model's batch dimension (e.g. ``nn.CrossEntropyLoss(reduction="none
 it itself, per batch (``loss_reduction``) and per sample (over the sample's K rows), so that every
 backend agrees on what "sample n's loss" is. For convenience a torch loss module
 (``nn.MSELoss()``, ...) is accepted whatever its ``reduction``: psg uses a copy with
-``reduction="none"``.
+``reduction="none"``. With class ``weight`` or ``ignore_index`` that copy's elements are already
+weighted (0 for an ignored one), and psg's mean divides by the element count, not by the weights'
+sum: torch's weighted batch mean up to one factor for the whole batch, not each sample's own
+weighted mean (a ``loss_fn`` that wants that returns it per row itself).
 """
 
 from __future__ import annotations
