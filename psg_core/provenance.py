@@ -702,8 +702,11 @@ class BatchTracker(TorchFunctionMode):
                 for t in outs:
                     self._batched[t] = source
                 return
-            if source[0] == 0 and self._batched.get(index, (None,))[0] == PERMUTED \
-                    and (name == "__getitem__" or _along_dims("index_select", args, kwargs, args[0].dim()) == (0,)):
+            if source[0] >= 0 and self._batched.get(index, (None,))[0] == PERMUTED and (
+                    (name == "__getitem__" and source[0] == 0)
+                    or (name == "index_select"
+                        and _along_dims("index_select", args, kwargs, args[0].dim()) == (source[0],))):
+                # Packing selects the rows in the sorted order, on the batch axis (1 when time-major).
                 for t in outs:
                     self._batched[t] = (PERMUTED, 1)
                 return

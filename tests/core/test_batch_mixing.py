@@ -271,6 +271,39 @@ def test_packing_inside_the_model_is_followed_back_to_the_batch_order(mode: str,
         assert_close_scaled(out.grads[key], value.sum(0), name=key)
 
 
+class PackInsideTimeMajor(nn.Module):
+    """PackInside on a time-major batch (T, B, d): the sort selects rows on axis 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from psg_core.layers import DPLSTM
+        self.rnn = DPLSTM(6, 5, batch_first=False)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+        packed = pack_padded_sequence(x, lengths, batch_first=False, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        padded, _ = pad_packed_sequence(out, batch_first=False, total_length=x.shape[0])  # (T, B, 5)
+        return self.head(padded.sum(0) / lengths[:, None].to(padded.dtype))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_packing_a_time_major_batch_inside_the_model(mode: str, K: int) -> None:
+    torch.manual_seed(0)
+    N, T = 4, 5
+    x, y = torch.randn(T, N * K, 6), torch.randint(0, 3, (N * K,))
+    lengths = torch.tensor([2, 5, 1, 4, 3, 5, 2, 1][: N * K])
+    model = PackInsideTimeMajor()
+    out = dp_gradient(model, (x, lengths), y, loss_fn=_loss,
+                      config=DPConfig(mode=mode, augmentation_multiplicity=K, batch_first=False, max_grad_norm=1e6))
+    samples = [((x[:, K * n: K * n + K], lengths[K * n: K * n + K]), y[K * n: K * n + K]) for n in range(N)]
+    expected = microbatch_oracle(model, samples, lambda o, t: _loss(o, t).mean())
+    for key, value in expected.items():
+        assert_close_scaled(out.grads[key], value.sum(0), name=key)
+
+
 class EosPooling(nn.Module):
     """BART's classification head: the hidden state at each sample's last end token, picked with a
     boolean mask and viewed back to one row per sample."""
