@@ -673,6 +673,15 @@ class BatchTracker(TorchFunctionMode):
                     self._batched[t] = self._after_grouped(name, grouped, t) if grouped is not None else (UNKNOWN, 1)
             return
         first, (bd, merged) = known
+        if name == "repeat_interleave" and args and args[0] is first and len(outs) == 1:
+            repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            if isinstance(repeats, int) and not isinstance(repeats, bool) and repeats > 0 \
+                    and isinstance(dim, int) and dim % first.dim() == bd:
+                # Each row repeated in place (per-head masks, (B, T, S) -> (B*H, T, S)): every
+                # sample keeps its own rows, now ``repeats`` entries per row.
+                self._batched[outs[0]] = (bd, merged * repeats)
+                return
         for t in outs:
             if name in _VIEW:
                 axis, kept = _batch_axis_after_view(first.shape, bd, merged, t.shape)
@@ -838,7 +847,14 @@ class BatchTracker(TorchFunctionMode):
         if name in ("split", "chunk", "tensor_split", "split_with_sizes"):
             dim = kwargs.get("dim", args[2] if len(args) > 2 else 0) % nd_in
             return MIXED if dim == bd else bd
-        if name in ("expand", "expand_as", "repeat", "broadcast_to"):
+        if name == "repeat":
+            sizes = args[1:] if len(args) > 1 else tuple(kwargs.get("repeats", ()))
+            if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+                sizes = tuple(sizes[0])
+            if len(sizes) >= nd_in and sizes[bd + len(sizes) - nd_in] != 1:
+                return MIXED  # the batch tiled: rows [x_0 .. x_B-1, x_0 ..], no longer sample-major
+            return bd + nd_out - nd_in
+        if name in ("expand", "expand_as", "broadcast_to"):
             return bd + nd_out - nd_in
         if name in ("embedding",) and len(args) > 0 and args[0] is x:
             return bd

@@ -48,6 +48,7 @@ MIXING: dict[str, Op] = {
     "einsum contracting the batch": lambda h: torch.einsum("bd,be->de", h, h).sum(0) + h,
     "outer pairs through broadcasting": lambda h: (h[:, None, :] * h[None, :, :]).sum(1),
     "repeat_interleave then slice": lambda h: h.repeat_interleave(2, dim=0)[: h.shape[0]],
+    "repeat tiling the batch": lambda h: h.repeat(2, 1)[: h.shape[0]],
     "cdist between rows": lambda h: torch.cdist(h, h) @ h,
     "max over batch": lambda h: h + h.max(0).values,
     "std over batch": lambda h: h / h.std(0),
@@ -80,6 +81,8 @@ ROWWISE: dict[str, Op] = {
     "batch-wide predicate read on the host": lambda h: h * 2 if bool((h > -100).all()) else h,
     "normalize rows": lambda h: F.normalize(h, dim=1),
     "sum over features kept": lambda h: h - h.mean(1, keepdim=True),
+    "repeat_interleave viewed back per row": lambda h: h.repeat_interleave(3, 0).view(h.shape[0], 3, -1).sum(1),
+    "repeat along features": lambda h: h.repeat(1, 2)[:, : h.shape[1]] * 2,
 }
 
 
@@ -355,3 +358,54 @@ def test_an_input_taken_for_a_batch_tensor_by_its_size_is_refused_with_a_hint() 
     with pytest.raises(UnsupportedModuleError, match="by coincidence"):
         dp_gradient(PositionsInput(), (x, torch.arange(4)), y, loss_fn=_loss,
                     config=DPConfig(mode="hooks", max_grad_norm=1.0))
+
+
+class HeadMasks(nn.Module):
+    """nn.MultiheadAttention's 3-D mask, one (T, T) per sample and head: ``(B*H, T, T)``."""
+
+    def __init__(self, tiled: bool) -> None:
+        super().__init__()
+        from psg_core.layers import DPMultiheadAttention
+        self.att = DPMultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
+        self.tiled = tiled
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        B, T = pad.shape
+        per_sample = pad[:, None, :].expand(B, T, T)
+        # Sample-major (each sample's mask repeated per head), or tiled head-major: a user's bug
+        # that hands sample b the mask of sample b mod B... in the wrong rows.
+        mask = per_sample.repeat(2, 1, 1) if self.tiled else per_sample.repeat_interleave(2, dim=0)
+        out, _ = self.att(x, x, x, attn_mask=mask, need_weights=False)
+        return self.head(out.mean(1))
+
+
+def _padded(K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    pad = torch.zeros(4 * K, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    pad[2, 4:] = True
+    return (torch.randn(4 * K, 5, 4, generator=g, dtype=torch.float64), pad,
+            torch.randint(0, 3, (4 * K,), generator=g))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "ew"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_per_head_masks_built_by_repeat_interleave_keep_each_sample_s_rows(mode: str, K: int) -> None:
+    torch.manual_seed(0)
+    model = HeadMasks(tiled=False).double()
+    model.att.k_proj.bias.requires_grad_(False)  # its gradient is zero: a shift every softmax ignores
+    x, pad, y = _padded(K)
+    out = dp_gradient(model, (x, pad), y, loss_fn=_loss,
+                      config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=1e6))
+    samples = [((x[K * n: K * n + K], pad[K * n: K * n + K]), y[K * n: K * n + K]) for n in range(4)]
+    expected = microbatch_oracle(model, samples, lambda o, t: _loss(o, t).mean())
+    for key, value in expected.items():
+        assert_close_scaled(out.grads[key], value.sum(0), name=key)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "ew"])
+def test_per_head_masks_tiled_by_repeat_are_refused(mode: str) -> None:
+    x, pad, y = _padded(1)
+    with pytest.raises(UnsupportedModuleError, match="'repeat'"):
+        dp_gradient(HeadMasks(tiled=True).double(), (x, pad), y, loss_fn=_loss, config=DPConfig(mode=mode, max_grad_norm=1.0))
