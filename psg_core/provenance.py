@@ -349,6 +349,9 @@ class BatchTracker(TorchFunctionMode):
         # Index tensors known to put rows back in the batch's order (a PackedSequence's sorted and
         # unsorted indices, which torch's pack and pad functions apply): see trust_order.
         self._orders = _TensorMap()
+        # Tables an Embedding with max_norm renormalised in place at the batch's tokens: their rows
+        # looked up by those tokens are each sample's own; any other use mixes samples.
+        self._renormed = _TensorMap()
         self._params: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if p.requires_grad}
         self._frames: list[_Frame] = []
         self._handles: list[Any] = []
@@ -384,6 +387,7 @@ class BatchTracker(TorchFunctionMode):
         self._origin.clear()
         self._mixed_by.clear()
         self._orders.clear()
+        self._renormed.clear()
 
     # ------------------------------------------------------------------------------ queries
     def mark(self, tensor: torch.Tensor, batch_dim: int) -> None:
@@ -636,6 +640,8 @@ class BatchTracker(TorchFunctionMode):
         outs = [out] if isinstance(out, torch.Tensor) else _tensors(out, [])
         if not outs:
             return
+        if name == "embedding" and self._follow_embedding(args, kwargs, batched, outs):
+            return
         if name == "_pack_padded_sequence" and args and isinstance(args[0], torch.Tensor):
             # (data, batch_sizes) in the packed order: not an axis of rows; the lengths only shape it.
             state = self._batched.get(args[0])
@@ -695,6 +701,30 @@ class BatchTracker(TorchFunctionMode):
                 self._batched[t] = (PERMUTED, 1)
             elif t is not first:  # in place: keeps its axis
                 self._batched[t] = (axis, kept)
+
+    def _follow_embedding(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                          batched: list[tuple[torch.Tensor, tuple[int, int]]], outs: list[torch.Tensor]) -> bool:
+        """An Embedding lookup with ``max_norm`` scales the table's rows at every sample's tokens in
+        place: a sample's own lookups read only rows it selected itself (scaled the same alone), but
+        the table as a whole (a tied output head) now depends on all of them. Returns whether the
+        lookup was followed here."""
+        if len(args) < 2 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
+            return False
+        indices, table = (args[1], args[0]) if args[0].is_floating_point() else (args[0], args[1])
+        found = self._batched.get(indices)
+        if found is None or found[0] < 0 or any(t is not indices and t is not table for t, _ in batched):
+            return False
+        max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 and table is args[1] else None)
+        if max_norm is None and table not in self._renormed:
+            return False
+        for t in outs:
+            self._batched[t] = found  # each sample's rows, of the table scaled at its own tokens
+        if max_norm is not None:
+            self._renormed[table] = True
+            self._mark_mixed([table], f"an Embedding with max_norm in module {self.current_module()} "
+                                      "renormalises the table's rows at every sample's tokens in place, so the "
+                                      "table used as a whole (a tied output head) depends on all of them")
+        return True
 
     def _follow_permuted(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                          batched: list[tuple[torch.Tensor, tuple[int, int]]], outs: list[torch.Tensor]) -> None:

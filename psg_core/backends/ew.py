@@ -187,7 +187,7 @@ class _ExpandedWeightsMode(TorchFunctionMode):
         self.uses: dict[int, list[int | None]] = {}
         #: id(ExpandedWeight) -> the first op that used it, and the (max_norm, norm_type) with which
         #: it renormalised the weight (None for an op that does not); every later use must agree.
-        self._first_read: dict[int, tuple[str, tuple[float, float] | None]] = {}
+        self._first_read: dict[int, tuple[str | None, Any, tuple[float, float] | None]] = {}
         #: the modules whose ops received ExpandedWeights, in call order (to name them when the
         #: backward pass fails).
         self.modules: dict[str, None] = {}
@@ -261,12 +261,16 @@ class _ExpandedWeightsMode(TorchFunctionMode):
     def _check_renorm(self, func: Any, ew: ExpandedWeight, renorm: tuple[float, float] | None) -> None:
         """Refuses a weight that an embedding with ``max_norm`` renormalises in place and another op
         reads (see the class docstring); called before the op runs, for each of its ExpandedWeights."""
-        here = f"{self._tracker.current or '<root>'} ({getattr(func, '__name__', func)})"
-        first = self._first_read.setdefault(id(ew), (here, renorm))
-        if first[1] == renorm:
+        first = self._first_read.get(id(ew))
+        if first is None:
+            self._first_read[id(ew)] = (self._tracker.current, func, renorm)
             return
+        if first[2] == renorm:
+            return
+        first_op = f"{first[0] or '<root>'} ({getattr(first[1], '__name__', first[1])})"
+        this_op = f"{self._tracker.current or '<root>'} ({getattr(func, '__name__', func)})"
         name = next((n for n, e in self._expanded.items() if e is ew), "<unknown>")
-        embedding, other = (first[0], here) if first[1] is not None else (here, first[0])
+        embedding, other = (first_op, this_op) if first[2] is not None else (this_op, first_op)
         raise UnsupportedModuleError(
             f"{self._where}: parameter {name!r} is renormalised in place by an embedding with max_norm, "
             f"module {embedding}, and also read by module {other}. The embedding rescales the rows of every "

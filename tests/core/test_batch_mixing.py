@@ -409,3 +409,43 @@ def test_per_head_masks_tiled_by_repeat_are_refused(mode: str) -> None:
     x, pad, y = _padded(1)
     with pytest.raises(UnsupportedModuleError, match="'repeat'"):
         dp_gradient(HeadMasks(tiled=True).double(), (x, pad), y, loss_fn=_loss, config=DPConfig(mode=mode, max_grad_norm=1.0))
+
+
+class MaxNormTied(nn.Module):
+    """An Embedding with max_norm (renormalises the looked-up rows in place), optionally tied to
+    the output head."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(9, 6, max_norm=0.5)
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 9, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(ids)))).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "ew"])
+def test_a_max_norm_table_tied_to_the_head_is_refused(mode: str) -> None:
+    """The batch's lookups scale every sample's rows before the head reads the whole table."""
+    ids, y = torch.randint(1, 9, (4, 5)), torch.randint(0, 9, (4,))
+    with pytest.raises(UnsupportedModuleError, match="max_norm"):
+        dp_gradient(MaxNormTied(tied=True), ids, y, loss_fn=_loss, config=DPConfig(mode=mode, max_grad_norm=1.0))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "ew"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_max_norm_table_read_only_by_its_lookups_keeps_each_sample_s_rows(mode: str, K: int) -> None:
+    import copy
+    torch.manual_seed(0)
+    model = MaxNormTied(tied=False).double()
+    ids, y = torch.randint(1, 9, (4 * K, 5)), torch.randint(0, 9, (4 * K,))
+    samples = [((ids[K * n: K * n + K],), y[K * n: K * n + K]) for n in range(4)]
+    # max_norm rescales the table in place: each run starts from the same table.
+    expected = microbatch_oracle(copy.deepcopy(model), samples, lambda o, t: _loss(o, t).mean())
+    out = dp_gradient(copy.deepcopy(model), ids, y, loss_fn=_loss,
+                      config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=1e6))
+    for key, value in expected.items():
+        assert_close_scaled(out.grads[key], value.sum(0), name=key)
