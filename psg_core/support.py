@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
 from psg_core.errors import UnsupportedModuleError
@@ -66,9 +67,17 @@ def _frequency_scaling(path: str, layer: nn.Module, where: str) -> UnsupportedMo
 _Check = Callable[[str, nn.Module], UnsupportedModuleError | None]
 
 
-def _reject(module: nn.Module, checks: Sequence[_Check]) -> None:
+def _reject(module: nn.Module, checks: Sequence[_Check], *, where: str) -> None:
     """One walk of ``module``: raises the first error of the first check that finds one (each
-    check's first offending layer in walk order; the checks in the order given)."""
+    check's first offending layer in walk order; the checks in the order given). A TorchScript
+    module is refused first, whatever the checks: no backend can hook it or run it under torch.func."""
+    if isinstance(module, torch.jit.ScriptModule) or any(
+            isinstance(layer, torch.jit.ScriptModule) for layer in module.modules()):
+        path, layer = next((p, m) for p, m in module.named_modules() if isinstance(m, torch.jit.ScriptModule))
+        raise UnsupportedModuleError(
+            f"{where}: module {_label(path, layer)} is a TorchScript module (torch.jit.script), whose "
+            "calls no forward hook, autograd hook or torch.func transform can follow; pass the eager "
+            "module (script the model after training, or trace it)")
     first: list[UnsupportedModuleError | None] = [None] * len(checks)
     for path, layer in module.named_modules():
         for i, check in enumerate(checks):
@@ -103,7 +112,7 @@ def reject_batch_mixing(module: nn.Module, *, where: str) -> None:
     ...
     psg_core.errors.UnsupportedModuleError: demo: module '1' (BatchNorm1d) is a BatchNorm in training mode, ...
     """
-    _reject(module, [functools.partial(_batch_mixing, where=where)])
+    _reject(module, [functools.partial(_batch_mixing, where=where)], where=where)
 
 
 def reject_fused(module: nn.Module, *, where: str, layer_types: tuple[type[nn.Module], ...] = FUSED,
@@ -116,7 +125,7 @@ def reject_fused(module: nn.Module, *, where: str, layer_types: tuple[type[nn.Mo
     ...
     psg_core.errors.UnsupportedModuleError: demo: module '0' (LSTM) is a fused layer whose kernel hooks cannot see into; ...
     """
-    _reject(module, [functools.partial(_fused, where=where, layer_types=layer_types, why=why)])
+    _reject(module, [functools.partial(_fused, where=where, layer_types=layer_types, why=why)], where=where)
 
 
 def frequency_scaled(layer: nn.Module) -> bool:
@@ -133,7 +142,7 @@ def reject_frequency_scaling(module: nn.Module, *, where: str) -> None:
     ...
     psg_core.errors.UnsupportedModuleError: demo: module '0' (Embedding) has scale_grad_by_freq=True, ...
     """
-    _reject(module, [functools.partial(_frequency_scaling, where=where)])
+    _reject(module, [functools.partial(_frequency_scaling, where=where)], where=where)
 
 
 def reject_per_layer_unsupported(module: nn.Module, *, where: str) -> None:
@@ -147,4 +156,4 @@ def reject_per_layer_unsupported(module: nn.Module, *, where: str) -> None:
     psg_core.errors.UnsupportedModuleError: demo: module '1' (BatchNorm1d) is a BatchNorm in training mode, ...
     """
     _reject(module, [functools.partial(check, where=where)
-                     for check in (_batch_mixing, _frequency_scaling, _fused)])
+                     for check in (_batch_mixing, _frequency_scaling, _fused)], where=where)

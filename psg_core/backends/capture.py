@@ -131,6 +131,8 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             return None
         first = next((a for a in args if isinstance(a, torch.Tensor) and tracker.is_batched(a)), first)
     entry = GRAD_SAMPLERS.lookup(layer)
+    if entry is not None and _computed_weight(layer):
+        entry = None  # the torch.func fallback differentiates the parameters it is computed from
     if tracker is not None and first is not None:
         if tracker.batch_dim(first) in (MIXED, GROUPED, PERMUTED):
             # Rows whose values mix samples, or rows a mask picked from every sample: refused.
@@ -220,6 +222,18 @@ def _grad_target(output: torch.Tensor, tracker: Any) -> torch.Tensor:
     return base
 
 
+def _computed_weight(layer: nn.Module) -> bool:
+    """Whether the layer's ``weight`` or ``bias`` is a tensor computed from its parameters before
+    each call rather than a parameter (``torch.nn.utils.weight_norm`` and ``spectral_norm`` set
+    ``weight`` from ``weight_g``/``weight_v`` or ``weight_orig``): a grad sampler would compute the
+    computed tensor's per-sample gradient, which no parameter receives."""
+    for name in ("weight", "bias"):
+        value = getattr(layer, name, None)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad:
+            return True
+    return False
+
+
 def _input_dims(tracker: Any, args: tuple[Any, ...], kwargs: dict[str, Any], merged: int
                 ) -> tuple[tuple[int, int] | None, ...]:
     """For the torch.func fallback: where the batch is in each of the call's tensors, as followed
@@ -282,6 +296,15 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
                        force_functorch: bool,
                        suspend: contextlib.AbstractContextManager[Any] | None) -> dict[torch.Tensor, torch.Tensor]:
     entry = None if force_functorch else call.entry
+    if entry is not None and len(grads) == 1 and grads[0] is not None:
+        result = entry.compute(call.layer, call.args, call.kwargs, grads[0], K, call.batch_dim)
+        own = tuple(call.layer._parameters.values())
+        if all(any(t is p for p in own) for t in result):
+            return result
+        # The sampler's tensors are not the layer's parameters: a weight computed from others
+        # before each call (torch.nn.utils.weight_norm's weight_g and weight_v): theirs come from
+        # running the layer per sample.
+        entry = None
     if entry is None or len(grads) != 1 or grads[0] is None:
         if call.custom_rows:
             # torch.func splits inputs along the batch dim, which this call's rows are not.
@@ -305,4 +328,4 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
                     f"{where}: {type(call.layer).__qualname__} has no grad sampler, and running it per sample "
                     f"under torch.func failed ({err}); register a grad sampler for it "
                     "(psg_core.register_grad_sampler) or use mode='functorch'") from err
-    return entry.compute(call.layer, call.args, call.kwargs, grads[0], K, call.batch_dim)
+    raise AssertionError("unreachable: every call with a sampler returned above")

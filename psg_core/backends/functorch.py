@@ -130,10 +130,11 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
         # The K rows are this vmapped item's whole batch: reducing everything = the sample's loss.
         return per_element.mean() if reduction is LossReduction.MEAN else per_element.sum()
 
+    where = _ModulePath(module)
     try:
         # vmap over autocast's casts mixes bf16 and fp32 in backward kernels (a dtype error on
         # attention): functorch runs in the parameters' precision, as ew does (psg_core.precision).
-        with _ModulePath(module) as where, no_autocast(), parameters_kept(module):
+        with where, no_autocast(), parameters_kept(module):
             try:
                 per_sample_grads, losses = vmap(grad_and_value(sample_loss), in_dims=(None, arg_in, tgt_in),
                                                 randomness="different")(detached, split_args, split_tgts)
@@ -189,11 +190,15 @@ class _ModulePath:
         self._handles: list[Any] = []
 
     def __enter__(self) -> _ModulePath:
-        for path, layer in self._module.named_modules():
-            label = f"'{path or '<root>'}' ({type(layer).__qualname__})"
-            self._handles.append(layer.register_forward_pre_hook(
-                lambda _m, _a, label=label: self._stack.append(label)))
-            self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+        try:
+            for path, layer in self._module.named_modules():
+                label = f"'{path or '<root>'}' ({type(layer).__qualname__})"
+                self._handles.append(layer.register_forward_pre_hook(
+                    lambda _m, _a, label=label: self._stack.append(label)))
+                self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+        except BaseException:
+            self.__exit__()  # no hook left on the model
+            raise
         return self
 
     def _pop(self, _m: nn.Module, _a: Any, _o: Any) -> None:

@@ -153,7 +153,7 @@ class _GhostBookkeeping:
                 for p in own:
                     self._owners_left[p] = self._owners_left.get(p, 0) + 1
                     self._owner_layers.setdefault(p, []).append(layer)
-                self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
+                self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True, prepend=True))
         self._owners = dict(self._owners_left)
         # A weight of several modules: whether its owners take its norm from their factors
         # (decided once, at the first owner's backward), and each finished owner's factors.

@@ -94,7 +94,7 @@ class GradSampleModule(AbstractGradSampleModule):
         self._handles.append(self._module.register_forward_hook(self._end_pass, always_call=True))
         for _, layer in self._module.named_modules():
             if _own_trainable(layer) or (self.force_functorch and any(True for _ in layer.parameters(recurse=False))):
-                self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True))
+                self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True, prepend=True))
 
     def remove_hooks(self) -> None:
         """Removes every hook this wrapper installed; the model is left exactly as it was."""
@@ -226,6 +226,11 @@ class GradSampleModule(AbstractGradSampleModule):
         errors: list[UnsupportedModuleError] = []
         for path, layer in module.named_modules():
             where = f"'{path or '<root>'}' ({type(layer).__qualname__})"
+            if isinstance(layer, torch.jit.ScriptModule):
+                errors.append(UnsupportedModuleError(
+                    f"GradSampleModule: module {where} is a TorchScript module (torch.jit.script), whose calls "
+                    "no forward hook can follow; pass the eager module (script the model after training)"))
+                break
             if isinstance(layer, SAMPLE_MIXING) and (layer.training or _own_trainable(layer)):
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} mixes samples of a batch, so per-sample "
