@@ -66,7 +66,9 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
     """Sum over samples of clipped per-sample gradients of ``module`` on one batch (no noise).
 
     Args:
-        module: the model; neither it nor its ``p.grad`` are modified.
+        module: the model; its parameters and their ``p.grad`` are not modified (buffers that its
+            forward updates, such as running statistics, are updated as by any forward call,
+            except under ``mode="functorch"``, which refuses in-place buffer updates).
         inputs: a tensor, a tuple of positional arguments or a mapping of keyword arguments; the
             batch tensors have ``N*K`` rows on the batch dimension, sample-major (rows
             ``n*K .. n*K+K-1`` are the K copies of sample n).

@@ -16,9 +16,10 @@ Parameters are never replaced on the user's model: each call works on detached a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -390,7 +391,7 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
     """
     batch_dim, batch_first, K = layout.batch_dim, layout.batch_dim == 0, layout.augmentation_multiplicity
     rows, num_samples = layout.rows, layout.num_samples
-    reject_batch_mixing(module, where=_WHERE)
+    _reject_unsupported(module, where=_WHERE)
     params = trainable_parameters(module)
     aliases, expanded = _expand(params, rows, batch_first)
     # ExpandedWeights' per-sample kernels do not follow autocast's casts (fp32 weights beside
@@ -432,6 +433,45 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
     return PerSampleOutput(grads=grads, per_sample_losses=losses.detach(), num_samples=num_samples)
 
 
+def _reject_unsupported(module: nn.Module, *, where: str) -> None:
+    """What ExpandedWeights cannot run: layers that mix samples (see
+    :func:`~psg_core.support.reject_batch_mixing`) and ``torch.compile``'d modules, whose traced
+    graphs ExpandedWeights' parameter swap breaks (a raw TorchDynamo error)."""
+    reject_batch_mixing(module, where=where)
+    for path, layer in module.named_modules():
+        if type(layer).__name__ == "OptimizedModule" and type(layer).__module__.startswith("torch._dynamo"):
+            raise UnsupportedModuleError(
+                f"{where}: module '{path or '<root>'}' is a torch.compile'd module, which torch's ExpandedWeights "
+                "cannot run; use mode='hooks' or 'ghost' (or the module before torch.compile)")
+
+
+def _output_tensors(value: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of a forward's output: in tuples, lists, mappings of any kind and dataclasses
+    (an output class the pytree does not know, such as a model's own ``ModelOutput``, would hide
+    them, and the backward pass would then fill no gradient at all).
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass
+    ... class Out:
+    ...     logits: torch.Tensor
+    ...     extra: dict
+    >>> [t.shape for t in _output_tensors(Out(torch.zeros(2), {"h": torch.ones(3)}), [])]
+    [torch.Size([2]), torch.Size([3])]
+    """
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _output_tensors(item, found)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _output_tensors(item, found)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _output_tensors(getattr(value, field.name), found)
+    return found
+
+
 class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
     """ExpandedWeights-based wrapper: after ``loss.backward()`` every trainable ``p`` has
     ``p.grad_sample`` of shape ``(N, *p.shape)`` (folded over the K copies) and ``p.grad`` as usual.
@@ -457,7 +497,7 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
                  loss_reduction: str | LossReduction = "mean", augmentation_multiplicity: int = 1) -> None:
         super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction,
                          augmentation_multiplicity=augmentation_multiplicity)
-        reject_batch_mixing(module, where=type(self).__name__)
+        _reject_unsupported(module, where=type(self).__name__)
         self._accumulation_allowed = False
         # Forwards whose outputs received gradients in the running backward:
         # (num_samples, aliases, embedding padding rows).
@@ -500,8 +540,8 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._collect)
 
-        for tensor in tree_flatten(output)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        for tensor in _output_tensors(output, []):
+            if tensor.requires_grad:
                 tensor.register_hook(on_output_grad)
         return output
 

@@ -252,3 +252,56 @@ def test_a_module_registered_twice_is_left_as_it_was_when_the_call_fails(path: s
         _ew(model, x, y, _ce, 1, path)
     _assert_untouched(model, before)
     model(x)
+
+
+# ------------------------------------------------------------------ outputs and compiled modules
+def _dataclass_output_model() -> nn.Module:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        hidden: dict
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(5, 6)
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> Output:
+            h = torch.tanh(self.body(x))
+            return Output(logits=self.head(h), hidden={"last": h})
+
+    return Net()
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_the_wrapper_finds_the_tensors_of_a_dataclass_output(K: int) -> None:
+    """Before, the backward pass through such an output filled neither p.grad nor p.grad_sample."""
+    torch.manual_seed(0)
+    model = _dataclass_output_model()
+    x, y = torch.randn(N * K, 5), torch.randint(0, 3, (N * K,))
+    wrapped = wrap_model(model, mode="ew", augmentation_multiplicity=K)
+    _ce(wrapped(x).logits, y).mean().backward()
+
+    class Logits(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x).logits
+
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = microbatch_oracle(Logits(model), samples, lambda out, t: _ce(out, t).mean())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert_close_scaled(p.grad_sample, expected["inner." + name].to(p.dtype), name=name)
+
+
+def test_a_compiled_submodule_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(5, 6), torch.compile(nn.Linear(6, 3), backend="eager"))
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+    with pytest.raises(UnsupportedModuleError, match="torch.compile"):
+        per_sample_gradients(model, x, y, loss_fn=_ce, mode="ew")
