@@ -51,8 +51,9 @@ logger = logging.getLogger(__name__)
 _WHERE = "per_sample_gradients(mode='ew')"
 # torch's own ExpandedWeights errors all name the feature; anything else is the model's own error.
 _EW_ERROR = re.compile(r"Expanded ?Weights?", re.IGNORECASE)
-#: torch's error for an in-place op on the view an ExpandedWeights function returned.
-_EW_VIEW_IN_PLACE = re.compile(r"of \w*PerSampleGrad is a view and is being modified inplace")
+#: torch's error for an in-place op on the view an ExpandedWeights function returned (or a view of it).
+_EW_VIEW_IN_PLACE = re.compile(r"is a view and is being modified inplace\. This view was created inside a custom "
+                               r"Function")
 
 
 def ew_supported_functions() -> list[str]:

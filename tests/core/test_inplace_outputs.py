@@ -89,10 +89,11 @@ def test_ghost_norms_and_sum_when_an_output_view_is_changed_in_place(name: str, 
         assert_close_scaled(out.grads[key], value.sum(0).to(torch.float32), name=key)
 
 
-def test_ew_refuses_it_with_the_remedy() -> None:
+@pytest.mark.parametrize("name", list(_models()))
+def test_ew_refuses_it_with_the_remedy(name: str) -> None:
     x, y = _data(1)
     with pytest.raises(UnsupportedModuleError, match="changed in place"):
-        per_sample_gradients(_models()["relu inplace"], x, y, loss_fn=_loss, mode="ew")
+        per_sample_gradients(_models()[name], x, y, loss_fn=_loss, mode="ew")
 
 
 # ------------------------------------------------------------------ outputs computed from each other
