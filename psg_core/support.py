@@ -71,15 +71,13 @@ def _reject(module: nn.Module, checks: Sequence[_Check], *, where: str) -> None:
     """One walk of ``module``: raises the first error of the first check that finds one (each
     check's first offending layer in walk order; the checks in the order given). A TorchScript
     module is refused first, whatever the checks: no backend can hook it or run it under torch.func."""
-    if isinstance(module, torch.jit.ScriptModule) or any(
-            isinstance(layer, torch.jit.ScriptModule) for layer in module.modules()):
-        path, layer = next((p, m) for p, m in module.named_modules() if isinstance(m, torch.jit.ScriptModule))
-        raise UnsupportedModuleError(
-            f"{where}: module {_label(path, layer)} is a TorchScript module (torch.jit.script), whose "
-            "calls no forward hook, autograd hook or torch.func transform can follow; pass the eager "
-            "module (script the model after training, or trace it)")
     first: list[UnsupportedModuleError | None] = [None] * len(checks)
     for path, layer in module.named_modules():
+        if isinstance(layer, torch.jit.ScriptModule):
+            raise UnsupportedModuleError(
+                f"{where}: module {_label(path, layer)} is a TorchScript module (torch.jit.script), whose "
+                "calls no forward hook, autograd hook or torch.func transform can follow; pass the eager "
+                "module (script the model after training, or trace it)")
         for i, check in enumerate(checks):
             if first[i] is None:
                 first[i] = check(path, layer)

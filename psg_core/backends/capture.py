@@ -173,6 +173,8 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                                                                            batch_dim, merged),
                      input_dims=() if entry is not None else _input_dims(tracker, args, kwargs, merged))
     outputs = [flat[i] for i in index]
+    if all(t._base is None for t in outputs):
+        return call, outputs
     targets = [_grad_target(t, tracker) for t in outputs]
     if any(target is not t for target, t in zip(targets, outputs)):
         call.output_shapes = tuple(None if target is t else t.shape for target, t in zip(targets, outputs))
@@ -227,8 +229,11 @@ def _computed_weight(layer: nn.Module) -> bool:
     each call rather than a parameter (``torch.nn.utils.weight_norm`` and ``spectral_norm`` set
     ``weight`` from ``weight_g``/``weight_v`` or ``weight_orig``): a grad sampler would compute the
     computed tensor's per-sample gradient, which no parameter receives."""
+    attributes = layer.__dict__  # a parameter lives in _parameters; a computed weight is an attribute
+    if "weight" not in attributes and "bias" not in attributes:
+        return False
     for name in ("weight", "bias"):
-        value = getattr(layer, name, None)
+        value = attributes.get(name)
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad:
             return True
     return False
@@ -298,8 +303,8 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
     entry = None if force_functorch else call.entry
     if entry is not None and len(grads) == 1 and grads[0] is not None:
         result = entry.compute(call.layer, call.args, call.kwargs, grads[0], K, call.batch_dim)
-        own = tuple(call.layer._parameters.values())
-        if all(any(t is p for p in own) for t in result):
+        own = {id(p) for p in call.layer._parameters.values()}
+        if all(id(t) in own for t in result):
             return result
         # The sampler's tensors are not the layer's parameters: a weight computed from others
         # before each call (torch.nn.utils.weight_norm's weight_g and weight_v): theirs come from
