@@ -29,7 +29,9 @@ def _batch_axis(value: Any, followed: tuple[int, int] | None, batch_dim: int, ro
     sample): where the tracker followed the batch, else (an axis it lost, or no tracker) on
     ``batch_dim`` when the size matches."""
     if followed is None:
-        return None
+        # Batch-free; but one broadcast to the batch's rows (``pe.expand(B, -1)``, XLNet's
+        # relative positions) is every sample's own copy, as a sample's forward alone builds it.
+        return (batch_dim, 1) if _is_batched(value, batch_dim, rows) and value.stride(batch_dim) == 0 else None
     if followed[0] >= 0:
         return followed
     return (batch_dim, 1) if _is_batched(value, batch_dim, rows) else None
@@ -78,12 +80,21 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                     bps: list[torch.Tensor | None]) -> torch.Tensor:
         restored = [v if a is None else v.movedim(0, a) for v, a in zip(inputs, axes)]
         call_args, call_kwargs = tree_unflatten(restored, input_spec)
-        outputs = [o for o in tree_flatten(functional_call(layer, sample_params, call_args, call_kwargs))[0]
+        # Only the layer's own tensors are swapped: a submodule's parameter tied to one of them
+        # (an MLM head's bias, which its decoder Linear also holds) is that submodule's to account.
+        outputs = [o for o in tree_flatten(functional_call(layer, sample_params, call_args, call_kwargs,
+                                                           tie_weights=False))[0]
                    if isinstance(o, torch.Tensor)]
         total = torch.zeros((), dtype=torch.float32, device=next(iter(sample_params.values())).device)
         for out, bp, dim in zip(outputs, bps, out_dims):
             if bp is not None:
-                total = total + (out * bp.movedim(0, dim)).sum()
+                cotangent = bp.movedim(0, dim)
+                if out.shape != cotangent.shape:
+                    # A tensor the forward shared between samples made this sample's output larger
+                    # than its rows: a product with the cotangent would broadcast, not pair them.
+                    raise ValueError(f"run on one sample's rows it returns shape {tuple(out.shape)} where the "
+                                     f"forward pass's output holds {tuple(cotangent.shape)} per sample")
+                total = total + (out * cotangent).sum()
         return total
 
     per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),

@@ -142,3 +142,80 @@ def test_a_module_called_twice_with_a_parameter_whose_gradient_is_zero(mode: str
     torch.manual_seed(0)
     x, y = torch.randn(N, D), torch.randint(0, 3, (N,))
     _check(TwiceNet(), x, y, 1, mode)
+
+
+# ------------------------------------------------------------------ tensors shared across samples
+class Mix(nn.Module):
+    """No grad sampler; ``pos`` is the same for every sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return torch.tanh((x + pos) @ self.w)
+
+
+class Broadcast(nn.Module):
+    def __init__(self, copies: bool) -> None:
+        super().__init__()
+        self.register_buffer("pe", torch.randn(D))
+        self.mix = Mix()
+        self.head = nn.Linear(D, 3)
+        self.copies = copies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # XLNet's relative positions: a batch-free tensor broadcast to the batch's rows (a view),
+        # or materialised row by row (a copy, which the fallback cannot tell from a table).
+        pos = self.pe.repeat(x.shape[0], 1) if self.copies else self.pe.expand(x.shape[0], -1)
+        return self.head(self.mix(x, pos))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_batch_free_tensor_broadcast_to_the_batch_is_each_sample_s_copy(mode: str, K: int) -> None:
+    """Whole, it was broadcast against one sample's rows inside the layer: gradients N times too large."""
+    torch.manual_seed(0)
+    x, y = torch.randn(N * K, D), torch.randint(0, 3, (N * K,))
+    _check(Broadcast(copies=False), x, y, K, mode)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_layer_whose_output_outgrows_one_sample_s_rows_is_refused(mode: str) -> None:
+    x, y = torch.randn(N, D), torch.randint(0, 3, (N,))
+    with pytest.raises(UnsupportedModuleError, match="per sample"):
+        dp_gradient(Broadcast(copies=True), x, y, loss_fn=_loss, config=DPConfig(mode=mode, max_grad_norm=1.0))
+
+
+class TiedBiasHead(nn.Module):
+    """Hugging Face's MLM head: it owns ``bias`` and its decoder Linear holds the same Parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transform = nn.Linear(D, D)
+        self.decoder = nn.Linear(D, 3, bias=False)
+        self.bias = nn.Parameter(torch.randn(3) * 0.1)
+        self.decoder.bias = self.bias
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(torch.tanh(self.transform(h)))
+
+
+class TiedBiasNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(D, D)
+        self.head = TiedBiasHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_head_bias_tied_to_its_decoder_is_counted_once(mode: str, K: int) -> None:
+    """The head (no grad sampler) ran under torch.func with its tied decoder bias swapped too, and
+    the decoder's Linear sampler added the same gradient again: 2x."""
+    torch.manual_seed(0)
+    x, y = torch.randn(N * K, D), torch.randint(0, 3, (N * K,))
+    _check(TiedBiasNet(), x, y, K, mode)
