@@ -136,14 +136,40 @@ def _lm_loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
                                              ignore_index=-100)  # (N*K, T-1)
 
 
+def _mlm_loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
+    logits = outputs.logits  # type: ignore[attr-defined]
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none",
+                                             ignore_index=-100)  # (N*K, T)
+
+
+def _causal_lm() -> torch.nn.Module:
+    """GPT-2's LM head shares its weight with the token table: both uses add up per sample."""
+    cfg = hf.transformers.GPT2Config(vocab_size=hf.VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    model = hf.transformers.GPT2LMHeadModel(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+def _masked_lm() -> torch.nn.Module:
+    """BERT's MLM head owns ``bias`` and its decoder Linear holds the same Parameter (the head has no
+    grad sampler: the torch.func fallback must not count the decoder's use of it too)."""
+    cfg = hf.transformers.BertConfig(vocab_size=hf.VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, pad_token_id=hf.PAD)
+    model = hf.transformers.BertForMaskedLM(cfg)
+    assert model.cls.predictions.decoder.bias is model.cls.predictions.bias
+    return model
+
+
+LANGUAGE_MODELS = {"causal_lm_tied_embeddings": (_causal_lm, _lm_loss), "masked_lm_tied_bias": (_masked_lm, _mlm_loss)}
+
+
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
-def test_causal_lm_with_tied_embeddings(mode: str, K: int, device: torch.device) -> None:
-    """GPT-2's LM head shares its weight with the token table: both uses add up per sample."""
+@pytest.mark.parametrize("which", list(LANGUAGE_MODELS))
+def test_language_model_heads_with_tied_parameters(which: str, mode: str, K: int, device: torch.device) -> None:
     torch.manual_seed(0)
-    cfg = hf.transformers.GPT2Config(vocab_size=hf.VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    model = hf.transformers.GPT2LMHeadModel(cfg).eval().to(device)
-    assert model.lm_head.weight is model.transformer.wte.weight
+    build, loss_fn = LANGUAGE_MODELS[which]
+    model = build().eval().to(device)
     inputs = to_device(hf.batch("gpt2", N * K)[0], device)
     labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
     import copy
@@ -153,15 +179,15 @@ def test_causal_lm_with_tied_embeddings(mode: str, K: int, device: torch.device)
     expected: dict[str, list[torch.Tensor]] = {n: [] for n in params}
     for n in range(N):
         rows = slice(n * K, (n + 1) * K)
-        loss = _lm_loss(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows]).mean()
+        loss = loss_fn(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows]).mean()
         for name, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
             expected[name].append(g)
     oracle = {n: torch.stack(gs) for n, gs in expected.items()}
     if mode == "ghost":
         reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
-        result = dp_gradient(model, inputs, labels, loss_fn=_lm_loss,
+        result = dp_gradient(model, inputs, labels, loss_fn=loss_fn,
                              config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
-        _check(result.grads, reference.grads, f"lm/ghost/K={K}")
+        _check(result.grads, reference.grads, f"{which}/ghost/K={K}")
         return
-    grads = per_sample_gradients(model, inputs, labels, loss_fn=_lm_loss, mode=mode, augmentation_multiplicity=K)
-    _check(grads, oracle, f"lm/{mode}/K={K}")
+    grads = per_sample_gradients(model, inputs, labels, loss_fn=loss_fn, mode=mode, augmentation_multiplicity=K)
+    _check(grads, oracle, f"{which}/{mode}/K={K}")
