@@ -160,6 +160,18 @@ def _bags(**options: Any) -> Example:
                    lambda: (torch.randint(0, 10, (9,)), torch.tensor([0, 2, 4, 7] + ([9] if last else []))))
 
 
+def _eval_batch_norm(layer: nn.modules.batchnorm._BatchNorm) -> nn.Module:
+    """A BatchNorm in eval mode with running statistics and affine parameters away from their
+    initial values (as a pretrained network has them): a per-channel affine map of each row."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tensor, low, high in ((layer.running_mean, -0.5, 0.5), (layer.running_var, 0.5, 2.0),
+                                  (layer.weight, 0.5, 1.5), (layer.bias, -0.5, 0.5)):
+            assert tensor is not None  # affine, with running statistics
+            tensor.copy_(torch.rand(tensor.shape, generator=generator) * (high - low) + low)
+    return layer.eval()
+
+
 #: label -> the row's example; rows with a registered grad sampler first, then the rest.
 EXAMPLES: dict[str, Example] = {
     "Linear": Example(lambda: nn.Linear(4, 3), _floats(3, 4)),
@@ -177,6 +189,9 @@ EXAMPLES: dict[str, Example] = {
     "InstanceNorm1d": Example(lambda: nn.InstanceNorm1d(3, affine=True), _floats(3, 5)),
     "InstanceNorm2d": Example(lambda: nn.InstanceNorm2d(3, affine=True), _floats(3, 4, 4)),
     "InstanceNorm3d": Example(lambda: nn.InstanceNorm3d(2, affine=True), _floats(2, 3, 3, 3)),
+    "BatchNorm1d": Example(lambda: _eval_batch_norm(nn.BatchNorm1d(3)), _floats(3)),
+    "BatchNorm2d": Example(lambda: _eval_batch_norm(nn.BatchNorm2d(3)), _floats(3, 4, 4)),
+    "BatchNorm3d": Example(lambda: _eval_batch_norm(nn.BatchNorm3d(2)), _floats(2, 3, 3, 3)),
     "SequenceBias": Example(lambda: SequenceBias(4, batch_first=True), _floats(3, 4)),
     "DPMultiheadAttention": Example(lambda: _FirstOutput(DPMultiheadAttention(4, 2, batch_first=True), True),
                                     _floats(3, 4)),
@@ -276,6 +291,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(_EW, "LayerNorm", "when batch_first=False",
             Example(lambda: nn.LayerNorm(4), _time_major(3, 4), batch_first=False)),
     Refusal(_EW, "RMSNorm", _NOT_IN_EW),
+    *(Refusal(_EW, label, _NOT_IN_EW) for label in ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d")),
     Refusal(_EW, "SequenceBias", _NOT_IN_EW),
     Refusal(_EW, "DPMultiheadAttention", "with add_bias_kv=True",
             Example(lambda: _FirstOutput(DPMultiheadAttention(4, 2, add_bias_kv=True, batch_first=True), True),

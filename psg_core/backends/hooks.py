@@ -231,10 +231,12 @@ class GradSampleModule(AbstractGradSampleModule):
                     f"GradSampleModule: module {where} is a TorchScript module (torch.jit.script), whose calls "
                     "no forward hook can follow; pass the eager module (script the model after training)"))
                 break
-            if isinstance(layer, SAMPLE_MIXING) and (layer.training or _own_trainable(layer)):
+            if isinstance(layer, SAMPLE_MIXING) and layer.training:
                 errors.append(UnsupportedModuleError(
-                    f"GradSampleModule: module {where} mixes samples of a batch, so per-sample "
-                    "gradients are undefined; replace it with GroupNorm (psg_core.fix_model does)"))
+                    f"GradSampleModule: module {where} is a BatchNorm in training mode, which mixes samples "
+                    "of a batch, so per-sample gradients are undefined; call .eval() on it (its running "
+                    "statistics then make it a per-sample affine map) or replace it with GroupNorm "
+                    "(psg_core.fix_model does)"))
             elif frequency_scaled(layer) and not force_functorch:
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} has scale_grad_by_freq=True, which scales gradients "

@@ -23,7 +23,7 @@ from psg_core.grad_sample._utils import wants_grad
 from psg_core.grad_sample.registry import register_grad_sampler
 
 __all__ = ["layer_norm_grad_sample", "rms_norm_grad_sample", "group_norm_grad_sample",
-           "instance_norm_grad_sample"]
+           "instance_norm_grad_sample", "batch_norm_grad_sample"]
 
 
 def _trailing_affine_grads(weight: nn.Parameter | None, bias: nn.Parameter | None,
@@ -146,4 +146,29 @@ def instance_norm_grad_sample(layer: nn.InstanceNorm1d | nn.InstanceNorm2d | nn.
     else:
         x_hat = F.instance_norm(x, layer.running_mean, layer.running_var, use_input_stats=False,
                                 eps=layer.eps)  # (N*K, C, *)
+    return _channel_affine_grads(layer.weight, layer.bias, x_hat, backprops, K)
+
+
+@register_grad_sampler(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, k_aware=True, batch_first_only=True)
+def batch_norm_grad_sample(layer: nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d, activations: list[torch.Tensor],
+                           backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
+    """Per-sample gradients of a BatchNorm in eval mode: weight and bias ``(N, C)``.
+
+    With its running statistics the layer is a per-channel affine map of each row (a pretrained
+    network fine-tuned with its statistics frozen); in training mode, or without running
+    statistics, it normalises with the whole batch's and is refused (psg_core.fix_model swaps it
+    for GroupNorm).
+
+    >>> layer = nn.BatchNorm1d(3).eval()
+    >>> grads = batch_norm_grad_sample(layer, [torch.randn(4, 3)], torch.ones(4, 3), 2)
+    >>> grads[layer.bias].tolist()
+    [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
+    """
+    if layer.training or layer.running_mean is None or layer.running_var is None:
+        raise UnsupportedModuleError(
+            f"batch_norm_grad_sample: {type(layer).__name__} normalises with the batch's statistics (training "
+            "mode, or no running statistics), which mixes samples; call .eval() on it with running statistics, "
+            "or replace it with GroupNorm (psg_core.fix_model does)")
+    x_hat = F.batch_norm(activations[0], layer.running_mean, layer.running_var, training=False,
+                         eps=layer.eps)  # (N*K, C, *)
     return _channel_affine_grads(layer.weight, layer.bias, x_hat, backprops, K)
