@@ -459,6 +459,13 @@ class BatchTracker(TorchFunctionMode):
                 "read. Keep the batch axis (mask by multiplying, or view the picked rows back to one "
                 "row per sample)")
 
+    def check_outputs(self, value: Any, consumer: str) -> None:
+        """:meth:`check_rows` for every tensor of a model's output (tensors, lists, tuples, dicts),
+        but 0-dim ones: a loss the model reduced over the batch itself (Hugging Face's ``loss``)."""
+        for tensor in _tensors(value, []):
+            if tensor.dim():
+                self.check_rows(tensor, consumer)
+
     def modified_in_call(self, layer: nn.Module, versions: tuple[int, ...]) -> bool:
         """Whether ``layer``'s running call (the innermost frame) changed one of its positional
         tensor arguments in place: ``versions`` (:func:`arg_versions` of them now) differ from

@@ -532,6 +532,9 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
                                inputs=inputs, layout=layout, expanded=expanded) as watcher, \
                 no_autocast():  # see ew_per_sample
             output = _call_expanded(self._module, params, expanded, args, kwargs)
+            batch = active_tracker()
+            if batch is not None:  # the loss is the caller's: see GradSampleModule._end_pass
+                batch.check_outputs(output, "the model's output")
         entry = (num_samples, aliases, watcher.padding_rows(expanded))
 
         def on_output_grad(grad: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -186,8 +187,15 @@ class GradSampleModule(AbstractGradSampleModule):
     def _end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         tracker, self._implicit_tracker = self._implicit_tracker, None
         if tracker is not None:
-            tracker.__exit__(None, None, None)
-            tracker.release()
+            try:
+                if output is not None and sys.exc_info()[0] is None:
+                    # The loss is the caller's, out of sight: an output whose rows already mix
+                    # samples (an op after the last layer, a head reading a table the batch's
+                    # lookups renormalised) is refused here, before any per-sample gradient.
+                    tracker.check_outputs(output, "the model's output")
+            finally:
+                tracker.__exit__(None, None, None)
+                tracker.release()
 
     def _on_meeting(self, point: MeetingPoint, view: torch.Tensor, layout: BatchLayout, forward_id: int) -> None:
         """A batch-free tensor computed from parameters meets the batch: its per-sample

@@ -449,3 +449,38 @@ def test_a_max_norm_table_read_only_by_its_lookups_keeps_each_sample_s_rows(mode
                       config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=1e6))
     for key, value in expected.items():
         assert_close_scaled(out.grads[key], value.sum(0), name=key)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ew"])
+def test_a_wrapped_model_whose_output_mixes_samples_is_refused_at_its_forward(mode: str) -> None:
+    """The wrappers' loss is the caller's, out of the tracker's sight: a model output whose rows
+    already mix samples is refused when the forward returns; a loss the model reduced itself
+    (0-dim) is not."""
+    import psg_core
+
+    class Centred(nn.Module):  # the op after the last layer with parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.head(x)
+            return logits - logits.mean(0, keepdim=True)
+
+    wrapped = psg_core.wrap_model(Centred(), mode=mode)
+    with pytest.raises(UnsupportedModuleError, match="the model's output receives values that mix samples"):
+        wrapped(torch.randn(4, 6))
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = self.body(x)
+            return {"loss": F.cross_entropy(logits, y), "logits": logits}
+
+    model = WithLoss()
+    out = psg_core.wrap_model(model, mode=mode)(torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    out["loss"].backward()
+    assert model.body.weight.grad_sample.shape == (4, 3, 6)
