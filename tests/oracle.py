@@ -105,6 +105,22 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, *, name: s
                                atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+def check_mode(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, K: int, mode: str,
+               loss: LossFn) -> None:
+    """``mode``'s result on a single-input batch equals the oracle's: per-sample gradients for
+    hooks, functorch and ew; for ghost the unclipped sum of dp_gradient. ``loss`` is unreduced."""
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(x.shape[0] // K)]
+    expected = microbatch_oracle(model, samples, lambda out, t: loss(out, t).mean())
+    if mode == "ghost":
+        got = psg_core.dp_gradient(model, x, y, loss_fn=loss, config=psg_core.DPConfig(
+            mode="ghost", augmentation_multiplicity=K, max_grad_norm=1e9)).grads
+        expected = {name: g.sum(0) for name, g in expected.items()}
+    else:
+        got = psg_core.per_sample_gradients(model, x, y, loss_fn=loss, mode=mode, augmentation_multiplicity=K)
+    for name, value in expected.items():
+        assert_close_scaled(got[name], value.to(got[name].dtype), name=name)
+
+
 def check_against_oracle(model: nn.Module, inputs: Any, targets: torch.Tensor, *, K: int,
                          loss_reduction: str, batch_first: bool = True,
                          loss: Callable[[str], LossFn] = mse_loss,

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psg_core import DPConfig, GradSampleModule, UnsupportedModuleError, dp_gradient, per_sample_gradients
-from tests.oracle import assert_close_scaled, microbatch_oracle
+from psg_core import DPConfig, GradSampleModule, UnsupportedModuleError, dp_gradient
+from tests.oracle import check_mode
 
 N = 3
 
@@ -38,16 +38,7 @@ def test_batch_norm_in_eval_mode_matches_the_oracle(mode: str, K: int) -> None:
     torch.manual_seed(0)
     model = _cnn()
     x, y = torch.randn(N * K, 2, 5, 5), torch.randint(0, 3, (N * K,))
-    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
-    expected = microbatch_oracle(model, samples, lambda out, t: _loss(out, t).mean())
-    if mode == "ghost":
-        got = dp_gradient(model, x, y, loss_fn=_loss,
-                          config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=1e9)).grads
-        expected = {name: g.sum(0) for name, g in expected.items()}
-    else:
-        got = per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode, augmentation_multiplicity=K)
-    for name, value in expected.items():
-        assert_close_scaled(got[name], value.to(got[name].dtype), name=name)
+    check_mode(model, x, y, K=K, mode=mode, loss=_loss)
 
 
 def test_the_wrapper_takes_an_eval_model_and_refuses_a_training_one() -> None:

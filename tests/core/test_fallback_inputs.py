@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psg_core import DPConfig, UnsupportedModuleError, dp_gradient, per_sample_gradients
-from tests.oracle import assert_close_scaled, microbatch_oracle
+from psg_core import DPConfig, UnsupportedModuleError, dp_gradient
+from tests.oracle import check_mode
 
 N, D = 4, 5
 
@@ -74,16 +74,7 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, K: int, mode: str) -> None:
-    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
-    expected = microbatch_oracle(model, samples, lambda out, t: _loss(out, t).mean())
-    if mode == "ghost":
-        got = dp_gradient(model, x, y, loss_fn=_loss,
-                          config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=1e9)).grads
-        expected = {name: g.sum(0) for name, g in expected.items()}
-    else:
-        got = per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode, augmentation_multiplicity=K)
-    for name, value in expected.items():
-        assert_close_scaled(got[name], value.to(got[name].dtype), name=name)
+    check_mode(model, x, y, K=K, mode=mode, loss=_loss)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
