@@ -26,6 +26,11 @@ def mse_loss(reduction: str) -> LossFn:
     return lambda out, target: F.mse_loss(out, target, reduction=reduction)
 
 
+def cross_entropy_rows(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Unreduced cross-entropy, one value per row (class-index targets)."""
+    return F.cross_entropy(out, target, reduction="none")
+
+
 def as_args(inputs: Any) -> tuple[Any, ...]:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 

@@ -308,29 +308,27 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
             return result
         # The sampler's tensors are not the layer's parameters: a weight computed from others
         # before each call (torch.nn.utils.weight_norm's weight_g and weight_v): theirs come from
-        # running the layer per sample.
-        entry = None
-    if entry is None or len(grads) != 1 or grads[0] is None:
-        if call.custom_rows:
-            # torch.func splits inputs along the batch dim, which this call's rows are not.
+        # running the layer per sample, below.
+    # No sampler, several outputs, or a sampler that missed the parameters: the torch.func fallback.
+    if call.custom_rows:
+        # torch.func splits inputs along the batch dim, which this call's rows are not.
+        raise UnsupportedModuleError(
+            f"{where}: {type(call.layer).__qualname__} was called with rows that are not its first "
+            "input's batch dimension (e.g. EmbeddingBag with offsets); the torch.func fallback "
+            "cannot split them, only the layer's grad sampler can")
+    if call.rows is None:
+        raise UnsupportedModuleError(
+            f"{where}: {type(call.layer).__qualname__} was called without a batched tensor as its "
+            "first argument, so its rows cannot be attributed to samples")
+    with suspend if suspend is not None else contextlib.nullcontext():
+        try:
+            return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
+                                               call.batch_dim, call.rows, call.output_dims or None,
+                                               call.input_dims or None)
+        except (RuntimeError, ValueError) as err:
+            if isinstance(err, PsgError):
+                raise
             raise UnsupportedModuleError(
-                f"{where}: {type(call.layer).__qualname__} was called with rows that are not its first "
-                "input's batch dimension (e.g. EmbeddingBag with offsets); the torch.func fallback "
-                "cannot split them, only the layer's grad sampler can")
-        if call.rows is None:
-            raise UnsupportedModuleError(
-                f"{where}: {type(call.layer).__qualname__} was called without a batched tensor as its "
-                "first argument, so its rows cannot be attributed to samples")
-        with suspend if suspend is not None else contextlib.nullcontext():
-            try:
-                return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
-                                                   call.batch_dim, call.rows, call.output_dims or None,
-                                                   call.input_dims or None)
-            except (RuntimeError, ValueError) as err:
-                if isinstance(err, PsgError):
-                    raise
-                raise UnsupportedModuleError(
-                    f"{where}: {type(call.layer).__qualname__} has no grad sampler, and running it per sample "
-                    f"under torch.func failed ({err}); register a grad sampler for it "
-                    "(psg_core.register_grad_sampler) or use mode='functorch'") from err
-    raise AssertionError("unreachable: every call with a sampler returned above")
+                f"{where}: {type(call.layer).__qualname__} has no grad sampler, and running it per sample "
+                f"under torch.func failed ({err}); register a grad sampler for it "
+                "(psg_core.register_grad_sampler) or use mode='functorch'") from err

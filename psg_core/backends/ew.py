@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, check_rows, get_grad_sample,
-                                   set_grad_sample, trainable_parameters)
+                                   parameters_kept, set_grad_sample, trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import BatchLayoutError, GradAccumulationError, PsgError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, ModelInputs, fold_rows, unwrap_batch_free
@@ -349,24 +349,13 @@ def _expand(params: dict[str, nn.Parameter], rows: int, batch_first: bool
     return aliases, expanded
 
 
-def _call_expanded(module: nn.Module, params: dict[str, nn.Parameter], expanded: dict[str, ExpandedWeight],
-                   args: Any, kwargs: Any) -> Any:
-    """``module(*args, **kwargs)`` with each trainable parameter's ExpandedWeight in its place.
-
-    Every slot (submodule, attribute) that holds one of ``params`` is swapped once, and put back by
-    ``functional_call`` whatever happens. torch's own untying (``tie_weights=True``) is not used:
-    it names a submodule registered twice in the tree (``nn.Sequential(l, act, l)``) once per path
-    and swaps the same slot twice, so its restore leaves the ExpandedWeight in the model. A
-    parameter shared by different submodules (tied weights) has a slot in each.
-    """
-    by_param = {id(params[name]): ew for name, ew in expanded.items()}
-    slots: dict[str, torch.Tensor] = {}
-    for prefix, layer in module.named_modules():  # each submodule once, however often it is registered
-        for attr, param in layer._parameters.items():
-            ew = by_param.get(id(param)) if param is not None else None
-            if ew is not None:
-                slots[f"{prefix}.{attr}" if prefix else attr] = ew
-    return functional_call(module, slots, args, kwargs, tie_weights=False)
+def _call_expanded(module: nn.Module, expanded: dict[str, ExpandedWeight], args: Any, kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` with each trainable parameter's ExpandedWeight in its place, and
+    the model's own Parameters put back afterwards whatever happens (see
+    :func:`~psg_core.backends.base.parameters_kept`: torch's restore leaves the ExpandedWeight in a
+    submodule registered twice, ``nn.Sequential(l, act, l)``)."""
+    with parameters_kept(module):
+        return functional_call(module, cast("dict[str, torch.Tensor]", expanded), args, kwargs)
 
 
 def _take_per_row(alias: torch.Tensor, padding_row: int | None) -> torch.Tensor | None:
@@ -399,7 +388,7 @@ def ew_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn:
     # half-precision inputs fail on CUDA): ew runs the forward in the parameters' precision.
     with _expanded_forward(module, batch_first=batch_first, where=_WHERE, inputs=inputs, layout=layout,
                            expanded=expanded) as watcher, no_autocast():
-        outputs = _call_expanded(module, params, expanded, inputs.args, inputs.kwargs)
+        outputs = _call_expanded(module, expanded, inputs.args, inputs.kwargs)
         tracker = active_tracker()
         if tracker is not None:
             tracker.mark_targets(targets, layout)
@@ -531,7 +520,7 @@ class ExpandedWeightsGradSampleModule(AbstractGradSampleModule):
         with _expanded_forward(self._module, batch_first=self.batch_first, where=where,
                                inputs=inputs, layout=layout, expanded=expanded) as watcher, \
                 no_autocast():  # see ew_per_sample
-            output = _call_expanded(self._module, params, expanded, args, kwargs)
+            output = _call_expanded(self._module, expanded, args, kwargs)
             batch = active_tracker()
             if batch is not None:  # the loss is the caller's: see GradSampleModule._end_pass
                 batch.check_outputs(output, "the model's output")

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from psg_core import DPConfig, GradSampleModule, UnsupportedModuleError, dp_gradient
-from tests.oracle import check_mode
+from tests.oracle import check_mode, cross_entropy_rows as _loss
 
 N = 3
 
@@ -26,10 +25,6 @@ def _cnn() -> nn.Module:
                 layer.weight.uniform_(0.5, 1.5)
                 layer.bias.uniform_(-0.5, 0.5)
     return model.eval()
-
-
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out, y, reduction="none")
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
