@@ -128,6 +128,8 @@ _POINTWISE = {
     "add_", "sub_", "mul_", "div_", "masked_fill_",
 }
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm"}
+# Products where a batch-free operand may meet the batch (see BatchTracker._meet_product).
+_PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm"}
 _CAT = {"cat", "concat", "concatenate"}
 _PERMUTING = {"transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis", "mT", "T", "flip",
               "rot90", "roll", "__getitem__", "gather", "index_select", "take_along_dim", "sort", "argsort"}
@@ -345,6 +347,9 @@ class BatchTracker(TorchFunctionMode):
         # view merged the batch with the axes after it, (N, T, d) -> (N*T, d)).
         self._batched = _TensorMap()
         self._origin = _TensorMap()  # batch-free tensor -> frozenset of param ids
+        # batch-free tensor -> (base, tiles): it equals ``base.repeat(tiles, 1, ...)``, copies of
+        # one block along axis 0 (DeBERTa's relative-position keys, tiled once per batch row).
+        self._tiles = _TensorMap()
         self._mixed_by = _TensorMap()  # MIXED tensor -> where its samples met (for messages)
         # Index tensors known to put rows back in the batch's order (a PackedSequence's sorted and
         # unsorted indices, which torch's pack and pad functions apply): see trust_order.
@@ -385,6 +390,7 @@ class BatchTracker(TorchFunctionMode):
         self.meetings.clear()
         self._batched.clear()
         self._origin.clear()
+        self._tiles.clear()
         self._mixed_by.clear()
         self._orders.clear()
         self._renormed.clear()
@@ -555,6 +561,8 @@ class BatchTracker(TorchFunctionMode):
                     for t in _tensors(out, []):
                         if t.requires_grad:
                             self._origin[t] = origin
+                    if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+                        self._note_tiles(getattr(func, "__name__", ""), args, out)
                 if self._orders.entries and isinstance(out, torch.Tensor) and leaves and leaves[0] in self._orders \
                         and getattr(func, "__name__", "") in _COPIES:
                     self._orders[out] = True  # the same order on another device or dtype
@@ -596,6 +604,8 @@ class BatchTracker(TorchFunctionMode):
             out_bd, merged = self._broadcast_axis([query], len(shape))
             if out_bd is None:
                 raise self._cannot(name, where, "the batch axis of its query is unknown")
+        elif name in _PRODUCTS and not kwargs and len(args) == 2 and len(batched) == 1:
+            return self._meet_product(name, args, sources, batched[0], where), kwargs
         elif name in _CAT:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             ref = batched[0]
@@ -624,6 +634,87 @@ class BatchTracker(TorchFunctionMode):
             return expanded
 
         return tree_map(expand, args), tree_map(expand, kwargs)
+
+    def _meet_product(self, name: str, args: tuple[Any, ...], sources: dict[int, tuple[torch.Tensor, frozenset[int]]],
+                      x: torch.Tensor, where: str) -> tuple[Any, ...]:
+        """A matrix product of the batch ``x`` and a batch-free operand computed from parameters,
+        where the batch is on one of the product's batch dimensions: the operand is expanded along
+        them (matmul's own broadcasting), so that each batch row multiplies its own copy, whose
+        gradient is that row's. An operand tiled once per batch row (``base.repeat(rows, 1, 1)``,
+        as DeBERTa's relative-position keys are) is rebuilt from the tile: each sample's cotangent is
+        then one tile's, not a copy of the whole operand per sample.
+
+        A product that contracts the batch's rows (``x @ W`` on ``(N, d)`` rows) is a layer's job:
+        refused, as before."""
+        bd, merged = self._batched[x]
+        if bd < 0 or bd >= x.dim() - 2:
+            raise self._cannot(name, where, "its batched operand holds the batch on a matrix axis, not on a "
+                                            "batch dimension of the product (a weight computed from "
+                                            "parameters, applied to the batch's rows: use a layer such as "
+                                            "nn.Linear for it)")
+        out = []
+        for value in args:
+            if not isinstance(value, torch.Tensor) or id(value) not in sources:
+                out.append(value)
+                continue
+            source, origin = sources[id(value)]
+            if not 2 <= value.dim() <= x.dim():
+                raise self._cannot(name, where, f"its batch-free operand has {value.dim()} dimensions, the "
+                                                f"batched one {x.dim()}")
+            params: list[torch.Tensor] = [self._params[i] for i in sorted(origin)]
+            tiled = self._tiles.get(value)
+            rows = x.shape[bd]
+            if tiled is not None and bd == 0 and value.dim() == x.dim() and value.shape[0] == rows \
+                    and merged % tiled[0].shape[0] == 0:
+                base = tiled[0]  # (s, *rest): entry r of the operand is base[r % s]
+                rest = tuple(base.shape[1:])
+                block = base if merged == base.shape[0] else base.repeat(merged // base.shape[0], *[1] * len(rest))
+                source = block.unsqueeze(0)  # (1, merged, *rest): what every batch row multiplies
+                expanded = source.expand(rows // merged, merged, *rest)
+                point = MeetingPoint(source=source, shape=tuple(expanded.shape), batch_dim=0, broadcast=True,
+                                     params=params, where=where)
+                self._batched[expanded] = (0, 1)
+                self.meetings.append(point)
+                self._on_meeting(point, expanded)
+                operand = expanded.reshape(rows, *rest)
+                self._batched[operand] = (0, merged)
+                out.append(operand)
+                continue
+            target = (*torch.broadcast_shapes(tuple(x.shape[:-2]), tuple(value.shape[:-2])), *value.shape[-2:])
+            padded = (1,) * (len(target) - value.dim()) + tuple(value.shape)
+            expanded = source.expand(*target)
+            point = MeetingPoint(source=source, shape=tuple(expanded.shape), batch_dim=bd,
+                                 broadcast=padded[bd] == 1 and target[bd] != 1, params=params, where=where,
+                                 merged=merged)
+            self._batched[expanded] = (bd, merged)
+            self.meetings.append(point)
+            self._on_meeting(point, expanded)
+            out.append(expanded)
+        return tuple(out)
+
+    def _note_tiles(self, name: str, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        """Records a batch-free tensor made of copies of one block along axis 0 (``repeat`` on that
+        axis alone), and keeps the record through a transpose of the other axes."""
+        src = args[0]
+        if name == "repeat":
+            sizes = args[1:]
+            if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+                sizes = tuple(sizes[0])
+            if len(sizes) == src.dim() >= 1 and all(type(n) is int for n in sizes) and sizes[0] > 1 \
+                    and all(n == 1 for n in sizes[1:]):
+                self._tiles[out] = (src, sizes[0])
+            return
+        tiled = self._tiles.get(src)
+        if tiled is None:
+            return
+        base, tiles = tiled
+        if name == "contiguous":
+            self._tiles[out] = tiled
+        elif name in ("transpose", "swapaxes", "swapdims") and len(args) == 3 \
+                and all(type(d) is int for d in args[1:]):
+            d0, d1 = args[1] % src.dim(), args[2] % src.dim()
+            if d0 and d1:
+                self._tiles[out] = (base.transpose(d0, d1), tiles)
 
     def _broadcast_axis(self, batched: list[torch.Tensor], ndim: int) -> tuple[int | None, int]:
         for t in batched:

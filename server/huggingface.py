@@ -8,8 +8,10 @@ Each task is one registry entry; its ``model_kwargs_json`` is a transformers con
 entry                          transformers class (its Auto mapping)             model types
 =============================  ================================================  =====================================
 hf_causal_lm                   AutoModelForCausalLM                              gpt2, llama, mistral, qwen2
-hf_sequence_classification     AutoModelForSequenceClassification                bert, distilbert, gpt2, llama, roberta
-hf_token_classification        AutoModelForTokenClassification                   bert, distilbert, roberta
+hf_sequence_classification     AutoModelForSequenceClassification                bert, deberta, deberta-v2, distilbert,
+                                                                                 gpt2, llama, roberta
+hf_token_classification        AutoModelForTokenClassification                   bert, deberta, deberta-v2, distilbert,
+                                                                                 roberta
 hf_seq2seq_lm                  AutoModelForSeq2SeqLM                             t5
 hf_image_classification        AutoModelForImageClassification                   vit
 =============================  ================================================  =====================================
@@ -89,10 +91,12 @@ TASKS: dict[str, HuggingFaceTask] = {task.name: task for task in (
                     ("gpt2", "llama", "mistral", "qwen2"), "tokens", per_token=True),
     HuggingFaceTask("hf_sequence_classification", "AutoModelForSequenceClassification",
                     "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-                    ("bert", "distilbert", "gpt2", "llama", "roberta"), "tokens", per_token=False,
+                    ("bert", "deberta", "deberta-v2", "distilbert", "gpt2", "llama", "roberta"), "tokens",
+                    per_token=False,
                     needs_pad_token=("gpt2", "llama")),
     HuggingFaceTask("hf_token_classification", "AutoModelForTokenClassification",
-                    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", ("bert", "distilbert", "roberta"), "tokens",
+                    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", ("bert", "deberta", "deberta-v2", "distilbert",
+                                                                     "roberta"), "tokens",
                     per_token=True),
     HuggingFaceTask("hf_seq2seq_lm", "AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
                     ("t5",), "seq2seq", per_token=True),

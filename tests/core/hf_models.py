@@ -68,6 +68,26 @@ def _bart() -> nn.Module:
     return transformers.BartForSequenceClassification(cfg)
 
 
+def _deberta_v2(*, share_att_key: bool) -> nn.Module:
+    # Relative (disentangled) attention: the position keys and queries, projected from the batch-free
+    # relative-position table, are tiled once per batch row (``repeat``) and multiplied with it.
+    cfg = transformers.DebertaV2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=32, max_position_embeddings=16, relative_attention=True,
+                                       position_buckets=4, max_relative_positions=8, pos_att_type=["p2c", "c2p"],
+                                       norm_rel_ebd="layer_norm", share_att_key=share_att_key,
+                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **_COMMON)
+    return transformers.DebertaV2ForSequenceClassification(cfg)
+
+
+def _deberta() -> nn.Module:
+    # DeBERTa (v1): one position projection, broadcast over the batch in a 4-D matmul.
+    cfg = transformers.DebertaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, relative_attention=True,
+                                     max_relative_positions=8, pos_att_type=["p2c", "c2p"],
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **_COMMON)
+    return transformers.DebertaForSequenceClassification(cfg)
+
+
 #: family -> (builder, LoRA target modules)
 FAMILIES: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
     "gpt2": (_gpt2, ["c_attn"]),
@@ -77,6 +97,9 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
     "opt": (_opt, ["q_proj", "v_proj"]),
     "bloom": (_bloom, ["query_key_value"]),
     "bart": (_bart, ["q_proj", "v_proj"]),
+    "deberta": (_deberta, ["in_proj"]),
+    "deberta_v3": (lambda: _deberta_v2(share_att_key=True), ["query_proj", "value_proj"]),
+    "deberta_v2": (lambda: _deberta_v2(share_att_key=False), ["query_proj", "value_proj"]),
 }
 
 

@@ -3,7 +3,9 @@
 Every family's position scheme meets the batch its own way: GPT-2 and BERT add a learned table
 looked up with broadcast ``(1, T)`` ids, T5 adds a relative-position bias from a ``(T, T)`` bucket
 matrix inside attention, OPT looks positions up from the attention mask's cumulative sum and runs
-its MLP on ``(N*T, d)`` rows, Llama rotates, BLOOM biases with ALiBi. Each is checked fully
+its MLP on ``(N*T, d)`` rows, Llama rotates, BLOOM biases with ALiBi, DeBERTa multiplies the batch's
+queries and keys with position keys and queries projected from a batch-free table (broadcast in v1,
+tiled per batch row with ``repeat`` in v2/v3, with shared or separate projections). Each is checked fully
 trainable and with a LoRA adapter, padded batches with an attention mask, K in {1, 2}, in every
 mode: a result is either the oracle's or a PsgError naming the layer, never a silent sum.
 """

@@ -22,7 +22,8 @@ from psg_wire.codec import encode_tensors
 from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from psg_wire.v1.tensor_pb2 import TensorHeader
-from tests.server.hf_harness import BERT, BERT_LORA, GPT2, GPT2_LORA, hf_model, token_batch, trainable_bytes
+from tests.server.hf_harness import (BERT, BERT_LORA, DEBERTA_LORA, DEBERTA_V3, GPT2, GPT2_LORA, hf_model,
+                                    token_batch, trainable_bytes)
 from tests.server.service_harness import client_for, local_dp, serve
 
 Code = grpc.StatusCode
@@ -78,6 +79,24 @@ def test_bert_sequence_classification_equals_local_dp_gradient(client: GradientC
         session.push_parameters(model)
         result = session.compute_gradients(inputs, labels)
     assert_equals_local(result, model, inputs, labels, config, "cross_entropy", 5)
+
+
+@pytest.mark.parametrize("mode, K", [("hooks", 1), ("ghost", 2)])
+@pytest.mark.parametrize("lora", [DEBERTA_LORA, None], ids=["lora", "full"])
+def test_deberta_v3_sequence_classification_equals_local_dp_gradient(client: GradientClient, lora: LoraAdapter | None,
+                                                                     mode: str, K: int) -> None:
+    """DeBERTa's relative-position keys and queries are batch-free and tiled per batch row inside
+    attention: the service follows them as psg_core does."""
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=1e-5)  # every sample clipped
+    model = hf_model(DEBERTA_V3, "DebertaV2ForSequenceClassification", lora=lora, seed=K)
+    inputs, _ = token_batch(4 * K, seed=K)
+    labels = torch.arange(4 * K) % 3
+    with client.create_session("hf_sequence_classification", model_kwargs=DEBERTA_V3, loss="cross_entropy",
+                               expected_batch_size=4, config=config, lora=lora) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients(inputs, labels)
+    assert_equals_local(result, model, inputs, labels, config, "cross_entropy", 4)
+    assert 0 < result.fraction_clipped <= 1
 
 
 def test_dp_lora_training_pushes_the_base_model_once(client: GradientClient) -> None:

@@ -23,6 +23,14 @@ GPT2: dict[str, Any] = {"model_type": "gpt2", "vocab_size": VOCAB, "n_positions"
 BERT: dict[str, Any] = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
                         "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16,
                         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": 3}
+#: DeBERTa-v3's layout (relative attention, shared position keys, log buckets) for sequence classification.
+DEBERTA_V3: dict[str, Any] = {"model_type": "deberta-v2", "vocab_size": VOCAB, "hidden_size": 16,
+                              "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 32,
+                              "max_position_embeddings": 16, "relative_attention": True, "position_buckets": 4,
+                              "max_relative_positions": 8, "pos_att_type": ["p2c", "c2p"],
+                              "norm_rel_ebd": "layer_norm", "share_att_key": True, "position_biased_input": False,
+                              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": 3}
+DEBERTA_LORA = LoraAdapter(rank=2, target_modules=("query_proj", "value_proj"))
 GPT2_LORA = LoraAdapter(rank=2, target_modules=("c_attn",), alpha=4)
 BERT_LORA = LoraAdapter(rank=2, target_modules=("query", "value"))
 

@@ -13,7 +13,7 @@ from psg_server.huggingface import TASKS
 from psg_server.losses import IGNORE_INDEX, get_loss
 from psg_server.models import ModelRegistry, default_registry
 from psg_wire.adapters import LoraAdapter
-from tests.server.hf_harness import BERT, GPT2, GPT2_LORA, VOCAB, hf_model, token_batch
+from tests.server.hf_harness import BERT, DEBERTA_V3, GPT2, GPT2_LORA, VOCAB, hf_model, token_batch
 
 TINY: dict[str, dict[str, Any]] = {
     "hf_causal_lm": GPT2,
@@ -29,6 +29,17 @@ TINY: dict[str, dict[str, Any]] = {
 }
 
 
+#: More model types than TINY's one per task: (task, config).
+EXTRA = {
+    "deberta_v3_sequence": ("hf_sequence_classification", DEBERTA_V3),
+    "deberta_v1_tokens": ("hf_token_classification", {**BERT, "model_type": "deberta", "relative_attention": True,
+                                                       "max_relative_positions": 8, "pos_att_type": ["p2c", "c2p"],
+                                                       "type_vocab_size": 0}),
+}
+CASES = {**{name: (name, config) for name, config in TINY.items()}, **EXTRA}
+assert set(TINY) == set(TASKS)
+
+
 @pytest.fixture(scope="module")
 def registry() -> ModelRegistry:
     return default_registry()
@@ -38,9 +49,10 @@ def parse(registry: ModelRegistry, name: str, config: dict[str, Any]) -> dict[st
     return registry.parse_kwargs(name, json.dumps(config))
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
-def test_every_task_builds_from_a_config_and_fits_its_signature(registry: ModelRegistry, name: str) -> None:
-    kwargs = parse(registry, name, TINY[name])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_task_builds_from_a_config_and_fits_its_signature(registry: ModelRegistry, case: str) -> None:
+    name, config = CASES[case]
+    kwargs = parse(registry, name, config)
     model = registry.build(name, kwargs)
     signature = registry.signature(name, kwargs)
     assert signature is not None and signature.inputs == ()

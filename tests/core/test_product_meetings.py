@@ -1,0 +1,180 @@
+"""A batch-free tensor computed from parameters, multiplied with the batch in a matrix product.
+
+DeBERTa's disentangled attention projects a batch-free relative-position table with the layer's own
+query and key projections, tiles the result once per batch row (``repeat``) and multiplies it with
+the batch's queries and keys in ``bmm``; DeBERTa (v1) broadcasts its projection over the batch in
+a 4-D ``matmul``. Each batch row then multiplies its own copy, whose gradient is that row's: every
+mode gives the oracle's per-sample gradients (ghost: its norms and clipped sum). A product that
+contracts the batch's rows themselves (``x @ W`` on ``(N, d)`` rows) stays refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import psg_core
+from psg_core import DPConfig, UnsupportedModuleError, dp_gradient, per_sample_gradients
+from tests.oracle import assert_close_scaled, microbatch_oracle
+
+HEADS, STEPS, DIM, SPAN = 2, 3, 4, 5
+
+
+class RelativeScores(nn.Module):
+    """Content-to-position scores as DeBERTa-v2/v3 computes them.
+
+    ``how`` picks the batch-free operand: "tiled" (``repeat`` of the per-head keys once per batch
+    row, then a transpose: DeBERTa-v2), "shared_heads" (one head's keys tiled over every head of
+    every row: the tile is smaller than a batch row's block), "broadcast" (a 4-D matmul with a
+    ``(1, H, d, S)`` operand: DeBERTa v1), "broadcast_3d" (a ``(H, d, S)`` operand, batch
+    dimension missing), "sliced_tiles" (the tiled keys sliced to N*K rows by a step: a
+    batch-sized operand whose tiling the tracker no longer knows, split row by row) and "tiled_then_scaled" (a pointwise op after ``repeat``: the tiling is no longer
+    known, the product still right).
+    """
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.positions = nn.Embedding(SPAN, DIM)  # read whole, as DeBERTa's rel_embeddings
+        self.norm = nn.LayerNorm(DIM)
+        self.query = nn.Linear(DIM, HEADS * DIM)
+        self.key = nn.Linear(DIM, HEADS * DIM)
+        self.head = nn.Linear(STEPS * SPAN, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*K, T, d)
+        rows = x.shape[0]
+        q = self.query(x).view(rows, STEPS, HEADS, DIM).transpose(1, 2)  # (N*K, H, T, d)
+        keys = self.key(self.norm(self.positions.weight)).view(SPAN, HEADS, DIM).transpose(0, 1)  # (H, S, d): no batch
+        if self.how == "broadcast":
+            scores = q @ keys.unsqueeze(0).transpose(-1, -2)  # (N*K, H, T, S)
+        elif self.how == "broadcast_3d":
+            scores = torch.matmul(q, keys.transpose(-1, -2))
+        elif self.how == "sliced_tiles":
+            tiled = keys.repeat(rows, 1, 1)[::HEADS]  # (N*K, S, d): head 0's keys, the tiling lost
+            scores = torch.bmm(q[:, 0], tiled.transpose(-1, -2)).unsqueeze(1)  # (N*K, 1, T, S)
+        else:
+            flat = q.reshape(rows * HEADS, STEPS, DIM)  # (N*K*H, T, d): H entries per batch row
+            if self.how == "shared_heads":
+                tiled = keys[:1].repeat(rows * HEADS, 1, 1)  # every head reads head 0's keys
+            else:
+                tiled = keys.repeat(rows, 1, 1)  # (N*K*H, S, d)
+            if self.how == "tiled_then_scaled":
+                tiled = tiled * 0.5
+            scores = torch.bmm(flat, tiled.transpose(-1, -2)).view(rows, HEADS, STEPS, SPAN)
+        return self.head(torch.tanh(scores).mean(1).flatten(1))  # (N*K, 2)
+
+
+HOWS = ["tiled", "shared_heads", "broadcast", "broadcast_3d", "sliced_tiles", "tiled_then_scaled"]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def _case(how: str, K: int, reduction: str, N: int = 3) -> tuple[nn.Module, torch.Tensor, torch.Tensor,
+                                                                   dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = RelativeScores(how)
+    x, y = torch.randn(N * K, STEPS, DIM), torch.randint(0, 2, (N * K,))
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+
+    def reduce(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        per_row = _loss(out, t)
+        return per_row.mean() if reduction == "mean" else per_row.sum()
+
+    return model, x, y, microbatch_oracle(model, samples, reduce)
+
+
+def _assert_grads(actual: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:
+    assert set(actual) == set(expected)
+    for name, ref in expected.items():
+        assert_close_scaled(actual[name], ref.to(actual[name].dtype), name=name)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+@pytest.mark.parametrize("how", HOWS)
+def test_per_sample_gradients_match_the_oracle(how: str, mode: str, K: int, reduction: str) -> None:
+    model, x, y, expected = _case(how, K, reduction)
+    grads = per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode, augmentation_multiplicity=K,
+                                 loss_reduction=reduction)
+    _assert_grads(grads, expected)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("how", HOWS)
+def test_ghost_norms_and_clipped_sum_match_the_oracle(how: str, K: int) -> None:
+    model, x, y, expected = _case(how, K, "mean")
+    bound = 0.05  # every sample clipped
+    reference = psg_core.clip_and_sum(expected, max_grad_norm=bound)
+    result = dp_gradient(model, x, y, loss_fn=_loss,
+                         config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=bound))
+    assert_close_scaled(result.per_sample_norms, reference.per_sample_norms.float(), name="norms")
+    _assert_grads(result.grads, reference.grads)
+
+
+@pytest.mark.parametrize("how", ["tiled", "broadcast"])
+def test_grad_sample_module_matches_the_oracle(how: str) -> None:
+    model, x, y, expected = _case(how, 2, "mean")
+    wrapped = psg_core.GradSampleModule(model, augmentation_multiplicity=2)
+    try:
+        _loss(wrapped(x), y).mean().backward()
+        _assert_grads({n: p.grad_sample for n, p in model.named_parameters()}, expected)
+    finally:
+        wrapped.remove_hooks()
+
+
+def test_a_tile_costs_one_tile_per_sample() -> None:
+    """The tiled operand's meeting point is one tile broadcast over the batch rows, not the whole
+    ``(N*K*H, S, d)`` operand per sample (which would hold N copies of it)."""
+    from psg_core.provenance import BatchTracker
+
+    model = RelativeScores("tiled")
+    x = torch.randn(6, STEPS, DIM)
+    with BatchTracker(model, num_samples=6, augmentation_multiplicity=1, on_meeting=lambda *_: None) as tracker:
+        tracker.mark(x, 0)
+        model(x)
+        (point,) = tracker.meetings
+        assert point.broadcast and point.source.shape == (1, HEADS, DIM, SPAN) and point.shape[0] == 6
+        tracker.release()
+
+
+class RowProduct(nn.Module):
+    """A weight computed from parameters (a lookup), applied to the batch's rows by a product."""
+
+    def __init__(self, batched_bmm: bool) -> None:
+        super().__init__()
+        self.batched_bmm = batched_bmm
+        self.table = nn.Embedding(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N, 4)
+        weight = self.table(torch.arange(4))  # (4, 4): no batch
+        if self.batched_bmm:  # the rows as one matrix of a batch of one
+            return torch.bmm(x.unsqueeze(0), weight[None]).squeeze(0)
+        return x @ weight
+
+
+@pytest.mark.parametrize("batched_bmm", [False, True])
+def test_a_weight_made_of_parameters_on_the_rows_is_refused(batched_bmm: bool) -> None:
+    """The product contracts each row with W: the batch is on a matrix axis, and a layer (nn.Linear)
+    is the way to write it."""
+    with pytest.raises(UnsupportedModuleError, match=r"'<root>'.*matrix axis.*nn\.Linear"):
+        per_sample_gradients(RowProduct(batched_bmm), torch.randn(4, 4), torch.randn(4, 4),
+                             loss_fn=lambda out, t: (out - t).square())
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_ew_is_right_or_refuses(how: str) -> None:
+    """ExpandedWeights cannot take the batch-free LayerNorm on the table: a PsgError naming it."""
+    model, x, y, expected = _case(how, 2, "mean")
+    try:
+        grads = per_sample_gradients(model, x, y, loss_fn=_loss, mode="ew", augmentation_multiplicity=2)
+    except psg_core.PsgError as err:
+        assert "module 'norm' (LayerNorm)" in str(err)
+        return
+    _assert_grads(grads, expected)
