@@ -31,6 +31,7 @@ from psg_core.grad_sample.conv_strategy import ConvStrategy, conv_strategy, set_
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from psg_core.layout import batch_free
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
+from psg_core.provenance import rowwise_module
 from psg_core.noise import add_noise, secure_generator
 from psg_core.sampling import PoissonBatchSampler
 

@@ -52,7 +52,7 @@ from psg_core._layout import STATE_BATCH_AXIS
 from psg_core.errors import UnsupportedModuleError
 from psg_core.support import own_parameters
 
-__all__ = ["rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN", "MIXED", "GROUPED",
+__all__ = ["rowwise", "rowwise_module", "is_rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN", "MIXED", "GROUPED",
            "PERMUTED"]
 
 #: The batch axis of a batched tensor whose layout the tracker could not follow.
@@ -86,6 +86,43 @@ def active_tracker() -> BatchTracker | None:
     """The tracker of the forward pass running in this thread, if any."""
     stack = getattr(_TLS, "stack", None)
     return stack[-1] if stack else None
+
+
+_ROWWISE: dict[type, bool] = {}
+
+
+def rowwise_module(cls: type[nn.Module]) -> type[nn.Module]:
+    """Declares that modules of class ``cls`` compute each row of their outputs (axis 0) from the
+    same row of their inputs alone, however they get there: the routed experts of a mixture of
+    experts sort, gather and scatter the rows of all samples by expert, which the tracker would
+    take for mixing. Their calls run untracked and their outputs get their inputs' batch axis.
+    Their parameters must be frozen in hooks, ghost and ew (no per-sample gradient is computed
+    for them); the rest of the model trains as usual. Returns ``cls`` (usable as a decorator).
+
+    Hugging Face's routed experts (every class built on transformers' experts interface: Mixtral,
+    Qwen2/3-MoE, OLMoE, DeepSeek, ...) are row-wise already.
+
+    >>> class Doubler(nn.Module):
+    ...     def forward(self, x):
+    ...         order = x[:, 0].argsort()
+    ...         return (x[order] * 2)[order.argsort()]
+    >>> rowwise_module(Doubler) is Doubler
+    True
+    """
+    _ROWWISE[cls] = True
+    return cls
+
+
+def is_rowwise(layer: nn.Module) -> bool:
+    """Whether ``layer``'s class is row-wise (:func:`rowwise_module`, or Hugging Face's routed
+    experts, whose forward is the experts interface's dispatcher)."""
+    cls = type(layer)
+    known = _ROWWISE.get(cls)
+    if known is None:
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        known = _ROWWISE[cls] = code is not None and code.co_filename.replace("\\", "/").endswith(
+            "transformers/integrations/moe.py") and code.co_name == "forward"
+    return known
 
 
 def rowwise(fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
@@ -202,6 +239,9 @@ class _Frame:
     #: the versions of the call's positional tensor arguments when it started (an in-place change
     #: during the call shows as a newer version).
     versions: tuple[int, ...] = ()
+    #: a row-wise module's call (see :func:`rowwise_module`), run untracked: the entries per batch
+    #: row of its inputs' axis 0, which its outputs get.
+    rowwise: int | None = None
 
 
 @dataclass
@@ -359,6 +399,8 @@ class BatchTracker(TorchFunctionMode):
         self._renormed = _TensorMap()
         self._params: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if p.requires_grad}
         self._frames: list[_Frame] = []
+        #: inside a row-wise module's call (its ops are not followed).
+        self._suspended = False
         self._handles: list[Any] = []
         self._module = module
         self.meetings: list[MeetingPoint] = []
@@ -384,6 +426,7 @@ class BatchTracker(TorchFunctionMode):
             handle.remove()
         self._handles.clear()
         self._frames.clear()
+        self._suspended = False
 
     def release(self) -> None:
         """Drops every tensor the tracker refers to (meeting points hold autograd graphs)."""
@@ -508,17 +551,56 @@ class BatchTracker(TorchFunctionMode):
                 if isinstance(leaf, torch.Tensor):
                     self._batched[leaf] = (state_axis, 1)
         covered = own_params if own_params and self.is_batched((args, kwargs)) else None
+        rowwise = self._rowwise_call(layer, label, args, kwargs) if not self._suspended and is_rowwise(layer) else None
         # (the calls of layers with parameters are captured: only they need the versions)
-        self._frames.append(_Frame(layer, label, covered, arg_versions(args) if own_params else ()))
+        self._frames.append(_Frame(layer, label, covered, arg_versions(args) if own_params else (), rowwise))
+        if rowwise is not None:
+            self._suspended = True
+
+    def _rowwise_call(self, layer: nn.Module, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> int | None:
+        """The entries per batch row of a row-wise module's batched inputs, which share axis 0 (None:
+        the call holds no batch, and is tracked as usual); refuses a call whose inputs hold the
+        batch otherwise, or a module with trainable parameters."""
+        tensors = _tensors([args, kwargs], [])
+        states = [self._batched.get(t) for t in tensors]
+        batched = [(t, state) for t, state in zip(tensors, states) if state is not None]
+        if not batched:
+            return None
+        rows = {t.shape[0] if t.dim() else -1 for t, _ in batched}
+        merged = {state[1] for _, state in batched}
+        if any(state[0] != 0 for _, state in batched) or len(rows) != 1 or len(merged) != 1:
+            raise UnsupportedModuleError(
+                f"per-sample gradients: module {label} is declared row-wise (each output row computed from "
+                "the same row of its inputs), but its inputs do not all hold the batch's rows on axis 0")
+        if any(self._origin_of(t) for t, state in zip(tensors, states) if state is None):
+            raise UnsupportedModuleError(
+                f"per-sample gradients: module {label} is declared row-wise, but it is also given a tensor "
+                "computed from trainable parameters without the batch")
+        with _NO_SUBCLASS():
+            trainable = [name for name, p in layer.named_parameters() if p.requires_grad]
+        if trainable:
+            raise UnsupportedModuleError(
+                f"per-sample gradients: module {label} routes each row to its own experts (a mixture of "
+                f"experts), and psg computes no per-sample gradients for its parameters ({', '.join(trainable[:3])}"
+                f"{', ...' if len(trainable) > 3 else ''}): freeze them (train adapters on the other layers, "
+                "e.g. LoRA on attention) or use mode='functorch'")
+        return int(merged.pop())
 
     def pop_frame(self) -> None:
         """Leaves the innermost module's forward."""
         if self._frames:
             self._frames.pop()
 
-    def _pop(self, _layer: nn.Module, _args: Any, _output: Any) -> None:
-        if self._frames:
-            self._frames.pop()
+    def _pop(self, _layer: nn.Module, _args: Any, output: Any) -> None:
+        if not self._frames:
+            return
+        frame = self._frames.pop()
+        if frame.rowwise is not None:
+            self._suspended = False
+            for t in _tensors(output, []):
+                if t.dim():
+                    self._batched[t] = (0, frame.rowwise)
 
     # ------------------------------------------------------------------------------ the mode
     def _origin_of(self, tensor: torch.Tensor) -> frozenset[int]:
@@ -531,7 +613,7 @@ class BatchTracker(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if func in _METADATA:
+        if func in _METADATA or self._suspended:
             return func(*args, **kwargs)
         leaves = _tensors(args, [])
         if kwargs:

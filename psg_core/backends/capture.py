@@ -57,10 +57,10 @@ class LayerCall:
     merged: int = 1
     #: the versions of the tensor arguments when the call was captured (see :meth:`check_unchanged`).
     versions: tuple[int, ...] = ()
-    #: for the torch.func fallback (no grad sampler): the batch axis of each output with a gradient,
-    #: where the forward pass put it (a layer may move the batch or reduce an axis before it);
-    #: empty: ``batch_dim``.
-    output_dims: tuple[int, ...] = ()
+    #: for the torch.func fallback (no grad sampler): ``(batch axis, entries per row)`` of each
+    #: output with a gradient, where the forward pass put it (a layer may move the batch, reduce an
+    #: axis before it, or return rows merged with another axis); empty: ``(batch_dim, 1)``.
+    output_dims: tuple[tuple[int, int], ...] = ()
     #: for the torch.func fallback: each tensor among the call's flattened ``(args, kwargs)`` as the
     #: tracker followed it: None batch-free, else ``(axis, entries per row)``, the axis UNKNOWN where
     #: it was not followed (judged by its size); empty: no tracker, every tensor judged by its size.
@@ -148,7 +148,12 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         # The output does not keep the merge (an EmbeddingBag pools flattened tokens into bags):
         # the layer's rows are its own (its sampler counts them), not split tokens.
         merged = 1
-    if merged > 1 and tracker is not None:
+    entries = 1  # per batch row, on the first input's batch axis, left merged for the fallback
+    if merged > 1 and tracker is not None and entry is None:
+        # The torch.func fallback runs the layer on each sample's merged rows as they are (it may
+        # reshape them itself: a router's (N*T, d) tokens); input_dims and output_dims say how many.
+        entries, merged = merged, 1
+    elif merged > 1 and tracker is not None:
         # A view merged the batch with the axes after it ((N*T, d) from (N, T, d)): split them
         # again, so the sampler sees the batch's rows.
         args = tuple(_unmerge(a, batch_dim, merged) if isinstance(a, torch.Tensor) and tracker.is_batched(a)
@@ -163,15 +168,15 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     custom = entry.count_rows(layer, args, kwargs) if entry is not None else None
     rows = custom
     if rows is None:
-        rows = int(first.shape[batch_dim]) if first is not None and first.dim() > batch_dim else None
+        rows = int(first.shape[batch_dim]) // entries if first is not None and first.dim() > batch_dim else None
     call = LayerCall(layer=layer, args=tuple(_detached(a) for a in args),
                      kwargs={k: _detached(v) for k, v in kwargs.items()}, entry=entry,
                      batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
                      num_outputs=len(index), merged=merged,
                      versions=versions,
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
-                                                                           batch_dim, merged),
-                     input_dims=() if entry is not None else _input_dims(tracker, args, kwargs, merged))
+                                                                           batch_dim),
+                     input_dims=() if entry is not None else _input_dims(tracker, args, kwargs))
     outputs = [flat[i] for i in index]
     if all(t._base is None for t in outputs):
         return call, outputs
@@ -239,8 +244,7 @@ def _computed_weight(layer: nn.Module) -> bool:
     return False
 
 
-def _input_dims(tracker: Any, args: tuple[Any, ...], kwargs: dict[str, Any], merged: int
-                ) -> tuple[tuple[int, int] | None, ...]:
+def _input_dims(tracker: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int, int] | None, ...]:
     """For the torch.func fallback: where the batch is in each of the call's tensors, as followed
     (a batch-free tensor whose size on the batch dimension happens to equal N*K is not split).
 
@@ -256,23 +260,20 @@ def _input_dims(tracker: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mer
             continue
         if axis in (MIXED, GROUPED, PERMUTED):
             tracker.check_rows(value, f"module {tracker.current_module()}")
-        if merged > 1 or axis < 0:
-            dims.append((UNKNOWN, 1))  # split back to rows with the call's own, or not followed
-        else:
-            dims.append((axis, tracker.merged(value)))
+        dims.append((UNKNOWN, 1) if axis < 0 else (axis, tracker.merged(value)))  # UNKNOWN: not followed
     return tuple(dims)
 
 
-def _output_dims(tracker: Any, outputs: list[torch.Tensor], batch_dim: int, merged: int) -> tuple[int, ...]:
-    """Where the forward pass put the batch in each output (the call's ``batch_dim`` where the
-    tracker does not know it, or a view merged the batch with other axes)."""
-    if tracker is None or merged > 1:
+def _output_dims(tracker: Any, outputs: list[torch.Tensor], batch_dim: int) -> tuple[tuple[int, int], ...]:
+    """Where the forward pass put the batch in each output, and its entries per row (the call's
+    ``batch_dim``, one entry, where the tracker does not know it)."""
+    if tracker is None:
         return ()
     dims = []
     for out in outputs:
         axis = tracker.batch_dim(out)
-        dims.append(axis if axis is not None and axis >= 0 else batch_dim)
-    return tuple(dims) if any(d != batch_dim for d in dims) else ()
+        dims.append((axis, tracker.merged(out)) if axis is not None and axis >= 0 else (batch_dim, 1))
+    return tuple(dims) if any(d != (batch_dim, 1) for d in dims) else ()
 
 
 def call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int, *, where: str,

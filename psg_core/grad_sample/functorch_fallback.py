@@ -39,7 +39,7 @@ def _batch_axis(value: Any, followed: tuple[int, int] | None, batch_dim: int, ro
 
 def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 backprops: list[torch.Tensor | None], augmentation_multiplicity: int,
-                                batch_dim: int, rows: int, output_dims: Sequence[int] | None = None,
+                                batch_dim: int, rows: int, output_dims: Sequence[tuple[int, int]] | None = None,
                                 input_dims: Sequence[tuple[int, int] | None] | None = None
                                 ) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``layer``'s own trainable parameters (not its submodules').
@@ -52,8 +52,12 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
         augmentation_multiplicity: K.
         batch_dim: 0 (batch first) or 1.
         rows: N*K, the number of rows in the batch.
-        output_dims: the batch axis of each output with a gradient (as the forward pass put it: a
-            layer may move the batch, or reduce the axis before it); default ``batch_dim``.
+        output_dims: ``(batch axis, entries per row)`` of each output with a gradient (as the
+            forward pass put it: a layer may move the batch, reduce the axis before it, or return
+            rows merged with another axis); default ``(batch_dim, 1)``.
+        input_dims: ``(batch axis, entries per row)`` of each tensor among the flattened
+            ``(args, kwargs)`` as the forward pass followed it, None for a batch-free one, the axis
+            UNKNOWN where it was not followed; default: judged by size.
 
     Returns:
         ``{parameter: (N, *parameter.shape)}``, gradients of each sample's summed row losses.
@@ -72,9 +76,10 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
     # A sample is K rows (K * m entries where a view merged m entries into each row).
     batched_inputs = [v if s is None else fold_rows(v.movedim(s[0], 0), K * s[1])  # (N, K*m, ...)
                       for v, s in zip(flat_inputs, splits)]
-    out_dims = list(output_dims) if output_dims is not None else [batch_dim] * len(backprops)
+    out_dims = list(output_dims) if output_dims is not None else [(batch_dim, 1)] * len(backprops)
     bp_dims = [0 if b is not None else None for b in backprops]
-    batched_bps = [fold_rows(b.movedim(d, 0), K) if b is not None else None for b, d in zip(backprops, out_dims)]
+    batched_bps = [fold_rows(b.movedim(d, 0), K * m) if b is not None else None  # (N, K*m, ...)
+                   for b, (d, m) in zip(backprops, out_dims)]
 
     def sample_loss(sample_params: dict[str, torch.Tensor], inputs: list[Any],
                     bps: list[torch.Tensor | None]) -> torch.Tensor:
@@ -86,7 +91,7 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                                                            tie_weights=False))[0]
                    if isinstance(o, torch.Tensor)]
         total = torch.zeros((), dtype=torch.float32, device=next(iter(sample_params.values())).device)
-        for out, bp, dim in zip(outputs, bps, out_dims):
+        for out, bp, (dim, _) in zip(outputs, bps, out_dims):
             if bp is not None:
                 cotangent = bp.movedim(0, dim)
                 if out.shape != cotangent.shape:

@@ -1,0 +1,257 @@
+"""Mixtures of experts: routed experts are row-wise, however they sort and scatter the rows.
+
+A routed-experts module sorts the batch's token rows by expert, runs each expert on its rows and
+puts them back: every output row comes from the same input row alone, but the sort, the gathers
+and the per-expert offsets look like mixing to the batch tracker. Hugging Face's experts (every
+class built on transformers' experts interface) and classes declared with
+:func:`psg_core.rowwise_module` run untracked, their outputs keeping their inputs' rows. With the
+experts frozen (LoRA on attention, or everything but the experts trained) every mode gives the
+oracle's per-sample gradients; trainable experts are refused with the remedy.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import psg_core
+from psg_core import DPConfig, UnsupportedModuleError, dp_gradient, per_sample_gradients
+from tests.oracle import assert_close_scaled, microbatch_oracle
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+pytestmark = [
+    # peft calls transformers' deprecated name while wrapping a model (outside psg).
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
+VOCAB, PAD, N = 40, 0, 3
+RTOL, ATOL = 1e-3, 1e-5
+
+
+def _mixtral(implementation: str) -> nn.Module:
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2, num_labels=2, pad_token_id=PAD,
+                                     experts_implementation=implementation)
+    return transformers.MixtralForSequenceClassification(cfg)
+
+
+def _qwen2_moe(implementation: str) -> nn.Module:
+    # a shared expert (an ordinary MLP, trainable) beside the routed ones
+    cfg = transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+                                      moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      num_experts=4, num_experts_per_tok=2, num_labels=2, pad_token_id=PAD,
+                                      experts_implementation=implementation)
+    return transformers.Qwen2MoeForSequenceClassification(cfg)
+
+
+def _qwen3_moe(implementation: str) -> nn.Module:
+    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                      num_experts=4, num_experts_per_tok=2, num_labels=2, pad_token_id=PAD,
+                                      experts_implementation=implementation)
+    return transformers.Qwen3MoeForSequenceClassification(cfg)
+
+
+BUILDERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
+IMPLEMENTATIONS = ["eager", "grouped_mm", "batched_mm"]
+
+
+def _experts(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+
+
+@functools.cache
+def _model(family: str, implementation: str, variant: str) -> nn.Module:
+    """``variant``: "lora" (adapters on q_proj and v_proj) or "frozen_experts" (everything else trains)."""
+    torch.manual_seed(0)
+    model = BUILDERS[family](implementation).eval()
+    if variant == "lora":
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        model = peft.get_peft_model(model, config).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    else:
+        for experts in _experts(model):
+            experts.requires_grad_(False)
+    assert _experts(model) and not any(p.requires_grad for e in _experts(model) for p in e.parameters())
+    return model
+
+
+def _batch(rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VOCAB, (rows, 6), generator=generator)
+    mask = torch.ones(rows, 6, dtype=torch.long)
+    mask[0, -2:] = 0
+    ids[0, -2:] = PAD
+    return {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 2, (rows,), generator=generator)
+
+
+def _loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs.logits, labels, reduction="none")  # type: ignore[attr-defined]
+
+
+@functools.cache
+def _oracle(family: str, implementation: str, variant: str, K: int) -> dict[str, torch.Tensor]:
+    """``{name: (N, *shape)}`` in float64: each sample's gradient from its K rows alone."""
+    model = copy.deepcopy(_model(family, implementation, variant)).double()
+    model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    inputs, labels = _batch(N * K)
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+    for n in range(N):
+        rows = slice(n * K, (n + 1) * K)
+        loss = _loss(model(**{k: v[rows] for k, v in inputs.items()}), labels[rows]).mean()
+        for name, g in zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
+            grads[name].append(torch.zeros_like(params[name]) if g is None else g)
+    return {name: torch.stack(gs) for name, gs in grads.items()}
+
+
+def _check(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str) -> None:
+    assert set(grads) == set(expected), where
+    scale = max(float(ref.abs().max()) for ref in expected.values())
+    for name, ref in expected.items():
+        torch.testing.assert_close(grads[name].double(), ref, rtol=RTOL, atol=ATOL * scale,
+                                   msg=lambda m, name=name: f"{where} {name}: {m}")
+
+
+CASES = [(mode, family, implementation, variant, K)
+         for family in sorted(BUILDERS) for implementation in IMPLEMENTATIONS
+         for variant in ("lora", "frozen_experts") for K in (1, 2) for mode in ("hooks", "functorch")
+         # functorch runs each sample alone, whatever the experts do: one case per family
+         if mode == "hooks" or (implementation, variant, K) == ("eager", "lora", 2)]
+
+
+@pytest.mark.parametrize("mode, family, implementation, variant, K", CASES)
+def test_per_sample_gradients_match_the_oracle(mode: str, family: str, implementation: str, variant: str,
+                                               K: int) -> None:
+    model = _model(family, implementation, variant)
+    inputs, labels = _batch(N * K)
+    grads = per_sample_gradients(model, inputs, labels, loss_fn=_loss, mode=mode, augmentation_multiplicity=K)
+    _check(grads, _oracle(family, implementation, variant, K), f"{family}/{implementation}/{variant}/{mode}")
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("variant", ["lora", "frozen_experts"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_ghost_norms_and_clipped_sum_match_the_oracle(family: str, implementation: str, variant: str, K: int) -> None:
+    model = _model(family, implementation, variant)
+    inputs, labels = _batch(N * K)
+    expected = _oracle(family, implementation, variant, K)
+    bound = 1e-3  # every sample clipped
+    reference = psg_core.clip_and_sum({n: g.float() for n, g in expected.items()}, max_grad_norm=bound)
+    result = dp_gradient(model, inputs, labels, loss_fn=_loss,
+                         config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=bound))
+    assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms", rtol=RTOL, atol=ATOL)
+    _check(result.grads, {n: g.double() for n, g in reference.grads.items()}, f"{family}/{implementation}/ghost")
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_grad_sample_module_matches_the_oracle(family: str) -> None:
+    model = _model(family, "grouped_mm", "frozen_experts")
+    inputs, labels = _batch(2 * N)
+    wrapped = psg_core.GradSampleModule(model, augmentation_multiplicity=2, strict=False)
+    try:
+        _loss(wrapped(**inputs), labels).mean().backward()
+        grads = {n: p.grad_sample for n, p in model.named_parameters() if p.requires_grad}
+    finally:
+        wrapped.remove_hooks()
+        for p in model.parameters():
+            p.grad, p.grad_sample = None, None
+    _check(grads, _oracle(family, "grouped_mm", "frozen_experts", 2), f"{family}/GradSampleModule")
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_trainable_experts_are_refused_with_the_remedy(mode: str) -> None:
+    torch.manual_seed(0)
+    model = _mixtral("grouped_mm").eval()
+    inputs, labels = _batch(4)
+    with pytest.raises(UnsupportedModuleError, match=r"'model\.layers\.0\.mlp\.experts' \(MixtralExperts\) routes "
+                                                     r"each row.*gate_up_proj.*freeze them"):
+        dp_gradient(model, inputs, labels, loss_fn=_loss, config=DPConfig(mode=mode))
+
+
+# ----------------------------------------------------------------------------- declared by the user
+class SortedRows(nn.Module):
+    """Scales each row by a frozen factor, computing in an order sorted by the rows' first feature
+    (as routed experts do), then puts the rows back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        order = x[:, 0].argsort()
+        done = torch.tanh(x[order]) * self.scale * weights[order]
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.shape[0])
+        return done[back]
+
+
+class Router(nn.Module):
+    def __init__(self, rows: nn.Module) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.gate = nn.Linear(4, 1)
+        self.rows = rows
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N*K, T, 3)
+        h = self.inp(x).reshape(-1, 4)  # token rows
+        mixed = self.rows(h, torch.sigmoid(self.gate(h)))
+        return self.out(mixed.view(x.shape[0], x.shape[1], 4).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_module_declared_row_wise(mode: str) -> None:
+    """Undeclared, the sort is taken for mixing and refused; declared, the result is the oracle's."""
+
+    class Undeclared(SortedRows):
+        pass
+
+    @psg_core.rowwise_module
+    class Declared(SortedRows):
+        pass
+
+    K = 2
+    x, y = torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,))
+    with pytest.raises(UnsupportedModuleError, match="mix samples"):
+        dp_gradient(Router(Undeclared()), x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"),
+                    config=DPConfig(mode=mode, augmentation_multiplicity=K))
+    torch.manual_seed(0)
+    model = Router(Declared())
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
+    reference = psg_core.clip_and_sum({n: g.float() for n, g in expected.items()}, max_grad_norm=0.01)
+    result = dp_gradient(model, x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"),
+                         config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.01))
+    assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms")
+    for name, ref in reference.grads.items():
+        assert_close_scaled(result.grads[name], ref, name=name)
+
+
+def test_a_row_wise_module_given_other_rows_is_refused() -> None:
+    @psg_core.rowwise_module
+    class Declared(SortedRows):
+        pass
+
+    class Misfed(Router):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)  # (N*K, T, 4): the batch on axis 0, T entries per token row below
+            mixed = self.rows(h.reshape(-1, 4), torch.sigmoid(self.gate(h)).transpose(0, 1).reshape(-1, 1))
+            return self.out(mixed.view(x.shape[0], x.shape[1], 4).mean(1))
+
+    x, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(UnsupportedModuleError, match="declared row-wise.*do not all hold the batch's rows on axis 0"):
+        per_sample_gradients(Misfed(Declared()), x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"))
