@@ -55,6 +55,11 @@ class LayerCall:
     #: entries of the batch axis per row in the layer's own tensors (a view merged the batch with
     #: the axes after it); the record's args are split back to rows, and so must the gradients be.
     merged: int = 1
+    #: entries per batch row left merged in the layer's own tensors, for a sampler whose layer
+    #: fixes its axes (a convolution or a norm on ``(N*T, C, ...)`` frames): it takes them as
+    #: ``row_factor`` more copies of each row (K times as many), since an extra axis would be
+    #: read as channels.
+    row_factor: int = 1
     #: the versions of the tensor arguments when the call was captured (see :meth:`check_unchanged`).
     versions: tuple[int, ...] = ()
     #: for the torch.func fallback (no grad sampler): ``(batch axis, entries per row)`` of each
@@ -149,10 +154,17 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         # the layer's rows are its own (its sampler counts them), not split tokens.
         merged = 1
     entries = 1  # per batch row, on the first input's batch axis, left merged for the fallback
+    row_factor = 1
     if merged > 1 and tracker is not None and entry is None:
         # The torch.func fallback runs the layer on each sample's merged rows as they are (it may
         # reshape them itself: a router's (N*T, d) tokens); input_dims and output_dims say how many.
         entries, merged = merged, 1
+    elif merged > 1 and tracker is not None and entry is not None and entry.batch_first_only:
+        # A layer that fixes its axes ((rows, channels, ...): convolutions, batch/group/instance
+        # norms) cannot take the batch split from the frames merged into it: its sampler sees the
+        # merged rows, a sample's K*merged of them taken as its copies.
+        entries = row_factor = merged
+        merged = 1
     elif merged > 1 and tracker is not None:
         # A view merged the batch with the axes after it ((N*T, d) from (N, T, d)): split them
         # again, so the sampler sees the batch's rows.
@@ -166,13 +178,15 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             "per-sample gradients are computed from the input it was called with, which no longer "
             "exists. Clone the input before modifying it (x = x.clone()) in the module's forward")
     custom = entry.count_rows(layer, args, kwargs) if entry is not None else None
+    if custom is not None:
+        custom //= row_factor
     rows = custom
     if rows is None:
         rows = int(first.shape[batch_dim]) // entries if first is not None and first.dim() > batch_dim else None
     call = LayerCall(layer=layer, args=tuple(_detached(a) for a in args),
                      kwargs={k: _detached(v) for k, v in kwargs.items()}, entry=entry,
                      batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
-                     num_outputs=len(index), merged=merged,
+                     num_outputs=len(index), merged=merged, row_factor=row_factor,
                      versions=versions,
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
                                                                            batch_dim),
@@ -290,6 +304,7 @@ def call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int,
     # Autocast leaves half-precision gradients (and maybe activations) beside fp32 parameters:
     # the per-sample arithmetic runs in the parameters' precision (psg_core.precision).
     call.check_unchanged(where)
+    K *= call.row_factor
     dtype = layer_dtype(call.layer)
     grads = [to_compute(call.unmerge(g), dtype) for g in grads]
     if any(to_compute(a, dtype) is not a for a in call.args):

@@ -262,9 +262,10 @@ class _GhostBookkeeping:
         norm = state.calls[0].norm if state.calls else None
         weight = norm.weight(layer) if norm is not None else None
         owners = self._owners.get(weight, 0) if weight is not None else 0
-        if norm is None or any(c.norm is None for c in state.calls) or not isinstance(weight, nn.Parameter) \
-                or not weight.requires_grad or owners == 0 or weight in self._via_meetings:
-            return False  # no ghost norm
+        if norm is None or any(c.norm is None or c.captured.row_factor > 1 for c in state.calls) \
+                or not isinstance(weight, nn.Parameter) or not weight.requires_grad or owners == 0 \
+                or weight in self._via_meetings:
+            return False  # no ghost norm (or frames merged into the rows: materialised)
         if owners > 1:  # a weight shared with other modules: its owners decide together
             plan = self._shared_plans.get(weight)
             if plan is None:

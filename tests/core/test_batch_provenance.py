@@ -284,6 +284,62 @@ def test_views_that_merge_the_batch_with_the_sequence(mode: str, K: int) -> None
     _assert_ghost(model, x, y, _mse, expected, K=K, reduction="mean")
 
 
+class Frames(nn.Module):
+    """A layer run on every frame of every sample: ``(N*K, T, C, H, W)`` viewed as ``(N*K*T, C, H,
+    W)`` rows (a video model's per-frame CNN, a multi-crop encoder, LeViT's BatchNorm on tokens).
+    A convolution or a batch/group/instance norm fixes its axes: the frames cannot be split off as
+    an extra axis, they are more rows of the same sample."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.head = nn.Linear(4 * 3 * 3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, frames = x.shape[:2]
+        h = self.layer(x.reshape(rows * frames, *x.shape[2:]))  # (N*K*T, 4, 3, 3)
+        return self.head(torch.tanh(h).reshape(rows, frames, -1).mean(1))
+
+
+def _frame_layer(kind: str) -> tuple[nn.Module, int]:
+    if kind == "conv":
+        return nn.Conv2d(3, 4, 3, padding=1), 3
+    if kind == "conv_transpose":
+        return nn.ConvTranspose2d(3, 4, 3, padding=1), 3
+    if kind == "group_norm":
+        return nn.GroupNorm(2, 4), 4
+    if kind == "instance_norm":
+        return nn.InstanceNorm2d(4, affine=True), 4
+    if kind == "batch_norm_eval":
+        layer = nn.BatchNorm2d(4).eval()
+        with torch.no_grad():
+            layer.running_mean.normal_()
+            layer.running_var.uniform_(0.5, 2.0)
+        return layer, 4
+    return nn.LayerNorm([4, 3, 3]), 4
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("kind", ["conv", "conv_transpose", "group_norm", "instance_norm", "batch_norm_eval",
+                                  "layer_norm"])
+def test_frames_merged_into_the_rows_of_a_layer_that_fixes_its_axes(kind: str, mode: str, K: int) -> None:
+    """Raw errors (channels read from the frame axis) or refusals before."""
+    torch.manual_seed(8)
+    N = 3
+    layer, channels = _frame_layer(kind)
+    model = Frames(layer)
+    x, y = torch.randn(N * K, 2, channels, 3, 3), torch.randint(0, 2, (N * K,))
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    loss = nn.CrossEntropyLoss(reduction="none")
+    expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
+    if mode == "ghost":
+        _assert_ghost(model, x, y, loss, expected, K=K, reduction="mean")
+    else:
+        _assert_grads(per_sample_gradients(model, x, y, loss_fn=loss, mode=mode, augmentation_multiplicity=K),
+                      expected)
+
+
 # ----------------------------------------------------------------------------- keyword inputs, errors
 def test_keyword_inputs_and_layout_errors() -> None:
     class Pair(nn.Module):
