@@ -329,6 +329,11 @@ def arg_versions(args: Sequence[Any]) -> tuple[int, ...]:
         return tuple(a._version for a in args if isinstance(a, torch.Tensor))
 
 
+def where_of(frame: _Frame | None) -> str:
+    """A frame's module, for messages."""
+    return frame.path if frame is not None else "'<root>'"
+
+
 def _own_params(layer: nn.Module) -> frozenset[int]:
     """ids of the layer's own trainable parameters."""
     return frozenset(id(p) for p in own_parameters(layer) if p.requires_grad)
@@ -387,8 +392,9 @@ class BatchTracker(TorchFunctionMode):
         # view merged the batch with the axes after it, (N, T, d) -> (N*T, d)).
         self._batched = _TensorMap()
         self._origin = _TensorMap()  # batch-free tensor -> frozenset of param ids
-        # batch-free tensor -> (base, tiles): it equals ``base.repeat(tiles, 1, ...)``, copies of
-        # one block along axis 0 (DeBERTa's relative-position keys, tiled once per batch row).
+        # batch-free tensor -> (base, tiles, base's version, its version): it equals
+        # ``base.repeat(tiles, 1, ...)``, copies of one block along axis 0 (DeBERTa's relative-position
+        # keys, tiled once per batch row), while neither version moves (see _tiled).
         self._tiles = _TensorMap()
         self._mixed_by = _TensorMap()  # MIXED tensor -> where its samples met (for messages)
         # Index tensors known to put rows back in the batch's order (a PackedSequence's sorted and
@@ -640,8 +646,12 @@ class BatchTracker(TorchFunctionMode):
         with _NULL if plain else _NO_SUBCLASS():
             if not batched:
                 if origin:
+                    # Inside a no-grad region too: a custom autograd.Function's forward (or a reentrant
+                    # checkpoint) runs without grad and returns its result, which the Function then
+                    # attaches to the graph: its origin is known from here only.
+                    record_all = not torch.is_grad_enabled()
                     for t in _tensors(out, []):
-                        if t.requires_grad:
+                        if t.requires_grad or record_all:
                             self._origin[t] = origin
                     if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
                         self._note_tiles(getattr(func, "__name__", ""), args, out)
@@ -670,10 +680,25 @@ class BatchTracker(TorchFunctionMode):
                     f"per-sample gradients: module {frame.path} combines its own parameters with a "
                     "tensor computed from other trainable parameters without the batch; psg cannot "
                     "split that gradient per sample")
+            # An enclosing layer's own parameters, passed down to this one: the enclosing layer's
+            # grad sampler (or its torch.func fallback, which differentiates its whole forward)
+            # gives their per-sample gradients; a meeting point here would count them again.
+            owner = next((f for f in reversed(self._frames[:-1]) if f.own is not None and origin & f.own), None)
+            if owner is not None:
+                if origin <= cast(frozenset, owner.own):
+                    continue
+                raise UnsupportedModuleError(
+                    f"per-sample gradients: in module {where_of(frame)}, a tensor computed from the parameters "
+                    f"of the enclosing module {owner.path} and from other trainable parameters without the "
+                    "batch meets the batch; psg cannot split that gradient per sample")
             sources[id(t)] = (t, origin)
         if not sources:
             return args, kwargs
         where = frame.path if frame is not None else "<root>"
+        if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor) \
+                and id(args[0]) in sources:
+            raise self._cannot(name, where, "the op writes the batch's values in place into the batch-free tensor; "
+                                            "write it out of place (x = x + batched)")
         if name in _POINTWISE:
             shape = torch.broadcast_shapes(*(t.shape for t in batched + [s for s, _ in sources.values()]))
             out_bd, merged = self._broadcast_axis(batched, len(shape))
@@ -744,7 +769,7 @@ class BatchTracker(TorchFunctionMode):
                 raise self._cannot(name, where, f"its batch-free operand has {value.dim()} dimensions, the "
                                                 f"batched one {x.dim()}")
             params: list[torch.Tensor] = [self._params[i] for i in sorted(origin)]
-            tiled = self._tiles.get(value)
+            tiled = self._tiled(value)
             rows = x.shape[bd]
             if tiled is not None and bd == 0 and value.dim() == x.dim() and value.shape[0] == rows \
                     and merged % tiled[0].shape[0] == 0:
@@ -784,19 +809,32 @@ class BatchTracker(TorchFunctionMode):
                 sizes = tuple(sizes[0])
             if len(sizes) == src.dim() >= 1 and all(type(n) is int for n in sizes) and sizes[0] > 1 \
                     and all(n == 1 for n in sizes[1:]):
-                self._tiles[out] = (src, sizes[0])
+                self._tiles[out] = (src, sizes[0], src._version, out._version)
             return
-        tiled = self._tiles.get(src)
+        tiled = self._tiled(src)
         if tiled is None:
             return
-        base, tiles = tiled
-        if name == "contiguous":
-            self._tiles[out] = tiled
+        base = tiled[0]
+        if name == "contiguous" and out is not src:
+            self._tiles[out] = (base, tiled[1], base._version, out._version)
         elif name in ("transpose", "swapaxes", "swapdims") and len(args) == 3 \
                 and all(type(d) is int for d in args[1:]):
             d0, d1 = args[1] % src.dim(), args[2] % src.dim()
             if d0 and d1:
-                self._tiles[out] = (base.transpose(d0, d1), tiles)
+                view = base.transpose(d0, d1)
+                self._tiles[out] = (view, tiled[1], view._version, out._version)
+
+    def _tiled(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """``(base, tiles)`` when ``tensor`` is still ``base.repeat(tiles, 1, ...)``: neither was
+        changed in place since (an in-place op bumps the version of a tensor and of its views)."""
+        record = self._tiles.get(tensor)
+        if record is None:
+            return None
+        base, tiles, base_version, version = record
+        if base._version != base_version or tensor._version != version or base.dim() != tensor.dim() \
+                or base.shape[0] * tiles != tensor.shape[0] or base.shape[1:] != tensor.shape[1:]:
+            return None
+        return base, tiles
 
     def _broadcast_axis(self, batched: list[torch.Tensor], ndim: int) -> tuple[int | None, int]:
         for t in batched:

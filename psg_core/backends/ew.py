@@ -16,6 +16,7 @@ Parameters are never replaced on the user's model: each call works on detached a
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import logging
 import re
@@ -41,7 +42,7 @@ from psg_core.layout import BatchLayout, ModelInputs, fold_rows, unwrap_batch_fr
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import GradSampleMode, LossReduction
 from psg_core.precision import no_autocast
-from psg_core.provenance import BatchTracker, active_tracker
+from psg_core.provenance import BatchTracker, MeetingPoint, active_tracker
 from psg_core.support import reject_batch_mixing
 
 __all__ = ["ExpandedWeightsGradSampleModule", "ew_per_sample", "ew_supported_functions"]
@@ -297,6 +298,17 @@ class _ExpandedWeightsMode(TorchFunctionMode):
         return rows
 
 
+def _refuse_meeting(where: str, point: MeetingPoint, view: torch.Tensor) -> None:
+    """ExpandedWeights computes per-sample gradients inside torch's layer ops only: a tensor
+    computed from parameters without the batch that meets the batch (a bare Parameter, or a
+    layer's output on batch-free input, multiplied with the batch) would get no per-sample
+    gradient here."""
+    raise UnsupportedModuleError(
+        f"{where}: in module {point.where}, a tensor computed from trainable parameters without the batch "
+        "meets the batch; ExpandedWeights computes per-sample gradients inside torch's layer ops only. "
+        "Use mode='hooks' or 'ghost'")
+
+
 @contextlib.contextmanager
 def _expanded_forward(module: nn.Module, *, batch_first: bool, where: str, inputs: ModelInputs,
                       layout: BatchLayout, expanded: dict[str, ExpandedWeight] | None = None
@@ -310,7 +322,7 @@ def _expanded_forward(module: nn.Module, *, batch_first: bool, where: str, input
     tracker = _ModuleTracker(module)
     mode = _ExpandedWeightsMode(tracker, batch_first=batch_first, where=where, expanded=expanded)
     batch = BatchTracker(module, num_samples=layout.num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
-                         on_meeting=lambda point, view: None)
+                         on_meeting=functools.partial(_refuse_meeting, where))
     try:
         with batch:
             for tensor, dim in inputs.batch_tensors(layout):

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core.backends.base import PerSampleOutput, parameters_kept, trainable_parameters
@@ -122,8 +123,11 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
     def sample_loss(sample_params: dict[str, torch.Tensor], sample_args: list[Any],
                     sample_targets: list[Any]) -> torch.Tensor:
         call_args, call_kwargs = _restore(sample_args, arg_in, axes_args, arg_spec)
-        outputs = functional_call(module, sample_params, tuple(call_args), dict(call_kwargs))
-        per_element = loss_fn(outputs, _restore(sample_targets, tgt_in, axes_tgts, tgt_spec))
+        # The sample's parameters stay swapped in while the loss runs too: a loss that reads the
+        # model's parameters itself (a tied output head computed in the loss) differentiates them.
+        with _reparametrize_module(module, sample_params, tie_weights=True):
+            outputs = module(*call_args, **call_kwargs)
+            per_element = loss_fn(outputs, _restore(sample_targets, tgt_in, axes_tgts, tgt_spec))
         if per_element.dim() == 0:
             raise ConfigError("loss_fn: returned a scalar; it must return the unreduced loss "
                               "(e.g. nn.CrossEntropyLoss(reduction='none'))")

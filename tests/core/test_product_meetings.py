@@ -10,6 +10,7 @@ contracts the batch's rows themselves (``x @ W`` on ``(N, d)`` rows) stays refus
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -178,3 +179,185 @@ def test_ew_is_right_or_refuses(how: str) -> None:
         assert "module 'norm' (LayerNorm)" in str(err)
         return
     _assert_grads(grads, expected)
+
+
+# ----------------------------------------------------------------------------- found by the battery
+class TiledInPlace(nn.Module):
+    """The tiled keys (or their tile) changed in place between ``repeat`` and the product: the
+    operand is no longer copies of the tile, and is taken as it is (raw errors or wrong before)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.positions = nn.Embedding(SPAN, DIM)
+        self.key = nn.Linear(DIM, HEADS * DIM)
+        self.query = nn.Linear(DIM, HEADS * DIM)
+        self.head = nn.Linear(STEPS * SPAN, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.query(x).view(rows, STEPS, HEADS, DIM).transpose(1, 2).reshape(rows * HEADS, STEPS, DIM)
+        keys = self.key(self.positions.weight).view(SPAN, HEADS, DIM).transpose(0, 1).clone()  # (H, S, d)
+        tiled = keys.repeat(rows, 1, 1)  # (N*K*H, S, d)
+        if self.how == "scaled":
+            tiled.mul_(0.5)
+        elif self.how == "row_zeroed":
+            tiled[:, 0] = 0.0
+        elif self.how == "tile_scaled":
+            keys.mul_(3.0)  # the tile changes after the repeat: the copies do not
+        elif self.how == "transposed_in_place":
+            tiled.transpose_(1, 2)
+            return self.head(torch.tanh(torch.bmm(q, tiled)).view(rows, HEADS, STEPS * SPAN).mean(1))
+        return self.head(torch.tanh(torch.bmm(q, tiled.transpose(-1, -2))).view(rows, HEADS, STEPS * SPAN).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("how", ["scaled", "row_zeroed", "tile_scaled", "transposed_in_place"])
+def test_a_tiled_operand_changed_in_place(how: str, mode: str) -> None:
+    _check_model(TiledInPlace(how), mode)
+
+
+class Child(nn.Module):
+    def __init__(self, pointwise: bool) -> None:
+        super().__init__()
+        self.pointwise = pointwise
+        self.query = nn.Linear(DIM, HEADS * DIM)
+
+    def forward(self, x: torch.Tensor, relative: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.query(x).view(rows, STEPS, HEADS, DIM).transpose(1, 2)  # (N*K, H, T, d)
+        if self.pointwise:
+            return (q.unsqueeze(-2) * relative[:, None]).sum(-1)
+        return q @ relative.transpose(-1, -2)  # (N*K, H, T, S)
+
+
+class Owner(nn.Module):
+    """Owns a bare Parameter (no grad sampler: its torch.func fallback differentiates its whole
+    forward) and hands it to a child that multiplies it with the batch: 2x before."""
+
+    def __init__(self, pointwise: bool) -> None:
+        super().__init__()
+        self.relative = nn.Parameter(torch.randn(HEADS, SPAN, DIM) * 0.5)
+        self.child = Child(pointwise)
+        self.head = nn.Linear(STEPS * SPAN, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.child(x, self.relative)).mean(1).flatten(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("pointwise", [False, True])
+def test_an_enclosing_modules_parameter_meeting_the_batch_in_a_child(pointwise: bool, mode: str) -> None:
+    _check_model(Owner(pointwise), mode)
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a * a
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors
+        return 2 * a * g
+
+
+class Opaque(nn.Module):
+    """The batch-free keys come out of a custom autograd.Function, whose forward runs without
+    grad: their parameters got no per-sample gradient before (zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(SPAN, DIM)
+        self.key = nn.Linear(DIM, HEADS * DIM)
+        self.query = nn.Linear(DIM, HEADS * DIM)
+        self.head = nn.Linear(STEPS * SPAN, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.query(x).view(rows, STEPS, HEADS, DIM).transpose(1, 2)
+        keys = Square.apply(self.key(self.positions.weight)).view(SPAN, HEADS, DIM).transpose(0, 1)
+        return self.head(torch.tanh(q @ keys.transpose(-1, -2)).mean(1).flatten(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_batch_free_keys_from_a_custom_autograd_function(mode: str) -> None:
+    _check_model(Opaque(), mode)
+
+
+def _check_model(model: nn.Module, mode: str, K: int = 2) -> None:
+    torch.manual_seed(3)
+    x, y = torch.randn(3 * K, STEPS, DIM), torch.randint(0, 2, (3 * K,))
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(3)]
+    expected = microbatch_oracle(model, samples, lambda out, t: _loss(out, t).mean())
+    if mode == "ghost":
+        reference = psg_core.clip_and_sum(expected, max_grad_norm=0.05)
+        result = dp_gradient(model, x, y, loss_fn=_loss,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
+        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms.float(), name="norms")
+        _assert_grads(result.grads, reference.grads)
+    else:
+        _assert_grads(per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode, augmentation_multiplicity=K),
+                      expected)
+
+
+def test_the_batch_written_in_place_into_a_batch_free_tensor_is_refused() -> None:
+    class Writer(TiledInPlace):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows = x.shape[0]
+            q = self.query(x).view(rows, STEPS, HEADS, DIM).transpose(1, 2).reshape(rows * HEADS, STEPS, DIM)
+            tiled = self.key(self.positions.weight).view(SPAN, HEADS, DIM).transpose(0, 1).repeat(rows, 1, 1)
+            tiled.add_(q[:, :1].expand(rows * HEADS, SPAN, DIM))  # batch values into the tiled keys
+            return self.head(torch.bmm(q, tiled.transpose(-1, -2)).view(rows, HEADS, STEPS * SPAN).mean(1))
+
+    x, y = torch.randn(4, STEPS, DIM), torch.randint(0, 2, (4,))
+    with pytest.raises(UnsupportedModuleError, match=r"add_.*writes the batch's values in place.*out of place"):
+        per_sample_gradients(Writer("scaled"), x, y, loss_fn=_loss)
+
+
+class Hidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(11, DIM)
+        self.mix = nn.Linear(DIM, DIM)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(self.embedding(ids)))  # (N*K, T, d)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "ew"])
+def test_a_loss_that_reads_the_models_parameters(mode: str) -> None:
+    """A tied output head computed in the loss (``hidden @ model.embedding.weight.T``): hooks and
+    ghost follow the loss too; functorch keeps the sample's parameters swapped in while the loss
+    runs (the head's gradient was lost before); ew refuses (it ignored it before)."""
+    torch.manual_seed(4)
+    model, K = Hidden(), 2
+    ids, y = torch.randint(0, 11, (3 * K, STEPS)), torch.randint(0, 11, (3 * K, STEPS))
+
+    def loss(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logits = h @ model.embedding.weight.t()  # (N*K, T, 11)
+        return F.cross_entropy(logits.transpose(1, 2), t, reduction="none").mean(1)
+
+    if mode == "ew":
+        with pytest.raises(UnsupportedModuleError, match="ExpandedWeights computes per-sample gradients inside"):
+            per_sample_gradients(model, ids, y, loss_fn=loss, mode=mode, augmentation_multiplicity=K)
+        return
+    reference_model = copy.deepcopy(model).double()
+    expected: dict[str, list[torch.Tensor]] = {n: [] for n, _ in model.named_parameters()}
+    for n in range(3):
+        rows = slice(n * K, (n + 1) * K)
+        h = reference_model(ids[rows])
+        logits = h @ reference_model.embedding.weight.t()
+        value = F.cross_entropy(logits.transpose(1, 2), y[rows], reduction="none").mean(1).mean()
+        for (name, _), g in zip(reference_model.named_parameters(),
+                                torch.autograd.grad(value, list(reference_model.parameters()))):
+            expected[name].append(g)
+    oracle = {n: torch.stack(gs) for n, gs in expected.items()}
+    if mode == "ghost":
+        reference = psg_core.clip_and_sum(oracle, max_grad_norm=0.05)
+        result = dp_gradient(model, ids, y, loss_fn=loss,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
+        _assert_grads(result.grads, reference.grads)
+        return
+    _assert_grads(per_sample_gradients(model, ids, y, loss_fn=loss, mode=mode, augmentation_multiplicity=K), oracle)
