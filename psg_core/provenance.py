@@ -290,7 +290,13 @@ class MeetingPoint:
         try:
             grads = torch.autograd.grad([self.source], self.params, grad_outputs=[cotangent],
                                         retain_graph=True, allow_unused=True, is_grads_batched=True)
-        except RuntimeError:
+        except RuntimeError as err:
+            if "use_reentrant=True" in str(err):
+                raise UnsupportedModuleError(
+                    f"per-sample gradients: in module {self.where}, a tensor computed from trainable parameters "
+                    "without the batch under torch.utils.checkpoint(use_reentrant=True) meets the batch; its "
+                    "per-sample gradients need torch.autograd.grad, which reentrant checkpointing refuses: pass "
+                    "use_reentrant=False") from err
             # A batch-free subgraph with an op vmap has no rule for: one VJP per sample.
             rows = [torch.autograd.grad([self.source], self.params, grad_outputs=[c], retain_graph=True,
                                         allow_unused=True) for c in cotangent]
@@ -1046,6 +1052,8 @@ class BatchTracker(TorchFunctionMode):
             return self._matmul_axis(name, args, x, bd, out, operands)
         if name == "einsum":
             return self._einsum_axis(args, x, bd, operands)
+        if name in ("unfold", "stft", "istft") and self_arg is x:
+            return _windows_axis(name, args, kwargs, x, bd, out)
         if name not in _PERMUTING and nd_out == nd_in and out.shape == x.shape:
             return bd  # same shape, no axis moved: activations, norms, dropout, ...
         if name in ("transpose", "swapaxes", "swapdims") and self_arg is x and len(args) >= 3:
@@ -1340,6 +1348,22 @@ _ALONG_BATCH = frozenset(_ALONG_DIM) | _CONVOLUTIONS | {
     "local_response_norm", "pdist", "cov", "corrcoef", "cdist", "cross_entropy", "nll_loss"}
 _DIM_KEYWORDS = ("dim", "dims", "axis")
 _COPIES = {"to", "cpu", "cuda", "clone", "contiguous", "long", "int", "detach"}
+
+
+def _windows_axis(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor, bd: int,
+                  out: torch.Tensor) -> int:
+    """Ops that cut an axis into windows: ``Tensor.unfold(dim, size, step)`` (a new window axis at
+    the end; the batch stays where it is unless it is the axis cut), ``F.unfold`` (im2col,
+    ``(N, C, *spatial) -> (N, C*k, L)``) and ``stft``/``istft`` (the last axis is the signal): the
+    batch keeps its axis when it is a leading one, and windows across it mix samples."""
+    nd_in, nd_out = x.dim(), out.dim()
+    dimension = args[1] if len(args) >= 2 else kwargs.get("dimension")
+    if name == "unfold" and type(dimension) is int and nd_out == nd_in + 1:  # Tensor.unfold
+        return MIXED if dimension % max(nd_in, 1) == bd else bd
+    if name == "unfold":  # F.unfold: (N, C, *spatial) -> (N, C * prod(kernel), L)
+        return 0 if bd == 0 and nd_in >= 3 and nd_out == 3 else MIXED
+    # stft on (B, T) -> (B, F, frames[, 2]); istft back: the batch leads, the signal is the last axis
+    return bd if nd_in >= 2 and bd < nd_in - (1 if name == "stft" else 2) and bd == 0 else MIXED
 
 
 def _along_dims(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> tuple[int, ...] | None:

@@ -143,9 +143,12 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
                 per_sample_grads, losses = vmap(grad_and_value(sample_loss), in_dims=(None, arg_in, tgt_in),
                                                 randomness="different")(detached, split_args, split_tgts)
             except RuntimeError as err:
-                if "data-dependent control flow" not in str(err) and ".item()" not in str(err):
+                # vmap cannot batch the model (data-dependent control flow, .item(), an in-place op
+                # into an unbatched tensor, a data-dependent shape): one sample at a time instead.
+                if not any(sign in str(err) for sign in ("data-dependent control flow", ".item()", "vmap:",
+                                                         "vmap ", "Batching rule not implemented")):
                     raise
-                _warn_loop(module, where.failed)
+                _warn_loop(module, where.failed, err)
                 per_sample_grads, losses = _one_at_a_time(sample_loss, detached, split_args, arg_in,
                                                           split_tgts, tgt_in, layout.num_samples)
     except PsgError:
@@ -160,11 +163,14 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
 _warned: set[type[nn.Module]] = set()
 
 
-def _warn_loop(module: nn.Module, where: str | None) -> None:
+def _warn_loop(module: nn.Module, where: str | None, err: BaseException) -> None:
     if type(module) not in _warned:
         _warned.add(type(module))
-        logger.warning("%s: %s branches on input values (module %s), which vmap cannot batch; computing "
-                       "one sample at a time", _WHERE, type(module).__qualname__, where or "<root>")
+        reason = " ".join(str(err).split())[:160]
+        if "data-dependent control flow" in reason or ".item()" in reason:
+            reason = "it branches on input values"
+        logger.warning("%s: vmap cannot batch %s (module %s: %s); computing one sample at a time", _WHERE,
+                       type(module).__qualname__, where or "<root>", reason)
 
 
 def _one_at_a_time(sample_loss: Any, params: dict[str, torch.Tensor], args: list[Any], arg_in: list[int | None],

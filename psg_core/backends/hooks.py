@@ -73,6 +73,8 @@ class GradSampleModule(AbstractGradSampleModule):
         self._capture_suspended = False
         self._accumulation_allowed = False
         self._forward_id = 0
+        # (forward id, rows, layer) of the first layer a wrapped forward pass captured.
+        self._pass_rows: tuple[int, int, str] | None = None
         # While recording_edges() is active: the gradient edges of every hooked output.
         self._edge_log: list[GradientEdge] | None = None
         # The batch trackers of the running forward pass (see psg_core.provenance).
@@ -303,6 +305,18 @@ class GradSampleModule(AbstractGradSampleModule):
         check_rows(call.rows, self.augmentation_multiplicity,
                    where=f"GradSampleModule ({type(layer).__qualname__})")
         explicit = self._explicit_tracker
+        if explicit is None:
+            # The wrapper knows no N: every layer of one forward pass must see the same rows (a view
+            # that folds another axis into the batch's, (N, C, T) -> (N*C, T), which the tracker
+            # lost, would make its rows look like samples).
+            first = self._pass_rows
+            if first is None or first[0] != self._forward_id:
+                self._pass_rows = (self._forward_id, call.rows, type(layer).__qualname__)
+            elif first[1] != call.rows:
+                raise BatchLayoutError(
+                    f"GradSampleModule: {type(layer).__qualname__} was called with {call.rows} rows on its batch "
+                    f"dimension, but {first[2]} saw {first[1]} in the same forward pass; psg cannot attribute both "
+                    "to the same samples (an axis folded into the batch's?)")
         if explicit is not None and call.rows != explicit.num_samples * explicit.K:
             # The batch's rows are known (counted on the targets): a layer that sees another
             # number on its batch axis would get per-row gradients that are not per-sample.

@@ -116,6 +116,31 @@ def test_functorch_batchnorm(device: torch.device) -> None:
                                           augmentation_multiplicity=3), oracle(model, x, y, 3))
 
 
+def test_functorch_runs_a_model_vmap_cannot_batch_one_sample_at_a_time(caplog: pytest.LogCaptureFixture) -> None:
+    """A forward that writes into a tensor it creates (wav2vec2's masking, Mamba's state): vmap
+    refuses the in-place write of a batched value into an unbatched tensor; the loop gives the
+    oracle's answer (refused before)."""
+
+    class Writes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(x.shape[0], 3)
+            out[:, :2] = self.fc(x)
+            return out
+
+    torch.manual_seed(5)
+    model = Writes()
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    with caplog.at_level("WARNING", logger="psg_core"):
+        grads = per_sample_gradients(model, x, y, loss_fn=nn.MSELoss(reduction="none"), mode="functorch",
+                                     augmentation_multiplicity=2)
+    assert_all_close(grads, oracle(model, x, y, 2))
+    assert "one sample at a time" in caplog.text and "vmap" in caplog.text
+
+
 def test_functorch_rejects_fused_rnn_and_bad_targets() -> None:
     with pytest.raises(UnsupportedModuleError, match=r"'<root>' \(LSTM\).*fix_model"):
         per_sample_gradients(nn.LSTM(3, 4), torch.randn(5, 2, 3), torch.randn(5, 2, 4),

@@ -391,3 +391,81 @@ def test_bags_from_flattened_tokens(K: int) -> None:
     expected = _oracle(model, samples, _mse, "mean")
     _assert_grads(per_sample_gradients(model, tokens, y, loss_fn=_mse, augmentation_multiplicity=K), expected)
     _assert_ghost(model, tokens, y, _mse, expected, K=K, reduction="mean")
+
+
+# ----------------------------------------------------------------------------- windows
+class Patches(nn.Module):
+    """A series cut into patches (``Tensor.unfold``, as PatchTST does), then put patch-major: the
+    Linear's dim 0 has P entries, which here equals N*K. The batch was lost at ``unfold`` and dim 0
+    taken for it: silently wrong before."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.embed = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, 12, 2)
+        if self.how == "im2col":  # F.unfold on (N*K, 2, 12, 1) images
+            patches = F.unfold(x.transpose(1, 2).unsqueeze(-1), kernel_size=(4, 1), stride=(4, 1))  # (N*K, 8, 3)
+            patches = patches.view(x.shape[0], 2, 4, 3).permute(3, 0, 1, 2)  # (P, N*K, C, 4)
+        else:
+            patches = x.unfold(dimension=1, size=4, step=4).transpose(0, 1)  # (P, N*K, C, 4)
+        h = torch.tanh(self.embed(patches))
+        return self.head(h.mean((0, 2)))
+
+
+@pytest.mark.parametrize("how", ["unfold", "im2col"])
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+def test_patches_put_before_the_batch(how: str, mode: str) -> None:
+    torch.manual_seed(9)
+    K = 1
+    model = Patches(how)
+    x, y = torch.randn(3, 12, 2), torch.randint(0, 3, (3,))
+    samples = [((x[n:n + 1],), y[n:n + 1]) for n in range(3)]
+    loss = nn.CrossEntropyLoss(reduction="none")
+    expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
+    if mode == "ghost":
+        _assert_ghost(model, x, y, loss, expected, K=K, reduction="mean")
+    else:
+        _assert_grads(per_sample_gradients(model, x, y, loss_fn=loss, mode=mode), expected)
+
+
+def test_windows_across_the_batch_mix_samples() -> None:
+    class Across(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 4)
+            return self.fc(x.unfold(0, 2, 1).transpose(1, 2)).mean(1)  # windows of consecutive samples
+
+    with pytest.raises(UnsupportedModuleError, match="unfold"):
+        per_sample_gradients(Across(), torch.randn(5, 4), torch.randn(5, 2),
+                             loss_fn=lambda out, t: (out - t).square().sum(1))
+
+
+def test_the_wrapper_refuses_layers_that_disagree_on_the_rows() -> None:
+    """GradSampleModule knows no N: a layer that sees channels folded into the batch by an op the
+    tracker cannot follow, beside one that sees the batch, is refused (grad samples of N*C rows,
+    and a mean scaled by N*C, before)."""
+
+    class Folded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, C=3, 4)
+            rows = x.movedim(1, 0).reshape(-1, 4)  # (C*N, 4), channel-major: the batch axis is lost
+            h = self.a(rows).view(3, x.shape[0], 4).mean(0)  # (N, 4)
+            return self.b(h)
+
+    wrapped = psg_core.GradSampleModule(Folded())
+    try:
+        with pytest.raises(BatchLayoutError, match=r"Linear was called with 2 rows.*Linear saw 6 in the same forward"):
+            wrapped(torch.randn(2, 3, 4)).sum().backward()
+    finally:
+        wrapped.remove_hooks()
+    with pytest.raises(BatchLayoutError, match="called with 6 rows"):
+        per_sample_gradients(Folded(), torch.randn(2, 3, 4), torch.randn(2, 2),
+                             loss_fn=lambda out, t: (out - t).square().sum(1))

@@ -318,3 +318,24 @@ def test_repeated_calls_in_one_pass_accumulate_without_touching_earlier_results(
     out.sum().backward()  # a new pass: the tensor handed out before must not change
     torch.testing.assert_close(first, snapshot)
     torch.testing.assert_close(layer.weight.grad_sample, 2 * snapshot)
+
+
+def test_a_parameter_the_backward_never_reaches_has_grad_sample_none() -> None:
+    """Reading ``p.grad_sample`` on every trainable parameter is safe (an AttributeError before)."""
+
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(3, 2), nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    model = Branches()
+    wrapped = GradSampleModule(model)
+    try:
+        wrapped(torch.randn(4, 3)).sum().backward()
+        grad_samples = {name: p.grad_sample for name, p in model.named_parameters()}
+    finally:
+        wrapped.remove_hooks()
+    assert grad_samples["unused.weight"] is None and grad_samples["used.weight"].shape == (4, 2, 3)
