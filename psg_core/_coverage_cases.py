@@ -268,12 +268,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(_HOOKS, "nn.LSTM (fused)", _FUSED),
     Refusal(_HOOKS, "BatchNorm1d (training)", _MIXES),
     # functorch
-    Refusal(_FUNCTORCH, "Embedding", "with max_norm", Example(_embedding(max_norm=1.0), _tokens(10, 5))),
     Refusal(_FUNCTORCH, "Embedding", "with sparse=True", Example(_embedding(sparse=True), _tokens(10, 5))),
     Refusal(_FUNCTORCH, "EmbeddingBag", "with 1-D input and offsets", _bags(mode="sum")),
     *_instance_norm_refusals(),
-    Refusal(_FUNCTORCH, "DPMultiheadAttention", "with key_padding_mask",
-            Example(_Masked, lambda: (torch.randn(ROWS, 3, 4), torch.tensor([[False, False, True]] * ROWS)))),
     *_recurrent_refusals(),
     Refusal(_FUNCTORCH, "nn.RNN (fused)", _FUSED),
     Refusal(_FUNCTORCH, "nn.GRU (fused)", _FUSED),

@@ -1013,11 +1013,37 @@ class BatchTracker(TorchFunctionMode):
                 self._mark_mixed([target], self._mixed_by.get(t))
                 return
         entry = self._batched.get(target)
+        if entry is None and isinstance(value, torch.Tensor):
+            self._written_rows(target, index, value)
+            return
         if entry is None or entry[0] < 0 or not (isinstance(value, torch.Tensor) and value in self._batched):
             return
         if self._index_axis(target, entry[0], index) < 0:
             self._mark_mixed([target], f"an assignment into selected rows of the batch in module "
                                        f"{self.current_module()}")
+
+    def _written_rows(self, target: torch.Tensor, index: Any, value: torch.Tensor) -> None:
+        """A batch-free tensor the model created, written with the batch's rows in place
+        (``out = torch.zeros(B, d + 1); out[:, :d] = h``): it holds the batch on the axis the rows
+        went to, when the index keeps that axis whole (slices only). Anything else leaves it
+        batch-free, and the layers that read it refuse it."""
+        state = self._batched.get(value)
+        if state is None or state[0] < 0:
+            return
+        items = index if isinstance(index, tuple) else (index,)
+        if any(not (isinstance(i, slice) or i is Ellipsis) for i in items) or sum(i is Ellipsis for i in items) > 1:
+            return
+        if Ellipsis in items:
+            at = items.index(Ellipsis)
+            items = items[:at] + (slice(None),) * (target.dim() - len(items) + 1) + items[at + 1:]
+        items = items + (slice(None),) * (target.dim() - len(items))
+        if len(items) != target.dim():
+            return
+        axis = state[0] + target.dim() - value.dim()  # the value broadcasts into the written view
+        if axis < 0 or value.shape[state[0]] != target.shape[axis] \
+                or items[axis].indices(target.shape[axis]) != (0, target.shape[axis], 1):
+            return
+        self._batched[target] = (axis, state[1])
 
     def _agree(self, axis: int, x: torch.Tensor, operands: list[tuple[torch.Tensor, tuple[int, int]]],
                axis_of: Callable[[torch.Tensor, int], int]) -> int:

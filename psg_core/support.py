@@ -90,16 +90,41 @@ def own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
     """``tuple(layer.parameters(recurse=False))`` read from ``_parameters`` directly (asked once
     per module and step: ``parameters()`` goes through the module-tree machinery).
 
+    A layer with parametrized tensors (``torch.nn.utils.parametrizations.weight_norm``,
+    ``spectral_norm``, ``orthogonal``: its ``weight`` is computed from ``original`` tensors before
+    each call) owns those originals too; the parametrization lists that hold them own nothing.
+
     >>> len(own_parameters(nn.Linear(2, 3))), own_parameters(nn.Linear(2, 3, bias=False))[0].shape
     (2, torch.Size([3, 2]))
+    >>> from torch.nn.utils.parametrizations import weight_norm
+    >>> layer = weight_norm(nn.Linear(2, 3))
+    >>> [tuple(p.shape) for p in own_parameters(layer)], own_parameters(layer.parametrizations.weight)
+    ([(3,), (3, 1), (3, 2)], ())
     """
+    if isinstance(layer, _PARAMETRIZATION_LIST):
+        return ()
     seen: set[int] = set()
     own = []
     for p in layer._parameters.values():
         if p is not None and id(p) not in seen:
             seen.add(id(p))
             own.append(p)
+    lists = layer._modules.get("parametrizations") if _PARAMETRIZED in type(layer).__name__ else None
+    if lists is not None:
+        for p in lists.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                own.append(p)
     return tuple(own)
+
+
+def parametrized(layer: nn.Module) -> bool:
+    """Whether ``layer`` has parametrized tensors (``torch.nn.utils.parametrize``)."""
+    return _PARAMETRIZED in type(layer).__name__ and "parametrizations" in layer._modules
+
+
+_PARAMETRIZED = "Parametrized"  # torch.nn.utils.parametrize names the class it injects Parametrized<Layer>
+_PARAMETRIZATION_LIST = torch.nn.utils.parametrize.ParametrizationList
 
 
 def reject_batch_mixing(module: nn.Module, *, where: str) -> None:

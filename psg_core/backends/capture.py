@@ -26,6 +26,7 @@ from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import GROUPED, MIXED, PERMUTED, UNKNOWN, arg_versions, active_tracker
+from psg_core.support import parametrized
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call", "separate_outputs"]
 
@@ -138,6 +139,11 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     entry = GRAD_SAMPLERS.lookup(layer)
     if entry is not None and _computed_weight(layer):
         entry = None  # the torch.func fallback differentiates the parameters it is computed from
+    if entry is None and (first is None or (tracker is not None and not tracker.is_batched(first))):
+        # The torch.func fallback takes keyword inputs too (a model owning a parameter, called with
+        # input_values=...): its rows are those of the first batched one.
+        first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)
+                      and (tracker is None or tracker.is_batched(v))), first)
     if tracker is not None and first is not None:
         if tracker.batch_dim(first) in (MIXED, GROUPED, PERMUTED):
             # Rows whose values mix samples, or rows a mask picked from every sample: refused.
@@ -248,6 +254,8 @@ def _computed_weight(layer: nn.Module) -> bool:
     each call rather than a parameter (``torch.nn.utils.weight_norm`` and ``spectral_norm`` set
     ``weight`` from ``weight_g``/``weight_v`` or ``weight_orig``): a grad sampler would compute the
     computed tensor's per-sample gradient, which no parameter receives."""
+    if parametrized(layer):
+        return True  # torch.nn.utils.parametrizations: computed from its originals at every access
     attributes = layer.__dict__  # a parameter lives in _parameters; a computed weight is an attribute
     if "weight" not in attributes and "bias" not in attributes:
         return False

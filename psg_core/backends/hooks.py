@@ -25,7 +25,7 @@ from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import LossReduction
 from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import BatchTracker, MeetingPoint
-from psg_core.support import FUSED, SAMPLE_MIXING, frequency_scaled
+from psg_core.support import FUSED, SAMPLE_MIXING, frequency_scaled, own_parameters
 
 __all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST", "hooks_per_sample"]
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module._parameters.values() if p is not None and p.requires_grad]
+    return [p for p in own_parameters(module) if p.requires_grad]
 
 
 class GradSampleModule(AbstractGradSampleModule):

@@ -7,7 +7,7 @@ every module under ``force_functorch=True``. One vmapped item is one sample's K 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core.layout import fold_rows
+from psg_core.support import parametrized
 
 __all__ = ["functorch_layer_grad_sample"]
 
@@ -63,7 +64,8 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
         ``{parameter: (N, *parameter.shape)}``, gradients of each sample's summed row losses.
     """
     K = augmentation_multiplicity
-    params = {name: p.detach() for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
+    named = _own_named_parameters(layer)
+    params = {name: p.detach() for name, p in named.items() if p.requires_grad}
     if not params:
         return {}
 
@@ -102,7 +104,43 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                 total = total + (out * cotangent).sum()
         return total
 
-    per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
-                      randomness="different")(params, batched_inputs, batched_bps)
-    named = dict(layer.named_parameters(recurse=False))
+    try:
+        per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
+                          randomness="different")(params, batched_inputs, batched_bps)
+    except RuntimeError as err:
+        if not any(sign in str(err) for sign in VMAP_LIMITS):
+            raise
+        # vmap cannot batch the layer (an in-place write into a tensor it creates, a
+        # data-dependent shape): the same function, one sample at a time.
+        step = grad(sample_loss)
+        results = [step(params, [v if d is None else v[n] for v, d in zip(batched_inputs, in_dims)],
+                        [None if b is None else b[n] for b in batched_bps])
+                   for n in range(_num_samples(batched_inputs, in_dims, batched_bps))]
+        per_sample = {name: torch.stack([r[name] for r in results]) for name in params}
     return {named[name]: g for name, g in per_sample.items()}
+
+
+#: Messages of the errors vmap raises for a function it cannot batch (torch.func's own, or an op
+#: without a batching rule), which a loop over samples computes.
+VMAP_LIMITS = ("data-dependent control flow", ".item()", "vmap:", "vmap ", "Batching rule not implemented")
+
+
+def _num_samples(inputs: list[Any], in_dims: Sequence[int | None], bps: list[torch.Tensor | None]) -> int:
+    for b in bps:
+        if b is not None:
+            return int(b.shape[0])
+    for value, dim in zip(inputs, in_dims):
+        if dim is not None and isinstance(value, torch.Tensor):
+            return int(value.shape[0])
+    return 0
+
+
+def _own_named_parameters(layer: nn.Module) -> dict[str, nn.Parameter]:
+    """The layer's own parameters by name, a parametrized tensor's originals included
+    (``parametrizations.weight.original0``: functional_call swaps them in, and the parametrization
+    computes the weight from each sample's copy)."""
+    named = dict(layer.named_parameters(recurse=False))
+    if parametrized(layer):
+        lists = cast(nn.Module, layer.parametrizations)
+        named.update((f"parametrizations.{name}", p) for name, p in lists.named_parameters())
+    return named

@@ -62,6 +62,22 @@ def _conv_weight_norm() -> nn.Module:
     return nn.Sequential(nn.Unflatten(1, (1, D)), nn.utils.weight_norm(nn.Conv1d(1, 3, 2)), nn.Tanh(), Pool())
 
 
+def _parametrized(kind: str) -> Callable[[], nn.Module]:
+    """``torch.nn.utils.parametrizations`` (wav2vec2, HuBERT, WavLM and SEW's positional
+    convolution): ``weight`` is computed from ``parametrizations.weight.original*`` at every access.
+    Refused before (a tensor computed from parameters meeting the batch in linear/conv1d)."""
+    from torch.nn.utils import parametrizations
+
+    def build() -> nn.Module:
+        if kind == "conv":
+            conv = parametrizations.weight_norm(nn.Conv1d(1, 4, 2, groups=1), dim=2)
+            return nn.Sequential(nn.Unflatten(1, (1, D)), conv, nn.Tanh(), nn.Flatten(), nn.Linear(4 * (D - 1), 3))
+        wrap = {"weight_norm": parametrizations.weight_norm, "spectral_norm": parametrizations.spectral_norm,
+                "orthogonal": parametrizations.orthogonal}[kind]
+        return nn.Sequential(wrap(nn.Linear(D, D)), nn.Tanh(), nn.Linear(D, 3)).eval()
+    return build
+
+
 def _hooked_output() -> nn.Module:
     model = nn.Sequential(nn.Linear(D, 6), nn.Tanh(), nn.Linear(6, 3))
     model[0].register_forward_hook(lambda _m, _a, out: torch.tanh(out) * 3.0)
@@ -71,6 +87,10 @@ def _hooked_output() -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "weight_norm": _weight_norm, "spectral_norm": _spectral_norm, "conv weight_norm": _conv_weight_norm,
     "forward hook replacing the output": _hooked_output,
+    "parametrizations.weight_norm": _parametrized("weight_norm"),
+    "parametrizations.weight_norm on a conv": _parametrized("conv"),
+    "parametrizations.spectral_norm": _parametrized("spectral_norm"),
+    "parametrizations.orthogonal": _parametrized("orthogonal"),
 }
 
 
@@ -113,3 +133,77 @@ def test_a_torchscript_submodule_is_refused_and_leaves_no_hook(mode: str) -> Non
     assert _hook_count(model) == 0
     model[1] = nn.Sequential(nn.Linear(6, 6), nn.Tanh())  # the eager module works afterwards
     dp_gradient(model, x, y, loss_fn=_loss, config=DPConfig(mode=mode, max_grad_norm=1.0))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_parametrized_weight_in_a_wrapped_model(K: int) -> None:
+    import psg_core
+
+    torch.manual_seed(1)
+    model = _parametrized("weight_norm")()
+    x, y = torch.randn(N * K, D), torch.randint(0, 3, (N * K,))
+    expected = _oracle(model, x, y, K)
+    wrapped = psg_core.GradSampleModule(model, augmentation_multiplicity=K)
+    try:
+        _loss(wrapped(x), y).mean().backward()
+        got = {name: p.grad_sample for name, p in model.named_parameters()}
+    finally:
+        wrapped.remove_hooks()
+    for key, value in expected.items():
+        assert_close_scaled(got[key], value, name=key)
+
+
+class Scatter(nn.Module):
+    """A layer without a grad sampler that writes its result into a tensor it creates: vmap cannot
+    batch the in-place write of a batched value into an unbatched tensor, so the per-layer
+    torch.func fallback runs it one sample at a time (refused before: UniSpeechSat, wav2vec2 with
+    masking)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], D + 1)
+        out[:, :D] = x * self.scale
+        return out
+
+
+class KeywordRoot(nn.Module):
+    """A model that owns a parameter itself and takes its input by keyword (wav2vec2 with a weighted
+    layer sum): its torch.func fallback finds the rows in the keyword input (refused before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(D))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, *, values: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(values * self.mix))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_fallback_layers_vmap_cannot_batch_and_keyword_inputs(mode: str) -> None:
+    torch.manual_seed(2)
+    K = 2
+    x, y = torch.randn(N * K, D), torch.randint(0, 3, (N * K,))
+    for model, call in ((nn.Sequential(Scatter(), nn.Linear(D + 1, 3)), lambda m, v: m(v)),
+                        (KeywordRoot(), lambda m, v: m(values=v))):
+        params = {name: p for name, p in model.named_parameters()}
+        per_sample: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+        for n in range(N):
+            rows = slice(n * K, (n + 1) * K)
+            for name, g in zip(params, torch.autograd.grad(_loss(call(model, x[rows]), y[rows]).mean(),
+                                                          list(params.values()))):
+                per_sample[name].append(g)
+        expected = {name: torch.stack(g) for name, g in per_sample.items()}
+        inputs = {"values": x} if isinstance(model, KeywordRoot) else x
+        if mode == "ghost":
+            out = dp_gradient(model, inputs, y, loss_fn=_loss,
+                              config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=1e9))
+            for key, value in expected.items():
+                assert_close_scaled(out.grads[key], value.sum(0), name=key)
+        else:
+            got = per_sample_gradients(model, inputs, y, loss_fn=_loss, augmentation_multiplicity=K)
+            for key, value in expected.items():
+                assert_close_scaled(got[key], value, name=key)
