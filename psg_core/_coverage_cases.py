@@ -102,6 +102,18 @@ class _Masked(nn.Module):
         return self.attention(x, x, x, key_padding_mask=mask)[0]
 
 
+class _MaskedTimeMajor(nn.Module):
+    """Time-major self-attention with a key padding mask (the mask is batch-first whatever the
+    layout: functorch splits it along the layout's batch dimension, 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = DPMultiheadAttention(4, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, key_padding_mask=mask)[0]
+
+
 class _Bag(nn.Module):
     """An EmbeddingBag called with offsets."""
 
@@ -271,6 +283,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(_FUNCTORCH, "Embedding", "with sparse=True", Example(_embedding(sparse=True), _tokens(10, 5))),
     Refusal(_FUNCTORCH, "EmbeddingBag", "with 1-D input and offsets", _bags(mode="sum")),
     *_instance_norm_refusals(),
+    Refusal(_FUNCTORCH, "DPMultiheadAttention", "with key_padding_mask and batch_first=False",
+            Example(_MaskedTimeMajor, lambda: (torch.randn(3, ROWS, 4), torch.tensor([[False, False, True]] * ROWS)),
+                    batch_first=False)),
     *_recurrent_refusals(),
     Refusal(_FUNCTORCH, "nn.RNN (fused)", _FUSED),
     Refusal(_FUNCTORCH, "nn.GRU (fused)", _FUSED),

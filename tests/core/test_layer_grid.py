@@ -41,12 +41,12 @@ _INSTANCE_NORMS = ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d")
 #: A refusal stated "always" covers every cell of its row and mode.
 STATED: dict[tuple[str, str, str], Predicate] = {
     ("hooks", "Embedding", "with scale_grad_by_freq=True"): _option("scale_grad_by_freq"),
-    ("functorch", "Embedding", "with max_norm"): lambda cell: "max_norm" in cell.case.options,
     ("functorch", "Embedding", "with sparse=True"): _option("sparse"),
     ("functorch", "EmbeddingBag", "with 1-D input and offsets"): _option("input", "offsets"),
     **{("functorch", family, "with track_running_stats=True"): _option("track_running_stats")
        for family in _INSTANCE_NORMS},
-    ("functorch", "DPMultiheadAttention", "with key_padding_mask"): _option("key_padding_mask"),
+    ("functorch", "DPMultiheadAttention", "with key_padding_mask and batch_first=False"):
+        lambda cell: cell.case.options.get("key_padding_mask") and not cell.batch_first,
     **{("functorch", family, "with a PackedSequence input"): _option("packed") for family in _RECURRENT},
     **{("functorch", family, "with an initial state and batch_first=True"):
        (lambda cell: cell.case.options["initial_state"] and cell.batch_first) for family in _RECURRENT},
