@@ -182,17 +182,24 @@ def test_ew_is_right_or_refuses(how: str) -> None:
 
 
 # ----------------------------------------------------------------------------- found by the battery
-class TiledInPlace(nn.Module):
+class Keyed(nn.Module):
+    """A batch-free position table projected to keys, queries from the batch, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(SPAN, DIM)
+        self.key = nn.Linear(DIM, HEADS * DIM)
+        self.query = nn.Linear(DIM, HEADS * DIM)
+        self.head = nn.Linear(STEPS * SPAN, 2)
+
+
+class TiledInPlace(Keyed):
     """The tiled keys (or their tile) changed in place between ``repeat`` and the product: the
     operand is no longer copies of the tile, and is taken as it is (raw errors or wrong before)."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
-        self.positions = nn.Embedding(SPAN, DIM)
-        self.key = nn.Linear(DIM, HEADS * DIM)
-        self.query = nn.Linear(DIM, HEADS * DIM)
-        self.head = nn.Linear(STEPS * SPAN, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -263,16 +270,9 @@ class Square(torch.autograd.Function):
         return 2 * a * g
 
 
-class Opaque(nn.Module):
+class Opaque(Keyed):
     """The batch-free keys come out of a custom autograd.Function, whose forward runs without
     grad: their parameters got no per-sample gradient before (zeros)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.positions = nn.Embedding(SPAN, DIM)
-        self.key = nn.Linear(DIM, HEADS * DIM)
-        self.query = nn.Linear(DIM, HEADS * DIM)
-        self.head = nn.Linear(STEPS * SPAN, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
