@@ -544,13 +544,14 @@ class BatchTracker(TorchFunctionMode):
     def _push(self, layer: nn.Module, label: str) -> Callable[..., None]:
         with _NO_SUBCLASS():  # once per tracker and layer, not per call (a recurrent cell runs T times)
             own_params = _own_params(layer)
+        row_wise = is_rowwise(layer)
 
         def hook(_layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.push_frame(layer, label, args, kwargs, own_params)
+            self.push_frame(layer, label, args, kwargs, own_params, row_wise)
         return hook
 
     def push_frame(self, layer: nn.Module, label: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   own_params: frozenset[int] | None = None) -> None:
+                   own_params: frozenset[int] | None = None, row_wise: bool | None = None) -> None:
         """Enters ``layer``'s forward (done by hooks; by hand for a call already under way when
         the tracker started)."""
         if own_params is None:
@@ -563,7 +564,9 @@ class BatchTracker(TorchFunctionMode):
                 if isinstance(leaf, torch.Tensor):
                     self._batched[leaf] = (state_axis, 1)
         covered = own_params if own_params and self.is_batched((args, kwargs)) else None
-        rowwise = self._rowwise_call(layer, label, args, kwargs) if not self._suspended and is_rowwise(layer) else None
+        if row_wise is None:
+            row_wise = is_rowwise(layer)
+        rowwise = self._rowwise_call(layer, label, args, kwargs) if row_wise and not self._suspended else None
         # (the calls of layers with parameters are captured: only they need the versions)
         self._frames.append(_Frame(layer, label, covered, arg_versions(args) if own_params else (), rowwise))
         if rowwise is not None:

@@ -109,8 +109,8 @@ def own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
         if p is not None and id(p) not in seen:
             seen.add(id(p))
             own.append(p)
-    lists = layer._modules.get("parametrizations") if _PARAMETRIZED in type(layer).__name__ else None
-    if lists is not None:
+    lists = layer._modules.get("parametrizations")
+    if lists is not None and _PARAMETRIZED in type(layer).__name__:
         for p in lists.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
@@ -120,7 +120,7 @@ def own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
 
 def parametrized(layer: nn.Module) -> bool:
     """Whether ``layer`` has parametrized tensors (``torch.nn.utils.parametrize``)."""
-    return _PARAMETRIZED in type(layer).__name__ and "parametrizations" in layer._modules
+    return "parametrizations" in layer._modules and _PARAMETRIZED in type(layer).__name__
 
 
 _PARAMETRIZED = "Parametrized"  # torch.nn.utils.parametrize names the class it injects Parametrized<Layer>
