@@ -335,6 +335,13 @@ def arg_versions(args: Sequence[Any]) -> tuple[int, ...]:
         return tuple(a._version for a in args if isinstance(a, torch.Tensor))
 
 
+@dataclass
+class _Computed:
+    """An op's result computed by the meeting that rewrote it (see ``BatchTracker._meet_linear``)."""
+
+    value: torch.Tensor
+
+
 def where_of(frame: _Frame | None) -> str:
     """A frame's module, for messages."""
     return frame.path if frame is not None else "'<root>'"
@@ -633,6 +640,7 @@ class BatchTracker(TorchFunctionMode):
         leaves = _tensors(args, [])
         if kwargs:
             _tensors(kwargs, leaves)
+        computed: torch.Tensor | None = None
         # The book-keeping reads tensor attributes; tensor subclasses (ExpandedWeights) must not
         # see those reads, only the op itself.
         plain = all(type(t) in _PLAIN for t in leaves)
@@ -650,8 +658,12 @@ class BatchTracker(TorchFunctionMode):
                 if torch.is_grad_enabled():
                     free = [t for t in leaves if t.requires_grad and not any(t is b for b, _ in batched)]
                     if free:
-                        args, kwargs = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
-        out = func(*args, **kwargs)
+                        met = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
+                        if isinstance(met, _Computed):
+                            computed = met.value  # the op, rewritten around its meeting point
+                        else:
+                            args, kwargs = met
+        out = func(*args, **kwargs) if computed is None else computed
         with _NULL if plain else _NO_SUBCLASS():
             if not batched:
                 if origin:
@@ -673,7 +685,8 @@ class BatchTracker(TorchFunctionMode):
 
     # ------------------------------------------------------------------------------ meetings
     def _meet(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              free: list[torch.Tensor], batched: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+              free: list[torch.Tensor], batched: list[torch.Tensor]
+              ) -> tuple[tuple[Any, ...], dict[str, Any]] | _Computed:
         frame = self._frames[-1] if self._frames else None
         if frame is not None and frame.own is not None and all(id(t) in frame.own for t in free):
             return args, kwargs  # the layer's own parameters as they are (the common case, below)
@@ -721,7 +734,16 @@ class BatchTracker(TorchFunctionMode):
             if out_bd is None:
                 raise self._cannot(name, where, "the batch axis of its query is unknown")
         elif name in _PRODUCTS and not kwargs and len(args) == 2 and len(batched) == 1:
-            return self._meet_product(name, args, sources, batched[0], where), kwargs
+            x, right = batched[0], args[1]
+            if x.dim() == 2 and self._batched[x][0] == 0 and args[0] is x and name != "__rmatmul__" \
+                    and isinstance(right, torch.Tensor) and right.dim() == 2 and id(right) in sources:
+                # x @ W on (N*K, d) rows: a linear layer with weight W.T
+                weight = right.t()
+                return self._meet_linear((x, weight), {}, {**sources, id(weight): (weight, sources[id(right)][1])},
+                                         x, where)
+            return self._meet_product(name, args, sources, x, where), kwargs
+        elif name == "linear" and len(batched) == 1 and args and args[0] is batched[0]:
+            return self._meet_linear(args, kwargs, sources, batched[0], where)
         elif name in _CAT:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             ref = batched[0]
@@ -807,6 +829,36 @@ class BatchTracker(TorchFunctionMode):
             self._on_meeting(point, expanded)
             out.append(expanded)
         return tuple(out)
+
+    def _meet_linear(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     sources: dict[int, tuple[torch.Tensor, frozenset[int]]], x: torch.Tensor, where: str
+                     ) -> _Computed:
+        """``F.linear(x, W, b)`` with ``W`` (and maybe ``b``) computed from parameters without the
+        batch (a tied output projection, ``F.linear(h, embedding.weight)``): computed as
+        ``x @ W.T + b`` with ``W.T`` met as a product's operand (an extra axis for 2-D rows), and
+        ``b`` as an add's."""
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        bd, merged = self._batched[x]
+        if not isinstance(weight, torch.Tensor) or bd < 0 or bd >= x.dim() - 1:
+            raise self._cannot("linear", where, "its batched input does not hold the batch on a leading axis")
+        rows = x.unsqueeze(-2) if x.dim() == 2 else x  # (N*K, 1, d): the rows on a batch dimension
+        self._batched[rows] = (bd, merged)
+        transposed = weight.t()
+        if id(weight) in sources:
+            sources = {**sources, id(transposed): (transposed, sources[id(weight)][1])}
+        operand = self._meet_product("matmul", (rows, transposed), sources, rows, where)[1]
+        out = torch.matmul(rows, operand)
+        if rows is not x:
+            out = out.squeeze(-2)
+        if bias is not None:
+            self._batched[out] = (bd, merged)
+            if id(bias) in sources:
+                met = self._meet(torch.add, "add", (out, bias), {}, [bias], [out])
+                out = torch.add(*cast(tuple, met)[0])
+            else:
+                out = out + bias
+        return _Computed(out)
 
     def _note_tiles(self, name: str, args: tuple[Any, ...], out: torch.Tensor) -> None:
         """Records a batch-free tensor made of copies of one block along axis 0 (``repeat`` on that

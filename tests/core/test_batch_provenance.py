@@ -139,10 +139,10 @@ def test_unsupported_meeting_names_the_module() -> None:
             super().__init__()
             self.table = nn.Embedding(4, 4)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x @ self.table(torch.arange(4))  # (N, 4) @ (4, 4): a weight made of a lookup
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # a convolution kernel made of a lookup
+            return F.conv1d(x.unsqueeze(1), self.table(torch.arange(1)).view(1, 1, 4), padding="same").squeeze(1)
 
-    with pytest.raises(UnsupportedModuleError, match=r"'<root>'.*matmul"):
+    with pytest.raises(UnsupportedModuleError, match=r"'<root>'.*conv1d"):
         per_sample_gradients(Mixer(), torch.randn(4, 4), torch.randn(4, 4), loss_fn=_mse)
 
 

@@ -160,13 +160,18 @@ class RowProduct(nn.Module):
         return x @ weight
 
 
-@pytest.mark.parametrize("batched_bmm", [False, True])
-def test_a_weight_made_of_parameters_on_the_rows_is_refused(batched_bmm: bool) -> None:
-    """The product contracts each row with W: the batch is on a matrix axis, and a layer (nn.Linear)
-    is the way to write it."""
+def test_a_weight_made_of_parameters_on_the_rows() -> None:
+    """``x @ W`` on ``(N, d)`` rows is a linear layer with weight ``W.T`` (refused before); the
+    same rows as one matrix of a batch of one (``bmm`` with the batch on a matrix axis) are refused,
+    naming the remedy."""
+    torch.manual_seed(7)
+    model = RowProduct(False)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    samples = [((x[n:n + 1],), y[n:n + 1]) for n in range(4)]
+    expected = microbatch_oracle(model, samples, lambda out, t: (out - t).square().mean())
+    _assert_grads(per_sample_gradients(model, x, y, loss_fn=lambda out, t: (out - t).square()), expected)
     with pytest.raises(UnsupportedModuleError, match=r"'<root>'.*matrix axis.*nn\.Linear"):
-        per_sample_gradients(RowProduct(batched_bmm), torch.randn(4, 4), torch.randn(4, 4),
-                             loss_fn=lambda out, t: (out - t).square())
+        per_sample_gradients(RowProduct(True), x, y, loss_fn=lambda out, t: (out - t).square())
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -361,3 +366,52 @@ def test_a_loss_that_reads_the_models_parameters(mode: str) -> None:
         _assert_grads(result.grads, reference.grads)
         return
     _assert_grads(per_sample_gradients(model, ids, y, loss_fn=loss, mode=mode, augmentation_multiplicity=K), oracle)
+
+
+class TiedProjection(nn.Module):
+    """An output projection tied to the token table through ``F.linear(h, embedding.weight, b)``
+    (fairseq-style), in a module that does not own the table: refused before, while the same
+    ``h @ embedding.weight.T`` was accepted. ``b`` is a bias computed from another layer."""
+
+    def __init__(self, rank: int, bias: bool) -> None:
+        super().__init__()
+        self.rank = rank
+        self.embedding = nn.Embedding(11, DIM)
+        self.mix = nn.Linear(DIM, DIM)
+        self.bias = nn.Linear(1, 11) if bias else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (N*K, T)
+        h = torch.tanh(self.mix(self.embedding(ids)))  # (N*K, T, d)
+        if self.rank == 2:
+            h = h.mean(1)  # (N*K, d)
+        b = None if self.bias is None else self.bias(torch.ones(1, 1, dtype=h.dtype)).squeeze(0)
+        logits = F.linear(h, self.embedding.weight, b)
+        return logits if self.rank == 2 else logits.mean(1)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch", "gsm"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_a_tied_projection_through_functional_linear(rank: int, bias: bool, mode: str, K: int) -> None:
+    torch.manual_seed(6)
+    model = TiedProjection(rank, bias)
+    ids, y = torch.randint(0, 11, (3 * K, STEPS)), torch.randint(0, 11, (3 * K,))
+    samples = [((ids[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(3)]
+    expected = microbatch_oracle(model, samples, lambda out, t: _loss(out, t).mean())
+    if mode == "ghost":
+        reference = psg_core.clip_and_sum(expected, max_grad_norm=0.05)
+        result = dp_gradient(model, ids, y, loss_fn=_loss,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
+        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms.float(), name="norms")
+        _assert_grads(result.grads, reference.grads)
+    elif mode == "gsm":
+        wrapped = psg_core.GradSampleModule(model, augmentation_multiplicity=K)
+        try:
+            _loss(wrapped(ids), y).mean().backward()
+            _assert_grads({n: p.grad_sample for n, p in model.named_parameters()}, expected)
+        finally:
+            wrapped.remove_hooks()
+    else:
+        _assert_grads(per_sample_gradients(model, ids, y, loss_fn=_loss, mode=mode, augmentation_multiplicity=K),
+                      expected)
