@@ -291,9 +291,13 @@ def test_batch_free_keys_from_a_custom_autograd_function(mode: str) -> None:
     _check_model(Opaque(), mode)
 
 
-def _check_model(model: nn.Module, mode: str, K: int = 2) -> None:
+def _check_model(model: nn.Module, mode: str, K: int = 2, x: torch.Tensor | None = None,
+                 y: torch.Tensor | None = None) -> None:
+    """``mode``'s result on three samples of K rows equals the oracle's (ghost: norms and clipped
+    sum; "gsm": GradSampleModule's grad samples)."""
     torch.manual_seed(3)
-    x, y = torch.randn(3 * K, STEPS, DIM), torch.randint(0, 2, (3 * K,))
+    if x is None or y is None:
+        x, y = torch.randn(3 * K, STEPS, DIM), torch.randint(0, 2, (3 * K,))
     samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(3)]
     expected = microbatch_oracle(model, samples, lambda out, t: _loss(out, t).mean())
     if mode == "ghost":
@@ -302,6 +306,13 @@ def _check_model(model: nn.Module, mode: str, K: int = 2) -> None:
                              config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
         assert_close_scaled(result.per_sample_norms, reference.per_sample_norms.float(), name="norms")
         _assert_grads(result.grads, reference.grads)
+    elif mode == "gsm":
+        wrapped = psg_core.GradSampleModule(model, augmentation_multiplicity=K)
+        try:
+            _loss(wrapped(x), y).mean().backward()
+            _assert_grads({n: p.grad_sample for n, p in model.named_parameters()}, expected)
+        finally:
+            wrapped.remove_hooks()
     else:
         _assert_grads(per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode, augmentation_multiplicity=K),
                       expected)
@@ -395,23 +406,5 @@ class TiedProjection(nn.Module):
 @pytest.mark.parametrize("rank", [2, 3])
 def test_a_tied_projection_through_functional_linear(rank: int, bias: bool, mode: str, K: int) -> None:
     torch.manual_seed(6)
-    model = TiedProjection(rank, bias)
     ids, y = torch.randint(0, 11, (3 * K, STEPS)), torch.randint(0, 11, (3 * K,))
-    samples = [((ids[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(3)]
-    expected = microbatch_oracle(model, samples, lambda out, t: _loss(out, t).mean())
-    if mode == "ghost":
-        reference = psg_core.clip_and_sum(expected, max_grad_norm=0.05)
-        result = dp_gradient(model, ids, y, loss_fn=_loss,
-                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
-        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms.float(), name="norms")
-        _assert_grads(result.grads, reference.grads)
-    elif mode == "gsm":
-        wrapped = psg_core.GradSampleModule(model, augmentation_multiplicity=K)
-        try:
-            _loss(wrapped(ids), y).mean().backward()
-            _assert_grads({n: p.grad_sample for n, p in model.named_parameters()}, expected)
-        finally:
-            wrapped.remove_hooks()
-    else:
-        _assert_grads(per_sample_gradients(model, ids, y, loss_fn=_loss, mode=mode, augmentation_multiplicity=K),
-                      expected)
+    _check_model(TiedProjection(rank, bias), mode, K, ids, y)
