@@ -744,6 +744,8 @@ class BatchTracker(TorchFunctionMode):
             return self._meet_product(name, args, sources, x, where), kwargs
         elif name == "linear" and len(batched) == 1 and args and args[0] is batched[0]:
             return self._meet_linear(args, kwargs, sources, batched[0], where)
+        elif name == "einsum" and not kwargs and len(batched) == 1:
+            return self._meet_einsum(args, sources, batched[0], where), kwargs
         elif name in _CAT:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             ref = batched[0]
@@ -859,6 +861,41 @@ class BatchTracker(TorchFunctionMode):
             else:
                 out = out + bias
         return _Computed(out)
+
+    def _meet_einsum(self, args: tuple[Any, ...], sources: dict[int, tuple[torch.Tensor, frozenset[int]]],
+                     x: torch.Tensor, where: str) -> tuple[Any, ...]:
+        """``einsum`` of the batch ``x`` and batch-free operands computed from parameters (relative
+        positions in Transformer-XL-style attention): each batch-free operand gets the batch's letter
+        as a new leading axis, expanded over the batch's rows, so each row multiplies its own copy.
+        Refused when the batch's letter is summed over, or the equation uses ``...``."""
+        equation = args[0] if args and isinstance(args[0], str) else None
+        operands = list(args[1][0:] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
+        if equation is None or "..." in equation or "->" not in equation:
+            raise self._cannot("einsum", where, "only explicit equations (with '->' and no '...') are supported there")
+        lhs, rhs = equation.replace(" ", "").split("->")
+        terms = lhs.split(",")
+        bd, merged = self._batched[x]
+        index = next((i for i, t in enumerate(operands) if t is x), None)
+        if index is None or len(terms) != len(operands) or bd < 0 or bd >= len(terms[index]):
+            raise self._cannot("einsum", where, "the batch axis of its batched operand is unknown")
+        letter = terms[index][bd]
+        if letter not in rhs or any(letter in terms[i] for i, t in enumerate(operands) if i != index):
+            raise self._cannot("einsum", where, "the batch's letter is summed over or shared with another operand")
+        new_operands = list(operands)
+        for i, value in enumerate(operands):
+            if not isinstance(value, torch.Tensor) or id(value) not in sources:
+                continue
+            source, origin = sources[id(value)]
+            view = source.unsqueeze(0)
+            expanded = view.expand(x.shape[bd], *source.shape)
+            point = MeetingPoint(source=view, shape=tuple(expanded.shape), batch_dim=0, broadcast=True,
+                                 params=[self._params[p] for p in sorted(origin)], where=where, merged=merged)
+            self._batched[expanded] = (0, merged)
+            self.meetings.append(point)
+            self._on_meeting(point, expanded)
+            new_operands[i] = expanded
+            terms[i] = letter + terms[i]
+        return (",".join(terms) + "->" + rhs, *new_operands)
 
     def _note_tiles(self, name: str, args: tuple[Any, ...], out: torch.Tensor) -> None:
         """Records a batch-free tensor made of copies of one block along axis 0 (``repeat`` on that

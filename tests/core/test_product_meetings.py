@@ -408,3 +408,44 @@ def test_a_tied_projection_through_functional_linear(rank: int, bias: bool, mode
     torch.manual_seed(6)
     ids, y = torch.randint(0, 11, (3 * K, STEPS)), torch.randint(0, 11, (3 * K,))
     _check_model(TiedProjection(rank, bias), mode, K, ids, y)
+
+
+class RelativeEinsum(Keyed):
+    """Transformer-XL-style scores: ``einsum`` of the batch's queries with batch-free relative
+    keys (refused before). "time_major" puts the batch on the queries' second axis; "bias" adds a
+    third, batch-free operand (a slice of a layer's bias)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.query(x).view(rows, STEPS, HEADS, DIM)  # (N*K, T, H, d)
+        keys = self.key(self.positions.weight).view(SPAN, HEADS, DIM)  # (S, H, d): no batch
+        if self.how == "time_major":
+            scores = torch.einsum("tbhd,shd->bhts", q.transpose(0, 1), keys)
+        elif self.how == "bias":
+            scores = torch.einsum("bthd,shd,h->bhts", q, keys, self.key.bias[:HEADS])
+        else:
+            scores = torch.einsum("bthd,shd->bhts", q, keys)
+        return self.head(torch.tanh(scores).mean(1).flatten(1))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "gsm"])
+@pytest.mark.parametrize("how", ["batch_first", "time_major", "bias"])
+def test_batch_free_relative_keys_in_einsum(how: str, mode: str, K: int) -> None:
+    _check_model(RelativeEinsum(how), mode, K)
+
+
+def test_an_einsum_with_an_ellipsis_is_refused() -> None:
+    class Ellipsis_(RelativeEinsum):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.query(x).view(x.shape[0], STEPS, HEADS, DIM)
+            keys = self.key(self.positions.weight).view(SPAN, HEADS, DIM)
+            return self.head(torch.einsum("...thd,shd->...hts", q, keys).mean(1).flatten(1))
+
+    x, y = torch.randn(4, STEPS, DIM), torch.randint(0, 2, (4,))
+    with pytest.raises(UnsupportedModuleError, match=r"einsum.*explicit equations"):
+        per_sample_gradients(Ellipsis_("batch_first"), x, y, loss_fn=_loss)
