@@ -52,8 +52,8 @@ from psg_core._layout import STATE_BATCH_AXIS
 from psg_core.errors import UnsupportedModuleError
 from psg_core.support import own_parameters
 
-__all__ = ["rowwise", "rowwise_module", "is_rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN", "MIXED", "GROUPED",
-           "PERMUTED"]
+__all__ = ["rowwise", "rowwise_module", "is_rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN",
+           "MIXED", "GROUPED", "PERMUTED"]
 
 #: The batch axis of a batched tensor whose layout the tracker could not follow.
 UNKNOWN = -1
@@ -340,11 +340,6 @@ class _Computed:
     """An op's result computed by the meeting that rewrote it (see ``BatchTracker._meet_linear``)."""
 
     value: torch.Tensor
-
-
-def where_of(frame: _Frame | None) -> str:
-    """A frame's module, for messages."""
-    return frame.path if frame is not None else "'<root>'"
 
 
 def _own_params(layer: nn.Module) -> frozenset[int]:
@@ -691,6 +686,7 @@ class BatchTracker(TorchFunctionMode):
         if frame is not None and frame.own is not None and all(id(t) in frame.own for t in free):
             return args, kwargs  # the layer's own parameters as they are (the common case, below)
         sources: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
+        where = frame.path if frame is not None else "<root>"
         for t in free:
             origin = self._origin_of(t)
             if not origin:
@@ -710,13 +706,12 @@ class BatchTracker(TorchFunctionMode):
                 if origin <= cast(frozenset, owner.own):
                     continue
                 raise UnsupportedModuleError(
-                    f"per-sample gradients: in module {where_of(frame)}, a tensor computed from the parameters "
+                    f"per-sample gradients: in module {where}, a tensor computed from the parameters "
                     f"of the enclosing module {owner.path} and from other trainable parameters without the "
                     "batch meets the batch; psg cannot split that gradient per sample")
             sources[id(t)] = (t, origin)
         if not sources:
             return args, kwargs
-        where = frame.path if frame is not None else "<root>"
         if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor) \
                 and id(args[0]) in sources:
             raise self._cannot(name, where, "the op writes the batch's values in place into the batch-free tensor; "
@@ -761,17 +756,8 @@ class BatchTracker(TorchFunctionMode):
             if not isinstance(value, torch.Tensor) or id(value) not in sources:
                 return value
             source, origin = sources[id(value)]
-            target = shape if shape is not None else tuple(source.shape)
-            padded = (1,) * (len(target) - source.dim()) + tuple(source.shape)
-            expanded = source.expand(*target)
-            point = MeetingPoint(source=source, shape=tuple(expanded.shape), batch_dim=out_bd,
-                                 broadcast=padded[out_bd] == 1 and target[out_bd] != 1,
-                                 params=[self._params[i] for i in sorted(origin)], where=where,
-                                 merged=merged)
-            self._batched[expanded] = (out_bd, merged)
-            self.meetings.append(point)
-            self._on_meeting(point, expanded)
-            return expanded
+            return self._meeting_view(source, shape if shape is not None else tuple(source.shape), out_bd, merged,
+                                      origin, where)
 
         return tree_map(expand, args), tree_map(expand, kwargs)
 
@@ -801,7 +787,6 @@ class BatchTracker(TorchFunctionMode):
             if not 2 <= value.dim() <= x.dim():
                 raise self._cannot(name, where, f"its batch-free operand has {value.dim()} dimensions, the "
                                                 f"batched one {x.dim()}")
-            params: list[torch.Tensor] = [self._params[i] for i in sorted(origin)]
             tiled = self._tiled(value)
             rows = x.shape[bd]
             if tiled is not None and bd == 0 and value.dim() == x.dim() and value.shape[0] == rows \
@@ -809,27 +794,14 @@ class BatchTracker(TorchFunctionMode):
                 base = tiled[0]  # (s, *rest): entry r of the operand is base[r % s]
                 rest = tuple(base.shape[1:])
                 block = base if merged == base.shape[0] else base.repeat(merged // base.shape[0], *[1] * len(rest))
-                source = block.unsqueeze(0)  # (1, merged, *rest): what every batch row multiplies
-                expanded = source.expand(rows // merged, merged, *rest)
-                point = MeetingPoint(source=source, shape=tuple(expanded.shape), batch_dim=0, broadcast=True,
-                                     params=params, where=where)
-                self._batched[expanded] = (0, 1)
-                self.meetings.append(point)
-                self._on_meeting(point, expanded)
+                # (1, merged, *rest): what every batch row multiplies
+                expanded = self._meeting_view(block.unsqueeze(0), (rows // merged, merged, *rest), 0, 1, origin, where)
                 operand = expanded.reshape(rows, *rest)
                 self._batched[operand] = (0, merged)
                 out.append(operand)
                 continue
             target = (*torch.broadcast_shapes(tuple(x.shape[:-2]), tuple(value.shape[:-2])), *value.shape[-2:])
-            padded = (1,) * (len(target) - value.dim()) + tuple(value.shape)
-            expanded = source.expand(*target)
-            point = MeetingPoint(source=source, shape=tuple(expanded.shape), batch_dim=bd,
-                                 broadcast=padded[bd] == 1 and target[bd] != 1, params=params, where=where,
-                                 merged=merged)
-            self._batched[expanded] = (bd, merged)
-            self.meetings.append(point)
-            self._on_meeting(point, expanded)
-            out.append(expanded)
+            out.append(self._meeting_view(source, target, bd, merged, origin, where))
         return tuple(out)
 
     def _meet_linear(self, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -886,14 +858,8 @@ class BatchTracker(TorchFunctionMode):
             if not isinstance(value, torch.Tensor) or id(value) not in sources:
                 continue
             source, origin = sources[id(value)]
-            view = source.unsqueeze(0)
-            expanded = view.expand(x.shape[bd], *source.shape)
-            point = MeetingPoint(source=view, shape=tuple(expanded.shape), batch_dim=0, broadcast=True,
-                                 params=[self._params[p] for p in sorted(origin)], where=where, merged=merged)
-            self._batched[expanded] = (0, merged)
-            self.meetings.append(point)
-            self._on_meeting(point, expanded)
-            new_operands[i] = expanded
+            new_operands[i] = self._meeting_view(source.unsqueeze(0), (x.shape[bd], *source.shape), 0, merged,
+                                                 origin, where)
             terms[i] = letter + terms[i]
         return (",".join(terms) + "->" + rhs, *new_operands)
 
@@ -933,6 +899,21 @@ class BatchTracker(TorchFunctionMode):
                 or base.shape[0] * tiles != tensor.shape[0] or base.shape[1:] != tensor.shape[1:]:
             return None
         return base, tiles
+
+    def _meeting_view(self, source: torch.Tensor, target: Sequence[int], batch_dim: int, merged: int,
+                      origin: frozenset[int], where: str) -> torch.Tensor:
+        """``source`` (batch-free, computed from the parameters ``origin``) expanded to ``target``,
+        whose ``batch_dim`` holds the batch's rows (``merged`` entries each): registered as a meeting
+        point, whose gradient hook the backend installs on the returned view."""
+        padded = (1,) * (len(target) - source.dim()) + tuple(source.shape)
+        expanded = source.expand(*target)
+        point = MeetingPoint(source=source, shape=tuple(expanded.shape), batch_dim=batch_dim,
+                             broadcast=padded[batch_dim] == 1 and target[batch_dim] != 1,
+                             params=[self._params[i] for i in sorted(origin)], where=where, merged=merged)
+        self._batched[expanded] = (batch_dim, merged)
+        self.meetings.append(point)
+        self._on_meeting(point, expanded)
+        return expanded
 
     def _broadcast_axis(self, batched: list[torch.Tensor], ndim: int) -> tuple[int | None, int]:
         for t in batched:
