@@ -27,6 +27,7 @@ from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError
 from psg_core.fix_model import fix_model
 from psg_core.grad_sample import (GHOST_NORMS, GRAD_SAMPLERS, GhostFactors, GradSamplerRegistry, WeightLayout,
                                   register_ghost_norm, register_grad_sampler)
+from psg_core.gemm import GemmKernel, gemm_kernel, set_gemm_kernel
 from psg_core.grad_sample.conv_strategy import ConvStrategy, conv_strategy, set_conv_strategy
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from psg_core.layout import batch_free
@@ -85,9 +86,11 @@ __all__ = [
     "clip_and_sum",
     "conv_strategy",
     "dp_gradient",
+    "gemm_kernel",
     "l2_sensitivity",
     "secure_generator",
     "set_conv_strategy",
+    "set_gemm_kernel",
     "split_batch",
     "steps_for_epochs",
     "wrap_model",
@@ -100,6 +103,7 @@ __all__ = [
     "Clipping",
     "ConfigError",
     "ConvStrategy",
+    "GemmKernel",
     "DPConfig",
     "DPGradient",
     "GHOST_NORMS",

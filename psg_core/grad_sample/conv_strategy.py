@@ -47,7 +47,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -177,17 +177,21 @@ def _out_of_memory(err: RuntimeError) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err)
 
 
-def _time(candidates: Mapping[ConvStrategy, Callable[[], Any]], device: torch.device) -> dict[ConvStrategy, float]:
+_Key = TypeVar("_Key")
+
+
+def time_candidates(candidates: Mapping[_Key, Callable[[], Any]], device: torch.device) -> dict[_Key, float]:
     """Seconds per candidate: one untimed call each, then rounds of one call of every candidate
-    (so load drifting during the measurement hits them alike); the minimum per candidate."""
-    alive: dict[ConvStrategy, Callable[[], Any]] = {}
+    (so load drifting during the measurement hits them alike); the minimum per candidate. A
+    candidate that runs out of memory is left out. (Also :mod:`psg_core.gemm`'s measurement.)"""
+    alive: dict[_Key, Callable[[], Any]] = {}
     for strategy, run in candidates.items():
         try:
             run()  # untimed: lazy initialisation, cuDNN's own algorithm search
         except RuntimeError as err:
             if not _out_of_memory(err):
                 raise
-            logger.debug("conv strategy %s ran out of memory; not a candidate", strategy.value)
+            logger.debug("candidate %s ran out of memory; not a candidate", getattr(strategy, "value", strategy))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
@@ -218,7 +222,7 @@ def choose_measured(key: tuple[Any, ...], candidates: Mapping[ConvStrategy, Call
             choice = next(iter(candidates))
         else:
             with torch.no_grad():
-                seconds = _time(candidates, device)
+                seconds = time_candidates(candidates, device)
             if not seconds:
                 raise torch.OutOfMemoryError(f"conv strategy: every candidate of {key} ran out of memory")
             choice = min(seconds, key=lambda s: seconds[s])

@@ -14,6 +14,7 @@ import torch
 from opt_einsum import contract
 from torch import nn
 
+from psg_core.gemm import mm_tn
 from psg_core.grad_sample._utils import wants_grad
 from psg_core.grad_sample.ghost_norm import GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
@@ -91,7 +92,7 @@ def linear_grad_sample(layer: nn.Linear, activations: list[torch.Tensor], backpr
 
 def _linear_weight_sum(layer: nn.Linear, activation: torch.Tensor, backprop: torch.Tensor) -> torch.Tensor:
     a2, g2 = _flat(activation, backprop)  # (rows*T, d_in), (rows*T, d_out)
-    return as_dtype(g2.transpose(0, 1) @ a2, layer.weight.dtype)  # (d_out, d_in)
+    return as_dtype(mm_tn(g2, a2), layer.weight.dtype)  # (d_out, d_in)
 
 
 @register_ghost_norm(nn.Linear, _RNN_LINEAR, weight_sum=_linear_weight_sum, positions=_positions,

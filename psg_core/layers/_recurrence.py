@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["run", "known_linear"]
+from psg_core.gemm import Projection, linear, linear_uses_onednn, mm_tn
+
+__all__ = ["run", "known_linear", "fast_linear"]
 
 
 def _plain(param: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -90,13 +92,14 @@ def _rnn_step(act: Callable[[torch.Tensor], torch.Tensor]) -> Step:
     return step
 
 
-def _loop(step: Step, gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+def _loop(step: Step, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
           state: tuple[torch.Tensor, ...], mask: torch.Tensor | None, order: range
           ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Runs ``step`` over the sequence in ``order``: ``((h_prev, hh outputs), final state,
     (outputs, *saved))``, all ``(B, T, ·)`` in time order. A masked-out step keeps the state and
-    outputs zeros."""
+    outputs zeros. ``weight`` is the hidden weight ``(G*H, H)``."""
     steps = gx.shape[1]
+    hh = Projection(weight, state[0], None, bias)
     gx_steps = gx.unbind(1)  # T x (B, G*H)
     valid = None if mask is None else mask.unsqueeze(2).unbind(1)  # T x (B, 1)
     h = state[0]
@@ -106,7 +109,7 @@ def _loop(step: Step, gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tens
     saved: list[list[torch.Tensor]] = []
     for t in order:
         h = state[0]
-        gh = torch.mm(h, weight_t) if bias is None else torch.addmm(bias, h, weight_t)  # hh(h)
+        gh = hh(None, h)  # hh(h)
         new, keep = step(gx_steps[t], gh, state)
         if not saved:
             saved = [[h] * steps for _ in keep]
@@ -123,13 +126,14 @@ def _loop(step: Step, gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tens
     return (_stack(h_prev), _stack(hidden_gates)), state, (_stack(outs), *(_stack(v) for v in saved))
 
 
-def _lstm_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, state: tuple[torch.Tensor, ...],
+def _lstm_loop(gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: tuple[torch.Tensor, ...],
                order: range) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...],
                                       tuple[torch.Tensor, ...]]:
     """:func:`_loop` of an unmasked LSTM, with what it returns written in place: every step's
     results go straight into time-major ``(T, B, ·)`` buffers (``out=``), so a step is seven ops
-    (the gates buffer starts as input gates + hidden bias, and ``addmm_`` adds ``W_hh h``) and
-    nothing is stacked after the loop. The ``(B, T, ·)`` results are views of those buffers.
+    (the gates buffer starts as input gates + hidden bias, and ``addmm_`` adds ``W_hh h``; with
+    oneDNN's product, :mod:`psg_core.gemm`, each step's gates are a new tensor, stacked once after
+    the loop) and the ``(B, T, ·)`` results are views of those buffers.
     Plain tensors only (not under ``torch.func`` transforms, whose wrapped tensors cannot be
     written into plain buffers, nor under autocast, which would change ``addmm``'s dtype)."""
     batch, steps, width = gx.shape
@@ -150,15 +154,27 @@ def _lstm_loop(gx: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
     g_in = gates[..., 2 * hidden:3 * hidden].unbind(0)
     i, f, o = (sig[..., k * hidden:(k + 1) * hidden].unbind(0) for k in (0, 1, 3))
     gates_t, sig_t, cand_t, tanh_t, h_t, c_t = (b.unbind(0) for b in (gates, sig, cand, tanh_c, hs, cs))
-    for t in order:
-        read, write = (t, t + 1) if forward else (t + 1, t)
-        torch.sigmoid(gates_t[t].addmm_(h_t[read], weight_t), out=sig_t[t])
-        torch.tanh(g_in[t], out=cand_t[t])
-        torch.mul(f[t], c_t[read], out=c_t[write]).addcmul_(i[t], cand_t[t])
-        torch.mul(o[t], torch.tanh(c_t[write], out=tanh_t[t]), out=h_t[write])
+    hh = Projection(weight, h_t[first], gates_t[0])
+    if hh.onednn:  # each step's gates a new tensor (no in-place product): kept, stacked after
+        new_gates: list[torch.Tensor] = list(gates_t)
+        for t in order:
+            read, write = (t, t + 1) if forward else (t + 1, t)
+            step_gates = new_gates[t] = hh(gates_t[t], h_t[read])
+            torch.sigmoid(step_gates, out=sig_t[t])
+            torch.tanh(step_gates[:, 2 * hidden:3 * hidden], out=cand_t[t])
+            torch.mul(f[t], c_t[read], out=c_t[write]).addcmul_(i[t], cand_t[t])
+            torch.mul(o[t], torch.tanh(c_t[write], out=tanh_t[t]), out=h_t[write])
+        hidden_gates = torch.stack(new_gates, 1).sub_(gx)  # hh(h_prev) = W_hh h + b_hh
+    else:
+        for t in order:
+            read, write = (t, t + 1) if forward else (t + 1, t)
+            torch.sigmoid(gates_t[t].addmm_(h_t[read], hh.weight), out=sig_t[t])
+            torch.tanh(g_in[t], out=cand_t[t])
+            torch.mul(f[t], c_t[read], out=c_t[write]).addcmul_(i[t], cand_t[t])
+            torch.mul(o[t], torch.tanh(c_t[write], out=tanh_t[t]), out=h_t[write])
+        hidden_gates = gates.transpose(0, 1) - gx  # hh(h_prev) = W_hh h + b_hh
     prev, new = (slice(0, steps), slice(1, steps + 1)) if forward else (slice(1, steps + 1), slice(0, steps))
     h_prev = hs[prev].transpose(0, 1)  # (B, T, H) views
-    hidden_gates = gates.transpose(0, 1) - gx  # hh(h_prev) = W_hh h + b_hh
     final = (hs[steps if forward else 0], cs[steps if forward else 0])
     return ((h_prev, hidden_gates), final,
             (hs[new].transpose(0, 1), sig.transpose(0, 1), cand.transpose(0, 1), cs[prev].transpose(0, 1),
@@ -215,6 +231,7 @@ def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: S
     if not backwards:
         return cand.new_zeros(batch, steps, 4 * hidden), dh, dc
     dh = dh + douts[backwards[0]]  # the gradient reaching the step's new state, its output's included
+    hh_t: Projection | None = None  # x -> x @ W_hh, made at the first step (its operands decide the kernel)
     for k, t in enumerate(backwards):
         if valid is None:
             dh_new, dc_in = dh, dc
@@ -229,10 +246,10 @@ def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: S
             dg[t] = torch.cat([dc_new.unsqueeze(1) * from_c[t], (dh_new * from_h[t]).unsqueeze(1)],
                               dim=1).view(batch, 4 * hidden)
         dc_next = dc_new * forget[t]
-        if k + 1 < len(backwards):
-            dh_next = torch.addmm(douts[backwards[k + 1]], dg[t], weight)
-        else:
-            dh_next = torch.mm(dg[t], weight)
+        next_out = douts[backwards[k + 1]] if k + 1 < len(backwards) else None
+        if hh_t is None:
+            hh_t = Projection(weight.t(), dg[t], next_out)
+        dh_next = hh_t(next_out, dg[t])
         if valid is not None:
             passes = 1.0 - valid[t]
             dh_next = torch.addcmul(dh_next, dh, passes)
@@ -254,6 +271,7 @@ def _gru_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Se
     reset = r.unbind(1)  # d h_n = d pre_n * r
     d_input: list[torch.Tensor] = [dh] * len(d_out)
     d_hidden: list[torch.Tensor] = [dh] * len(d_out)
+    hh_t: Projection | None = None  # x -> x @ W_hh
     for t in reversed(order):
         v = None if valid is None else valid[t]
         dh_new, dh_keep = _masked(dh, d_out[t], v)
@@ -262,7 +280,10 @@ def _gru_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Se
         d_r = d_n * to_r[t]
         d_input[t] = torch.cat([d_r, d_z, d_n], dim=1)  # (B, 3H)
         d_hidden[t] = torch.cat([d_r, d_z, d_n * reset[t]], dim=1)
-        dh = torch.addmm(dh_new * keep[t], d_hidden[t], weight)
+        kept = dh_new * keep[t]
+        if hh_t is None:
+            hh_t = Projection(weight.t(), d_hidden[t], kept)
+        dh = hh_t(kept, d_hidden[t])
         if dh_keep is not None:
             dh = dh + dh_keep
     return d_input, d_hidden, dh
@@ -274,11 +295,14 @@ def _rnn_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Se
     (new,) = saved
     slope = ((new > 0).to(new.dtype) if relu else 1.0 - new * new).unbind(1)
     d_pre: list[torch.Tensor] = [dh] * len(d_out)
+    hh_t: Projection | None = None  # x -> x @ W_hh
     for t in reversed(order):
         v = None if valid is None else valid[t]
         dh_new, dh_keep = _masked(dh, d_out[t], v)
         d_pre[t] = dh_new * slope[t]
-        dh = torch.mm(d_pre[t], weight)
+        if hh_t is None:
+            hh_t = Projection(weight.t(), d_pre[t], None)
+        dh = hh_t(None, d_pre[t])
         if dh_keep is not None:
             dh = dh + dh_keep
     return d_pre, d_pre, dh
@@ -391,10 +415,10 @@ class _KnownOutput(torch.autograd.Function):
         dt = grad.dtype
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_input = torch.matmul(grad, weight.to(dt)).to(input_dtype)
+            grad_input = linear(grad, weight.to(dt).t()).to(input_dtype)
         if ctx.needs_input_grad[1]:
             rows = grad.reshape(-1, grad.shape[-1])  # (B*T, out)
-            grad_weight = torch.mm(rows.t(), input.reshape(-1, input.shape[-1]).to(dt)).to(weight_dtype)
+            grad_weight = mm_tn(rows, input.reshape(-1, input.shape[-1]).to(dt)).to(weight_dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype)
         return grad_input, grad_weight, grad_bias, None
@@ -428,6 +452,24 @@ def known_linear(linear: torch.nn.Module, input: torch.Tensor) -> torch.Tensor |
     return rowwise(lambda x: _KnownOutput.apply(x, weight, bias, known[1]), input)  # type: ignore[no-any-return]
 
 
+def fast_linear(linear_layer: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor | None:
+    """``linear_layer(input)`` computed by :func:`psg_core.gemm.linear` where that takes oneDNN's
+    kernel (a plain float32 CPU call, see :mod:`psg_core.gemm`), tied to the graph by
+    :class:`_KnownOutput` (whose backward takes the same kernel); None otherwise (the ordinary
+    ``F.linear`` call: other kernels, autocast, ExpandedWeights, ``torch.func`` transforms)."""
+    weight, bias = linear_layer.weight, linear_layer.bias
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter) or type(input) is not torch.Tensor:
+        return None
+    with torch.no_grad():
+        plain_input, plain_weight = input.detach(), weight.detach()
+        plain_bias = None if bias is None else bias.detach()
+        if not linear_uses_onednn(plain_input, plain_weight, plain_bias):
+            return None
+        output = linear(plain_input, plain_weight, plain_bias)
+    from psg_core.provenance import rowwise
+    return rowwise(lambda x: _KnownOutput.apply(x, weight, bias, output), input)  # type: ignore[no-any-return]
+
+
 # --------------------------------------------------------------------------------------- entry
 def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None, reverse: bool
         ) -> tuple[torch.Tensor, Any]:
@@ -454,18 +496,17 @@ def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None
                                         tuple[torch.Tensor, ...]]:
         with torch.no_grad():
             x = gx.detach()
-            weight_t = weight.t().contiguous()  # (H, G*H): addmm's fast operand layout
             step: Step
             start: tuple[torch.Tensor, ...]
             if kind == "lstm":
                 assert c0 is not None
                 step, start = _lstm_step, (h0.detach(), c0.detach())
                 if mask is None and not autocast_active() and not _wrapped(x):
-                    return _lstm_loop(x, weight_t, bias, start, order)
+                    return _lstm_loop(x, weight, bias, start, order)
             else:
                 step = _gru_step if kind == "gru" else _rnn_step(torch.relu if relu else torch.tanh)
                 start = (h0.detach(),)
-            return _loop(step, x, weight_t, bias, start, mask, order)
+            return _loop(step, x, weight, bias, start, mask, order)
 
     (h_prev, gh_values), final, results = rowwise(loop, gx)
     # hh in the graph: one hooked call on the states the loop read, (B, T, H) -> (B, T, G*H); its

@@ -56,6 +56,8 @@ class RNNLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # The recurrence computed hh(h_prev) step by step already: use it (_recurrence.known_output).
         known = _recurrence.known_linear(self, input)
+        if known is None:  # oneDNN's product where psg.gemm picks it (the input projection)
+            known = _recurrence.fast_linear(self, input)
         return super().forward(input) if known is None else known
 
 

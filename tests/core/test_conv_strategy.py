@@ -192,13 +192,13 @@ def test_rule_on_cpu() -> None:
 
 def test_auto_caches_per_signature_with_batch_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     timed: list[tuple[ConvStrategy, ...]] = []
-    original = strategy_module._time
+    original = strategy_module.time_candidates
 
     def spy(candidates: Any, device: torch.device) -> dict[ConvStrategy, float]:
         timed.append(tuple(candidates))
         return original(candidates, device)
 
-    monkeypatch.setattr(strategy_module, "_time", spy)
+    monkeypatch.setattr(strategy_module, "time_candidates", spy)
     conv = nn.Conv2d(2, 3, 3, padding=1)
     with conv_strategy("auto"):
         for n_samples in (5, 6, 8, 9):  # 5..8 share the bucket 8, 9 is in 16
@@ -213,7 +213,7 @@ def test_auto_caches_per_signature_with_batch_buckets(monkeypatch: pytest.Monkey
 def test_auto_leaves_out_candidates_that_need_far_more_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gram matrices over 1024 positions per sample are not even tried for a small weight."""
     timed: list[tuple[ConvStrategy, ...]] = []
-    monkeypatch.setattr(strategy_module, "_time",
+    monkeypatch.setattr(strategy_module, "time_candidates",
                         lambda candidates, device: timed.append(tuple(candidates)) or dict.fromkeys(candidates, 1.0))
     model, x, y = _batch(lambda: nn.Conv2d(3, 4, 3, padding=1), (3, 32, 32), 1)
     with conv_strategy("auto"):

@@ -1,7 +1,12 @@
+"""The DP recurrent layers against torch's and against the oracle, under each of psg's
+matrix-product kernels (:mod:`psg_core.gemm`: torch's and oneDNN's, which the time loops, the
+projections and their backward take)."""
+
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,10 +17,20 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import psg_core
+from psg_core import gemm
 from psg_core.backends.hooks import ALWAYS_BATCH_FIRST
 from psg_core.errors import ConfigError, UnsupportedModuleError
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPGRUCell, DPLSTMCell, DPRNNCell, RNNLinear
 from tests.oracle import check_against_oracle
+
+@pytest.fixture(autouse=True, params=["aten", "onednn"])
+def gemm_kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test of this file runs under each matrix-product kernel (oneDNN where torch has it)."""
+    if request.param == "onednn" and not gemm.onednn_available():
+        pytest.skip("torch has no oneDNN linear kernel here")
+    with gemm.gemm_kernel(request.param):
+        yield request.param
+
 
 REDUCTIONS = ["mean", "sum"]
 KS = [1, 3]
