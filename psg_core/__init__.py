@@ -33,6 +33,7 @@ from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from psg_core.layout import batch_free
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.provenance import rowwise_module
+from psg_core.support import unit_module
 from psg_core.noise import add_noise, secure_generator
 from psg_core.sampling import PoissonBatchSampler
 
@@ -92,6 +93,7 @@ __all__ = [
     "set_conv_strategy",
     "set_gemm_kernel",
     "split_batch",
+    "unit_module",
     "steps_for_epochs",
     "wrap_model",
     "BatchLayoutError",

@@ -273,6 +273,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a.T @ b`` for ``a (R, M)``, ``b (R, N)``: a weight gradient summed over R rows.
 
+    On oneDNN the operand that enters transposed as the product's rows is copied first; the
+    smaller of ``a`` and ``b`` is put there, so the result is a transposed view (not contiguous)
+    when ``b`` is the smaller (``(b.T @ a).T``): the copy costs at most the smaller operand.
+
     >>> mm_tn(torch.ones(5, 2), torch.ones(5, 3))
     tensor([[5., 5., 5.],
             [5., 5., 5.]])
@@ -281,7 +285,9 @@ def mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.t() @ b
 
     def onednn() -> torch.Tensor:
-        return _onednn_linear(a.t(), b.t(), None)
+        if a.shape[1] <= b.shape[1]:
+            return _onednn_linear(a.t(), b.t(), None)  # (M, N); a copied
+        return _onednn_linear(b.t(), a.t(), None).t()  # (N, M) transposed; b copied
 
     return onednn() if _use_onednn("mm_tn", (a, b), aten, onednn) else aten()
 

@@ -926,7 +926,10 @@ class BatchTracker(TorchFunctionMode):
         return UnsupportedModuleError(
             f"per-sample gradients: in module {where}, a tensor computed from trainable parameters "
             f"without the batch (e.g. from broadcast position ids) meets the batch in {name}, where "
-            f"psg cannot attribute its gradient to samples: {why}")
+            f"psg cannot attribute its gradient to samples: {why}. If the module reads its submodules' "
+            "parameters itself in such an op (F.multi_head_attention_forward on q_proj.weight, a functional "
+            "convolution), declare its class one unit, psg_core.unit_module(cls): torch.func then runs its whole "
+            "call per sample")
 
     # ------------------------------------------------------------------------------ batch axes
     def _follow(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,8 @@ from torch import nn
 from psg_core.errors import UnsupportedModuleError
 
 __all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
-           "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters"]
+           "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters",
+           "unit_module", "is_unit", "hooked_modules"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -86,6 +87,61 @@ def _reject(module: nn.Module, checks: Sequence[_Check], *, where: str) -> None:
             raise error
 
 
+# ------------------------------------------------------------------------------ units
+#: Classes whose call is one unit for per-sample gradients (see :func:`unit_module`), by class;
+#: Hugging Face's are known by name (transformers is never imported here).
+_UNITS: dict[type, bool] = {}
+_UNIT_NAMES = frozenset({
+    # its slow path reads conv1d.weight in a functional convolution and scans in place
+    "transformers.models.mamba.modeling_mamba.MambaMixer",
+})
+
+
+def unit_module(cls: type[nn.Module]) -> type[nn.Module]:
+    """Declares that modules of class ``cls`` are one unit for per-sample gradients: their forward
+    reads their submodules' parameters itself (``F.multi_head_attention_forward(...,
+    self.q_proj.weight, ...)``, a functional convolution with ``self.conv.weight``), which
+    per-layer hooks cannot attribute to the submodules. psg then takes every parameter of the
+    module's subtree as the module's own: the hooks and ghost backends compute their per-sample
+    gradients from ``torch.func`` on the module's whole call (the per-layer fallback), and hook
+    none of its submodules. The module must not mix samples. Returns ``cls`` (a decorator).
+
+    Hugging Face's Mamba mixer is a unit already.
+
+    >>> class Fused(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.proj = nn.Linear(3, 3)
+    ...     def forward(self, x):
+    ...         return torch.nn.functional.linear(x, self.proj.weight * 2, self.proj.bias)
+    >>> unit_module(Fused) is Fused, [tuple(p.shape) for p in own_parameters(Fused())]
+    (True, [(3, 3), (3,)])
+    """
+    _UNITS[cls] = True
+    return cls
+
+
+def is_unit(layer: nn.Module) -> bool:
+    """Whether ``layer``'s class is a unit (:func:`unit_module`, or one of Hugging Face's known)."""
+    cls = type(layer)
+    known = _UNITS.get(cls)
+    if known is None:
+        known = _UNITS[cls] = f"{cls.__module__}.{cls.__qualname__}" in _UNIT_NAMES
+    return known
+
+
+def hooked_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``module.named_modules()`` without the submodules of units (whose parameters the unit owns)."""
+    inside: str | None = None
+    for path, layer in module.named_modules():
+        if inside is not None and (inside == "" or path.startswith(inside + ".")):
+            continue
+        inside = None
+        yield path, layer
+        if is_unit(layer) and layer._modules:
+            inside = path
+
+
 def own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
     """``tuple(layer.parameters(recurse=False))`` read from ``_parameters`` directly (asked once
     per module and step: ``parameters()`` goes through the module-tree machinery).
@@ -103,6 +159,8 @@ def own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
     """
     if isinstance(layer, _PARAMETRIZATION_LIST):
         return ()
+    if is_unit(layer):  # its whole subtree (see unit_module)
+        return tuple(layer.parameters())
     seen: set[int] = set()
     own = []
     for p in layer._parameters.values():

@@ -298,6 +298,15 @@ def _output_dims(tracker: Any, outputs: list[torch.Tensor], batch_dim: int) -> t
     return tuple(dims) if any(d != (batch_dim, 1) for d in dims) else ()
 
 
+def _batch_state_object(call: LayerCall) -> str | None:
+    """The class name of a cache among the call's inputs (transformers' ``Cache`` family: it holds
+    every sample's state, so running the layer on one sample's rows with it fails or mixes them)."""
+    for value in tree_flatten((call.args, call.kwargs))[0]:
+        if not isinstance(value, torch.Tensor) and any(c.__name__.endswith("Cache") for c in type(value).__mro__):
+            return type(value).__name__
+    return None
+
+
 def call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int, *, where: str,
                       force_functorch: bool = False,
                       suspend: contextlib.AbstractContextManager[Any] | None = None
@@ -344,6 +353,12 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
         raise UnsupportedModuleError(
             f"{where}: {type(call.layer).__qualname__} was called without a batched tensor as its "
             "first argument, so its rows cannot be attributed to samples")
+    cache = _batch_state_object(call)
+    if cache is not None:
+        raise UnsupportedModuleError(
+            f"{where}: {type(call.layer).__qualname__} runs per sample under torch.func, but its call was given "
+            f"a {cache} object, which holds state for the whole batch that one sample's run cannot use; "
+            "train with the cache off (use_cache=False)")
     with suspend if suspend is not None else contextlib.nullcontext():
         try:
             return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,

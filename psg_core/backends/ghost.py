@@ -74,7 +74,7 @@ from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_los
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.precision import as_dtype, compute_dtype, no_autocast, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
-from psg_core.support import own_parameters, reject_per_layer_unsupported
+from psg_core.support import hooked_modules, own_parameters, reject_per_layer_unsupported
 
 __all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
 
@@ -145,7 +145,7 @@ class _GhostBookkeeping:
         self._owners_left: dict[torch.Tensor, int] = {}  # counts down as owning layers finish
         self._owner_layers: dict[torch.Tensor, list[nn.Module]] = {}
         self._handles: list[Any] = []
-        for _, layer in module.named_modules():
+        for _, layer in hooked_modules(module):
             params = own_parameters(layer)
             own = [p for p in params if p.requires_grad]
             if own:
@@ -612,7 +612,9 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
     grads = {}
     for (name, p), grad in zip(params.items(), summed):
         grad = torch.zeros_like(p) if grad is None else (grad.to_dense() if grad.is_sparse else grad)
-        grads[name] = as_dtype(grad.detach(), p.dtype)
+        # contiguous: a clipped sum may be a transposed view (psg_core.gemm.mm_tn), made dense
+        # here, once the pass's activations are freed
+        grads[name] = as_dtype(grad.detach(), p.dtype).contiguous()
     return DPGradient(grads=grads, per_sample_norms=norms.detach().to(torch.float32),
                       loss_sum=float((losses if dropped is None else losses[~dropped]).detach().sum()),
                       num_samples=num_samples, num_clipped=num_clipped, num_dropped=count_dropped(dropped))

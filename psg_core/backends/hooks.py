@@ -25,7 +25,7 @@ from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import LossReduction
 from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import BatchTracker, MeetingPoint
-from psg_core.support import FUSED, SAMPLE_MIXING, frequency_scaled, own_parameters
+from psg_core.support import FUSED, SAMPLE_MIXING, frequency_scaled, hooked_modules, is_unit, own_parameters
 
 __all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST", "hooks_per_sample"]
 
@@ -95,7 +95,7 @@ class GradSampleModule(AbstractGradSampleModule):
         # wrapper or straight to the model (accumulation is told apart by pass).
         self._handles.append(self._module.register_forward_pre_hook(self._new_pass, with_kwargs=True))
         self._handles.append(self._module.register_forward_hook(self._end_pass, always_call=True))
-        for _, layer in self._module.named_modules():
+        for _, layer in hooked_modules(self._module):
             if _own_trainable(layer) or (self.force_functorch and any(True for _ in layer.parameters(recurse=False))):
                 self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True, prepend=True))
 
@@ -234,7 +234,7 @@ class GradSampleModule(AbstractGradSampleModule):
         attention layers are always reported; use :func:`psg_core.fix_model` for them.
         """
         errors: list[UnsupportedModuleError] = []
-        for path, layer in module.named_modules():
+        for path, layer in hooked_modules(module):
             where = f"'{path or '<root>'}' ({type(layer).__qualname__})"
             if isinstance(layer, torch.jit.ScriptModule):
                 errors.append(UnsupportedModuleError(
@@ -256,7 +256,8 @@ class GradSampleModule(AbstractGradSampleModule):
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} is a fused layer; swap it for its DP "
                     "rewrite with psg_core.fix_model"))
-            elif _own_trainable(layer) and not force_functorch and GRAD_SAMPLERS.lookup(layer) is None:
+            elif (_own_trainable(layer) and not force_functorch and GRAD_SAMPLERS.lookup(layer) is None
+                  and not is_unit(layer)):
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} has trainable parameters but no registered "
                     f"grad sampler; register one with @register_grad_sampler({type(layer).__name__}), "

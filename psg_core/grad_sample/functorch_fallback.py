@@ -15,7 +15,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core.layout import fold_rows
-from psg_core.support import parametrized
+from psg_core.support import is_unit, parametrized
 
 __all__ = ["functorch_layer_grad_sample"]
 
@@ -139,6 +139,8 @@ def _own_named_parameters(layer: nn.Module) -> dict[str, nn.Parameter]:
     """The layer's own parameters by name, a parametrized tensor's originals included
     (``parametrizations.weight.original0``: functional_call swaps them in, and the parametrization
     computes the weight from each sample's copy)."""
+    if is_unit(layer):  # a unit owns its whole subtree (psg_core.support.unit_module)
+        return dict(layer.named_parameters())
     named = dict(layer.named_parameters(recurse=False))
     if parametrized(layer):
         lists = cast(nn.Module, layer.parametrizations)

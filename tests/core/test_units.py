@@ -1,0 +1,141 @@
+"""Units (psg_core.unit_module): a module whose forward reads its submodules' parameters itself
+(a functional op on ``self.proj.weight``) is taken whole, its subtree's parameters differentiated
+per sample by torch.func on its call; Hugging Face's Mamba mixer, full fine-tuning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import psg_core
+from psg_core import DPConfig, dp_gradient, per_sample_gradients
+from psg_core.errors import UnsupportedModuleError
+from psg_core.support import hooked_modules, is_unit, own_parameters
+from tests.oracle import assert_close_scaled, check_against_oracle, check_mode, microbatch_oracle
+
+N, C, L = 3, 2, 6
+
+
+class _Functional(nn.Module):
+    """Reads ``conv``'s weight in a functional convolution (doubled: not the layer's own call),
+    calls ``gate`` as a module, and owns ``scale``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(C, C, 3, padding=1)
+        self.gate = nn.Linear(C, C)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, C))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, L)
+        h = F.conv1d(x, self.conv.weight * 2.0, self.conv.bias, padding=1)
+        gate = torch.sigmoid(self.gate(x.transpose(1, 2))).transpose(1, 2)
+        return h * gate * self.scale[:, None]
+
+
+@psg_core.unit_module
+class _Unit(_Functional):
+    pass
+
+
+def _model(block: type[nn.Module]) -> nn.Module:
+    return nn.Sequential(nn.Conv1d(C, C, 1), block(), nn.Tanh(), nn.Flatten(), nn.Linear(C * L, 3))
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def test_a_module_reading_its_submodules_weights_is_refused_with_the_remedy() -> None:
+    torch.manual_seed(0)
+    model = _model(_Functional)
+    x, y = torch.randn(N, C, L), torch.randint(0, 3, (N,))
+    for mode in ("hooks", "ghost"):
+        with pytest.raises(UnsupportedModuleError, match=r"psg_core\.unit_module\(cls\)"):
+            if mode == "ghost":
+                dp_gradient(model, x, y, loss_fn=_loss, config=DPConfig(mode="ghost", max_grad_norm=1.0))
+            else:
+                per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_unit_equals_the_oracle(mode: str, K: int) -> None:
+    torch.manual_seed(0)
+    model = _model(_Unit)
+    x, y = torch.randn(N * K, C, L), torch.randint(0, 3, (N * K,))
+    check_mode(model, x, y, K=K, mode=mode, loss=_loss)
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_unit_in_a_wrapped_model(K: int, loss_reduction: str) -> None:
+    """GradSampleModule: the unit's subtree gets grad samples from the unit, none twice."""
+    torch.manual_seed(0)
+    model = _model(_Unit)
+    x, y = torch.randn(N * K, C, L), torch.randn(N * K, 3)
+    check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction)
+
+
+def test_a_unit_owns_its_subtree_and_its_submodules_are_not_hooked() -> None:
+    model = _model(_Unit)
+    unit = model[1]
+    assert is_unit(unit) and not is_unit(unit.conv)
+    assert {id(p) for p in own_parameters(unit)} == {id(p) for p in unit.parameters()}
+    assert [path for path, _ in hooked_modules(model)] == ["", "0", "1", "2", "3", "4"]
+    assert [path for path, _ in hooked_modules(unit)] == [""]
+    assert not is_unit(_Functional())  # declaring a subclass leaves its base alone
+
+
+# ------------------------------------------------------------------------------ Mamba
+transformers = pytest.importorskip("transformers")
+
+
+def _mamba(use_cache: bool) -> nn.Module:
+    config = transformers.MambaConfig(vocab_size=40, hidden_size=8, state_size=4, num_hidden_layers=2, expand=2,
+                                      conv_kernel=3, time_step_rank=2, use_cache=use_cache)
+    torch.manual_seed(0)
+    return transformers.MambaForSequenceClassification(config).eval() \
+        if hasattr(transformers, "MambaForSequenceClassification") else transformers.MambaForCausalLM(config).eval()
+
+
+def _mamba_loss(out: object, y: torch.Tensor) -> torch.Tensor:
+    logits = out.logits  # type: ignore[attr-defined]
+    if logits.dim() == 3:  # causal LM: next-token loss per sample
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), y[:, 1:].flatten(), reduction="none").view(
+            y.shape[0], -1).mean(1)
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_mamba_full_fine_tuning(mode: str, K: int) -> None:
+    """Every parameter of Hugging Face's Mamba trains (the mixer's in/x/dt/out projections, its
+    convolution, A_log and D): equal to the oracle in float64."""
+    model = _mamba(use_cache=False).double()
+    assert is_unit(model.backbone.layers[0].mixer)
+    tokens = torch.randint(0, 40, (N * K, 6))
+    targets = tokens if model.__class__.__name__.endswith("CausalLM") else torch.randint(0, 2, (N * K,))
+    samples = [((tokens[n * K:(n + 1) * K],), targets[n * K:(n + 1) * K]) for n in range(N)]
+    expected = microbatch_oracle(model, samples, lambda out, t: _mamba_loss(out, t).mean())
+    if mode == "ghost":
+        out = dp_gradient(model, tokens, targets, loss_fn=_mamba_loss,
+                          config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=1e9))
+        norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in expected.values()))
+        assert_close_scaled(out.per_sample_norms.double(), norms, name="norms")
+        for name, value in expected.items():
+            assert_close_scaled(out.grads[name], value.sum(0), name=name)
+        return
+    got = per_sample_gradients(model, tokens, targets, loss_fn=_mamba_loss, mode=mode, augmentation_multiplicity=K)
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert_close_scaled(got[name], value, name=name)
+
+
+def test_mamba_with_its_cache_on_is_refused_with_the_remedy() -> None:
+    model = _mamba(use_cache=True)
+    tokens = torch.randint(0, 40, (N, 6))
+    targets = tokens if model.__class__.__name__.endswith("CausalLM") else torch.randint(0, 2, (N,))
+    with pytest.raises(UnsupportedModuleError, match=r"Cache object.*use_cache=False"):
+        per_sample_gradients(model, tokens, targets, loss_fn=_mamba_loss, mode="hooks")
