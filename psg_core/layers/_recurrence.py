@@ -482,6 +482,10 @@ def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None
     from psg_core.precision import autocast_active
     from psg_core.provenance import rowwise
 
+    if sequence.shape[1] == 0:
+        from psg_core.errors import ConfigError
+        raise ConfigError("DP recurrent layers: the input sequence is empty (length 0); torch's RNNs refuse "
+                          "it too (a packed batch's lengths must be at least 1)")
     gx = cell.ih(sequence)  # (B, T, G*H): one hooked call for the whole sequence
     steps = gx.shape[1]
     order = range(steps - 1, -1, -1) if reverse else range(steps)

@@ -392,3 +392,11 @@ def test_hooks_accept_rewrites_and_reject_torch_layers() -> None:
                                                   strict=True)
     with pytest.raises(UnsupportedModuleError, match="fix_model"):
         psg_core.GradSampleModule.validate(nn.LSTM(INPUT, HIDDEN), strict=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_an_empty_sequence_is_refused_clearly(kind: str, batch_first: bool) -> None:
+    layer = make_dp(kind, INPUT, HIDDEN, batch_first=batch_first)
+    with pytest.raises(ConfigError, match="sequence is empty"):
+        layer(torch.randn((2, 0, INPUT) if batch_first else (0, 2, INPUT)))
