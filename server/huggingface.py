@@ -7,7 +7,7 @@ Each task is one registry entry; its ``model_kwargs_json`` is a transformers con
 =============================  ================================================  =====================================
 entry                          transformers class (its Auto mapping)             model types
 =============================  ================================================  =====================================
-hf_causal_lm                   AutoModelForCausalLM                              gpt2, llama, mistral, qwen2
+hf_causal_lm                   AutoModelForCausalLM                              gpt2, llama, mamba, mistral, qwen2
 hf_sequence_classification     AutoModelForSequenceClassification                bert, deberta, deberta-v2, distilbert,
                                                                                  gpt2, llama, roberta
 hf_token_classification        AutoModelForTokenClassification                   bert, deberta, deberta-v2, distilbert,
@@ -88,7 +88,7 @@ class HuggingFaceTask:
 
 TASKS: dict[str, HuggingFaceTask] = {task.name: task for task in (
     HuggingFaceTask("hf_causal_lm", "AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-                    ("gpt2", "llama", "mistral", "qwen2"), "tokens", per_token=True),
+                    ("gpt2", "llama", "mamba", "mistral", "qwen2"), "tokens", per_token=True),
     HuggingFaceTask("hf_sequence_classification", "AutoModelForSequenceClassification",
                     "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
                     ("bert", "deberta", "deberta-v2", "distilbert", "gpt2", "llama", "roberta"), "tokens",

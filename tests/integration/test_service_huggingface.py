@@ -22,8 +22,8 @@ from psg_wire.codec import encode_tensors
 from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from psg_wire.v1.tensor_pb2 import TensorHeader
-from tests.server.hf_harness import (BERT, BERT_LORA, DEBERTA_LORA, DEBERTA_V3, GPT2, GPT2_LORA, hf_model,
-                                    token_batch, trainable_bytes)
+from tests.server.hf_harness import (BERT, BERT_LORA, DEBERTA_LORA, DEBERTA_V3, GPT2, GPT2_LORA, MAMBA, MAMBA_LORA,
+                                    hf_model, token_batch, trainable_bytes)
 from tests.server.service_harness import client_for, local_dp, serve
 
 Code = grpc.StatusCode
@@ -97,6 +97,24 @@ def test_deberta_v3_sequence_classification_equals_local_dp_gradient(client: Gra
         result = session.compute_gradients(inputs, labels)
     assert_equals_local(result, model, inputs, labels, config, "cross_entropy", 4)
     assert 0 < result.fraction_clipped <= 1
+
+
+@pytest.mark.parametrize("mode, K", [("hooks", 1), ("ghost", 2)])
+@pytest.mark.parametrize("lora", [MAMBA_LORA, None], ids=["lora", "full"])
+def test_mamba_causal_lm_equals_local_dp_gradient(client: GradientClient, lora: LoraAdapter | None, mode: str,
+                                                  K: int) -> None:
+    """Mamba's mixer reads its own convolution's weight and scans in place: one unit, differentiated
+    per sample by torch.func (psg_core.unit_module); the service forces the cache off."""
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=1e-4)  # every sample clipped
+    model = hf_model(MAMBA, "MambaForCausalLM", lora=lora, seed=K)
+    model.config.use_cache = False
+    inputs, labels = token_batch(4 * K, seed=K)
+    with client.create_session("hf_causal_lm", model_kwargs=MAMBA, loss="causal_lm", expected_batch_size=4,
+                               config=config, lora=lora) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients(inputs, labels)
+    assert_equals_local(result, model, inputs, labels, config, "causal_lm", 4)
+    assert result.fraction_clipped == 1
 
 
 def test_dp_lora_training_pushes_the_base_model_once(client: GradientClient) -> None:

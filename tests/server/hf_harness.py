@@ -30,6 +30,11 @@ DEBERTA_V3: dict[str, Any] = {"model_type": "deberta-v2", "vocab_size": VOCAB, "
                               "max_relative_positions": 8, "pos_att_type": ["p2c", "c2p"],
                               "norm_rel_ebd": "layer_norm", "share_att_key": True, "position_biased_input": False,
                               "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": 3}
+#: Mamba for causal LM: its mixer reads its convolution's weight itself, a unit (psg_core.unit_module).
+MAMBA: dict[str, Any] = {"model_type": "mamba", "vocab_size": VOCAB, "hidden_size": 8, "state_size": 4,
+                         "num_hidden_layers": 2, "expand": 2, "conv_kernel": 3, "time_step_rank": 2,
+                         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+MAMBA_LORA = LoraAdapter(rank=2, target_modules=("in_proj", "x_proj"))
 DEBERTA_LORA = LoraAdapter(rank=2, target_modules=("query_proj", "value_proj"))
 GPT2_LORA = LoraAdapter(rank=2, target_modules=("c_attn",), alpha=4)
 BERT_LORA = LoraAdapter(rank=2, target_modules=("query", "value"))

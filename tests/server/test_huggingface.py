@@ -13,7 +13,7 @@ from psg_server.huggingface import TASKS
 from psg_server.losses import IGNORE_INDEX, get_loss
 from psg_server.models import ModelRegistry, default_registry
 from psg_wire.adapters import LoraAdapter
-from tests.server.hf_harness import BERT, DEBERTA_V3, GPT2, GPT2_LORA, VOCAB, hf_model, token_batch
+from tests.server.hf_harness import BERT, DEBERTA_V3, GPT2, GPT2_LORA, MAMBA, VOCAB, hf_model, token_batch
 
 TINY: dict[str, dict[str, Any]] = {
     "hf_causal_lm": GPT2,
@@ -32,6 +32,7 @@ TINY: dict[str, dict[str, Any]] = {
 #: More model types than TINY's one per task: (task, config).
 EXTRA = {
     "deberta_v3_sequence": ("hf_sequence_classification", DEBERTA_V3),
+    "mamba_causal": ("hf_causal_lm", MAMBA),
     "deberta_v1_tokens": ("hf_token_classification", {**BERT, "model_type": "deberta", "relative_attention": True,
                                                        "max_relative_positions": 8, "pos_att_type": ["p2c", "c2p"],
                                                        "type_vocab_size": 0}),
