@@ -881,12 +881,24 @@ class BatchTracker(TorchFunctionMode):
         base = tiled[0]
         if name == "contiguous" and out is not src:
             self._tiles[out] = (base, tiled[1], base._version, out._version)
+        elif name in ("view", "reshape") and src.dim() >= 2 and out.dim() == src.dim() - 1 \
+                and out.shape[0] == src.shape[0] * src.shape[1] and out.shape[1:] == src.shape[2:]:
+            # axes 0 and 1 merged ((B, H, T, T) -> (B*H, T, T), WavLM's position bias): still tiles
+            # of the block with its first two axes merged
+            view = base.reshape(base.shape[0] * base.shape[1], *base.shape[2:])
+            self._tiles[out] = (view, tiled[1], view._version, out._version)
         elif name in ("transpose", "swapaxes", "swapdims") and len(args) == 3 \
                 and all(type(d) is int for d in args[1:]):
             d0, d1 = args[1] % src.dim(), args[2] % src.dim()
             if d0 and d1:
                 view = base.transpose(d0, d1)
                 self._tiles[out] = (view, tiled[1], view._version, out._version)
+
+    def tiles(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """``(tiles, rows per tile)`` of a batch-free tensor made of copies of one block along axis 0
+        (``block.repeat(tiles, 1, ...)``, then maybe its first two axes merged), None otherwise."""
+        tiled = self._tiled(tensor)
+        return None if tiled is None else (tiled[1], int(tiled[0].shape[0]))
 
     def _tiled(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """``(base, tiles)`` when ``tensor`` is still ``base.repeat(tiles, 1, ...)``: neither was

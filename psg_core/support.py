@@ -92,6 +92,8 @@ def _reject(module: nn.Module, checks: Sequence[_Check], *, where: str) -> None:
 #: Hugging Face's are known by name (transformers is never imported here).
 _UNITS: dict[type, bool] = {}
 _UNIT_NAMES = frozenset({
+    # F.multi_head_attention_forward on its q/k/v/out projections' weights
+    "transformers.models.wavlm.modeling_wavlm.WavLMAttention",
     # its slow path reads conv1d.weight in a functional convolution and scans in place
     "transformers.models.mamba.modeling_mamba.MambaMixer",
 })
@@ -106,7 +108,7 @@ def unit_module(cls: type[nn.Module]) -> type[nn.Module]:
     gradients from ``torch.func`` on the module's whole call (the per-layer fallback), and hook
     none of its submodules. The module must not mix samples. Returns ``cls`` (a decorator).
 
-    Hugging Face's Mamba mixer is a unit already.
+    Hugging Face's WavLM attention and Mamba mixer are units already.
 
     >>> class Fused(nn.Module):
     ...     def __init__(self):

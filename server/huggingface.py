@@ -14,6 +14,7 @@ hf_token_classification        AutoModelForTokenClassification                  
                                                                                  roberta
 hf_seq2seq_lm                  AutoModelForSeq2SeqLM                             t5
 hf_image_classification        AutoModelForImageClassification                   vit
+hf_audio_classification        AutoModelForAudioClassification                   wav2vec2, hubert, wavlm
 =============================  ================================================  =====================================
 
 Nothing is downloaded and no code comes from elsewhere: the config class and the model class are
@@ -64,6 +65,8 @@ _MAX_DEPTH = 6
 _MAX_ITEMS = 1024
 _MAX_STRING = 256
 _LAYER_KEYS = ("num_hidden_layers", "num_layers", "num_decoder_layers")
+#: Longest waveform an audio model takes (samples: 65 s at 16 kHz; the request byte limit applies too).
+_MAX_AUDIO = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class HuggingFaceTask:
     mapping: str
     #: Allowed ``model_type`` values (tested with psg's backends).
     model_types: tuple[str, ...]
-    #: "tokens", "seq2seq" or "image": which keyword inputs the models take.
+    #: "tokens", "seq2seq", "image" or "audio": which keyword inputs the models take.
     inputs: str
     #: The logits are per token (targets have the shape of ``targets_like``).
     per_token: bool
@@ -102,6 +105,9 @@ TASKS: dict[str, HuggingFaceTask] = {task.name: task for task in (
                     ("t5",), "seq2seq", per_token=True),
     HuggingFaceTask("hf_image_classification", "AutoModelForImageClassification",
                     "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", ("vit",), "image", per_token=False),
+    HuggingFaceTask("hf_audio_classification", "AutoModelForAudioClassification",
+                    "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", ("wav2vec2", "hubert", "wavlm"), "audio",
+                    per_token=False),
 )}
 
 
@@ -222,6 +228,15 @@ def signature(name: str, **kwargs: Any) -> ModelSignature:
         size = config.image_size
         pixels = InputSpec("float", (config.num_channels, size, size))
         return ModelSignature(inputs=(), num_outputs=config.num_labels, keyword_inputs={"pixel_values": pixels})
+    if task.inputs == "audio":
+        # The waveform must cover the convolutional feature encoder's receptive field (one frame).
+        # No attention mask: a row masked below one frame breaks transformers' length arithmetic;
+        # clips of a batch share a length, zero-padded as the feature extractors pad them.
+        shortest = 1
+        for kernel, stride in reversed(list(zip(config.conv_kernel, config.conv_stride))):
+            shortest = (shortest - 1) * stride + kernel
+        audio = {"input_values": InputSpec("float", ((shortest, _MAX_AUDIO),))}
+        return ModelSignature(inputs=(), num_outputs=config.num_labels, keyword_inputs=audio)
     max_length = getattr(config, "max_position_embeddings", None) or _MAX_SEQUENCE
     tokens = InputSpec("index", ((1, max_length),), num_embeddings=config.vocab_size)
     mask = InputSpec("mask", ((1, max_length),), required=False, same_shape_as="input_ids")

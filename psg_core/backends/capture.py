@@ -129,11 +129,13 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     tracker = active_tracker()
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if tracker is not None:
-        if not tracker.is_batched([flat[i] for i in index]):
-            # Its output does not carry the batch (called on broadcast position ids or a bucket
-            # matrix, or, like BART's position table, on positions made from the batch's shape
-            # only): no per-row gradient here; the output stays batch-free and the tracker
-            # handles where it meets the batch.
+        # Only the outputs that carry the batch have per-row gradients here. One computed from the
+        # parameters without the batch (called on broadcast position ids or a bucket matrix; BART's
+        # position table, made from the batch's shape only; WavLM's relative-position bias, returned
+        # beside its batched output) stays batch-free, and the tracker handles where it meets the
+        # batch: hooking it too would count that path twice.
+        index = [i for i in index if tracker.is_batched(flat[i])]
+        if not index:
             return None
         first = next((a for a in args if isinstance(a, torch.Tensor) and tracker.is_batched(a)), first)
     entry = GRAD_SAMPLERS.lookup(layer)
@@ -196,7 +198,7 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      versions=versions,
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
                                                                            batch_dim),
-                     input_dims=() if entry is not None else _input_dims(tracker, args, kwargs))
+                     input_dims=() if entry is not None else _input_dims(tracker, args, kwargs, rows))
     outputs = [flat[i] for i in index]
     if all(t._base is None for t in outputs):
         return call, outputs
@@ -219,9 +221,11 @@ def separate_outputs(output: Any) -> Any:
         return None
     flat, spec = tree_flatten(output)
     index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    tracker = active_tracker()
+    if tracker is not None:  # only the batched ones are captured (see capture_call)
+        index = [i for i in index if tracker.is_batched(flat[i])]
     if len(index) < 2:
         return None
-    tracker = active_tracker()
     for i in index:
         copy = flat[i].clone()
         if tracker is not None:
@@ -266,9 +270,14 @@ def _computed_weight(layer: nn.Module) -> bool:
     return False
 
 
-def _input_dims(tracker: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int, int] | None, ...]:
+def _input_dims(tracker: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int | None
+                ) -> tuple[tuple[int, int] | None, ...]:
     """For the torch.func fallback: where the batch is in each of the call's tensors, as followed
     (a batch-free tensor whose size on the batch dimension happens to equal N*K is not split).
+
+    A batch-free tensor made of one block repeated once per batch row (WavLM's position bias,
+    ``bias.repeat(B, 1, 1, 1).view(B*H, T, T)``) is split like a batched one: a sample's forward
+    alone builds one block per row of its own.
 
     Tensors whose values mix samples are refused here: the fallback would run each sample on rows
     the forward pass computed from other samples."""
@@ -278,7 +287,8 @@ def _input_dims(tracker: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     for value in tree_flatten((args, kwargs))[0]:
         axis = tracker.batch_dim(value) if isinstance(value, torch.Tensor) else None
         if axis is None:
-            dims.append(None)
+            tiles = tracker.tiles(value) if isinstance(value, torch.Tensor) else None
+            dims.append((0, tiles[1]) if tiles is not None and tiles[0] == rows else None)
             continue
         if axis in (MIXED, GROUPED, PERMUTED):
             tracker.check_rows(value, f"module {tracker.current_module()}")

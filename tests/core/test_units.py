@@ -1,6 +1,8 @@
 """Units (psg_core.unit_module): a module whose forward reads its submodules' parameters itself
 (a functional op on ``self.proj.weight``) is taken whole, its subtree's parameters differentiated
-per sample by torch.func on its call; Hugging Face's Mamba mixer, full fine-tuning."""
+per sample by torch.func on its call; Hugging Face's Mamba mixer and WavLM attention, full
+fine-tuning. Also: a layer returning a tensor computed from its parameters without the batch beside
+its batched output (WavLM's position bias)."""
 
 from __future__ import annotations
 
@@ -78,6 +80,40 @@ def test_a_unit_in_a_wrapped_model(K: int, loss_reduction: str) -> None:
     check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction)
 
 
+class _BiasBeside(nn.Module):
+    """No grad sampler (the torch.func fallback); returns its batched output and a bias computed
+    from its parameter alone, which the next layer adds to the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.linspace(-1.0, 1.0, L))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * self.p, self.p * 2.0
+
+
+class _WithBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv1d(C, C, 1)
+        self.mixed = _BiasBeside()
+        self.head = nn.Linear(C * L, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, bias = self.mixed(self.a(x))
+        return self.head(torch.tanh(h + bias).flatten(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_parameter_made_output_beside_the_batched_one(mode: str, K: int) -> None:
+    """Its gradient is the tracker's to attribute where it meets the batch; hooking it as an output
+    too counted it twice (a raw 'second backward pass' error under hooks, a vmap error under ghost)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(N * K, C, L), torch.randint(0, 3, (N * K,))
+    check_mode(_WithBias(), x, y, K=K, mode=mode, loss=_loss)
+
+
 def test_a_unit_owns_its_subtree_and_its_submodules_are_not_hooked() -> None:
     model = _model(_Unit)
     unit = model[1]
@@ -139,3 +175,43 @@ def test_mamba_with_its_cache_on_is_refused_with_the_remedy() -> None:
     targets = tokens if model.__class__.__name__.endswith("CausalLM") else torch.randint(0, 2, (N,))
     with pytest.raises(UnsupportedModuleError, match=r"Cache object.*use_cache=False"):
         per_sample_gradients(model, tokens, targets, loss_fn=_mamba_loss, mode="hooks")
+
+
+# ------------------------------------------------------------------------------ WavLM
+def _wavlm() -> nn.Module:
+    config = transformers.WavLMConfig(
+        hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16, conv_dim=(4, 4),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        num_buckets=8, max_bucket_distance=20, num_labels=2, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.WavLMForSequenceClassification(config).eval()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_wavlm_full_fine_tuning(mode: str, K: int) -> None:
+    """WavLM's attention runs F.multi_head_attention_forward on its projections' weights (a unit),
+    and hands the next layer a relative-position bias tiled from its parameters per batch row,
+    which the next unit's per-sample run takes one block per row of: equal to the oracle."""
+    model = _wavlm().double()
+    assert is_unit(model.wavlm.encoder.layers[0].attention)
+    audio = torch.randn(N * K, 200, dtype=torch.float64)
+    labels = torch.arange(N * K) % 2
+
+    def loss(out: object, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.logits, t, reduction="none")  # type: ignore[attr-defined]
+
+    samples = [((audio[n * K:(n + 1) * K],), labels[n * K:(n + 1) * K]) for n in range(N)]
+    expected = microbatch_oracle(model, samples, lambda out, t: loss(out, t).mean())
+    if mode == "ghost":
+        out = dp_gradient(model, audio, labels, loss_fn=loss,
+                          config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=1e9))
+        got, expected = out.grads, {name: value.sum(0) for name, value in expected.items()}
+    else:
+        got = per_sample_gradients(model, audio, labels, loss_fn=loss, mode=mode, augmentation_multiplicity=K)
+    # One scale for the model: the key projection's bias has a zero gradient (softmax ignores a
+    # shift of every score), which float64 rounding leaves at 1e-17 in both.
+    scale = max(value.abs().max() for value in expected.values())
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name] / scale, value / scale, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")

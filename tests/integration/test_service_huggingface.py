@@ -23,7 +23,8 @@ from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from psg_wire.v1.tensor_pb2 import TensorHeader
 from tests.server.hf_harness import (BERT, BERT_LORA, DEBERTA_LORA, DEBERTA_V3, GPT2, GPT2_LORA, MAMBA, MAMBA_LORA,
-                                    hf_model, token_batch, trainable_bytes)
+                                    WAV2VEC2, WAV2VEC2_LORA, WAVLM, WAVLM_LORA, hf_model, token_batch,
+                                    trainable_bytes)
 from tests.server.service_harness import client_for, local_dp, serve
 
 Code = grpc.StatusCode
@@ -114,6 +115,29 @@ def test_mamba_causal_lm_equals_local_dp_gradient(client: GradientClient, lora: 
         session.push_parameters(model)
         result = session.compute_gradients(inputs, labels)
     assert_equals_local(result, model, inputs, labels, config, "causal_lm", 4)
+    assert result.fraction_clipped == 1
+
+
+@pytest.mark.parametrize("mode, K", [("hooks", 1), ("ghost", 2)])
+@pytest.mark.parametrize("case", ["wavlm-full", "wavlm-lora", "wav2vec2-lora"])
+def test_audio_classification_equals_local_dp_gradient(client: GradientClient, case: str, mode: str, K: int) -> None:
+    """Speech encoders through the service: a convolutional feature encoder (GroupNorm), a
+    weight-normed positional convolution, and for WavLM an attention that runs
+    F.multi_head_attention_forward on its projections' weights (one unit, psg_core.unit_module)
+    and hands the next layer a relative-position bias tiled from its parameters."""
+    config_json, model_class, lora = {
+        "wavlm-full": (WAVLM, "WavLMForSequenceClassification", None),
+        "wavlm-lora": (WAVLM, "WavLMForSequenceClassification", WAVLM_LORA),
+        "wav2vec2-lora": (WAV2VEC2, "Wav2Vec2ForSequenceClassification", WAV2VEC2_LORA)}[case]
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=1e-4)  # every sample clipped
+    model = hf_model(config_json, model_class, lora=lora, seed=K)
+    audio = torch.randn(4 * K, 120, generator=torch.Generator().manual_seed(K))
+    inputs, labels = {"input_values": audio}, torch.arange(4 * K) % 3
+    with client.create_session("hf_audio_classification", model_kwargs=config_json, loss="cross_entropy",
+                               expected_batch_size=4, config=config, lora=lora) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients(inputs, labels)
+    assert_equals_local(result, model, inputs, labels, config, "cross_entropy", 4)
     assert result.fraction_clipped == 1
 
 

@@ -35,6 +35,19 @@ MAMBA: dict[str, Any] = {"model_type": "mamba", "vocab_size": VOCAB, "hidden_siz
                          "num_hidden_layers": 2, "expand": 2, "conv_kernel": 3, "time_step_rank": 2,
                          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
 MAMBA_LORA = LoraAdapter(rank=2, target_modules=("in_proj", "x_proj"))
+#: The audio encoders' shared tiny layout: two conv feature layers (a 20-sample receptive field),
+#: a weight-normed positional convolution, 2 transformer layers, no dropout, no SpecAugment masking.
+_AUDIO: dict[str, Any] = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+                          "intermediate_size": 16, "conv_dim": [4, 4], "conv_stride": [5, 2], "conv_kernel": [10, 3],
+                          "num_conv_pos_embeddings": 4, "num_conv_pos_embedding_groups": 2, "num_labels": 3,
+                          "hidden_dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+                          "feat_proj_dropout": 0.0, "final_dropout": 0.0, "layerdrop": 0.0, "mask_time_prob": 0.0}
+#: WavLM: its attention runs F.multi_head_attention_forward on its projections (a unit).
+WAVLM: dict[str, Any] = {"model_type": "wavlm", **_AUDIO, "num_buckets": 8, "max_bucket_distance": 20}
+WAV2VEC2: dict[str, Any] = {"model_type": "wav2vec2", **_AUDIO}
+#: LoRA on WavLM's feed-forward layers (its attention reads q/k/v's base weights itself).
+WAVLM_LORA = LoraAdapter(rank=2, target_modules=("intermediate_dense", "output_dense"))
+WAV2VEC2_LORA = LoraAdapter(rank=2, target_modules=("q_proj", "v_proj"))
 DEBERTA_LORA = LoraAdapter(rank=2, target_modules=("query_proj", "value_proj"))
 GPT2_LORA = LoraAdapter(rank=2, target_modules=("c_attn",), alpha=4)
 BERT_LORA = LoraAdapter(rank=2, target_modules=("query", "value"))

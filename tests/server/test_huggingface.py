@@ -13,7 +13,8 @@ from psg_server.huggingface import TASKS
 from psg_server.losses import IGNORE_INDEX, get_loss
 from psg_server.models import ModelRegistry, default_registry
 from psg_wire.adapters import LoraAdapter
-from tests.server.hf_harness import BERT, DEBERTA_V3, GPT2, GPT2_LORA, MAMBA, VOCAB, hf_model, token_batch
+from tests.server.hf_harness import (BERT, DEBERTA_V3, GPT2, GPT2_LORA, MAMBA, VOCAB, WAV2VEC2, WAVLM, hf_model,
+                                    token_batch)
 
 TINY: dict[str, dict[str, Any]] = {
     "hf_causal_lm": GPT2,
@@ -23,6 +24,7 @@ TINY: dict[str, dict[str, Any]] = {
     "hf_seq2seq_lm": {"model_type": "t5", "vocab_size": VOCAB, "d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 1,
                       "num_heads": 2, "relative_attention_num_buckets": 8, "dropout_rate": 0.0,
                       "decoder_start_token_id": 0},
+    "hf_audio_classification": WAV2VEC2,
     "hf_image_classification": {"model_type": "vit", "image_size": 8, "patch_size": 4, "num_channels": 3,
                                 "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                                 "intermediate_size": 32, "num_labels": 3},
@@ -33,6 +35,8 @@ TINY: dict[str, dict[str, Any]] = {
 EXTRA = {
     "deberta_v3_sequence": ("hf_sequence_classification", DEBERTA_V3),
     "mamba_causal": ("hf_causal_lm", MAMBA),
+    "wavlm_audio": ("hf_audio_classification", WAVLM),
+    "hubert_audio": ("hf_audio_classification", {**WAV2VEC2, "model_type": "hubert"}),
     "deberta_v1_tokens": ("hf_token_classification", {**BERT, "model_type": "deberta", "relative_attention": True,
                                                        "max_relative_positions": 8, "pos_att_type": ["p2c", "c2p"],
                                                        "type_vocab_size": 0}),
@@ -59,7 +63,7 @@ def test_every_task_builds_from_a_config_and_fits_its_signature(registry: ModelR
     assert signature is not None and signature.inputs == ()
     batch = {}
     for key, spec in signature.keyword_inputs.items():
-        shape = tuple(d if isinstance(d, int) else min(d[1], 5) for d in spec.sample_shape)
+        shape = tuple(d if isinstance(d, int) else max(d[0], min(d[1], 5)) for d in spec.sample_shape)
         batch[key] = (torch.randn(2, *shape) if spec.kind == "float"
                       else torch.randint(0, spec.num_embeddings or 2, (2, *shape)))
     logits = model(**batch).logits
