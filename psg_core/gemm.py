@@ -44,14 +44,13 @@ import contextlib
 import enum
 import functools
 import logging
-import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from psg_core.errors import ConfigError
+from psg_core._settings import ProcessSetting
 
 __all__ = ["GemmKernel", "ENVIRONMENT_VARIABLE", "set_gemm_kernel", "get_gemm_kernel", "gemm_kernel",
            "current_gemm_kernel", "onednn_available", "Projection", "linear", "linear_uses_onednn", "mm_tn",
@@ -77,19 +76,11 @@ class GemmKernel(str, enum.Enum):
 
 
 _LOCK = threading.RLock()
-_forced: GemmKernel | None = None
+_SETTING = ProcessSetting(GemmKernel, ENVIRONMENT_VARIABLE, "matrix-product kernel")
 #: signature -> whether oneDNN was measured faster (``auto`` only).
 _cache: dict[tuple[Any, ...], bool] = {}
 #: oneDNN must beat torch's kernel by this factor to be chosen by ``auto``.
 _MARGIN = 0.9
-
-
-def _parse(kernel: GemmKernel | str, *, where: str) -> GemmKernel:
-    try:
-        return GemmKernel(kernel)
-    except ValueError:
-        raise ConfigError(f"{where}: unknown matrix-product kernel {kernel!r}; expected one of "
-                          f"{[k.value for k in GemmKernel]}") from None
 
 
 def set_gemm_kernel(kernel: GemmKernel | str | None) -> None:
@@ -104,39 +95,27 @@ def set_gemm_kernel(kernel: GemmKernel | str | None) -> None:
     >>> set_gemm_kernel(None); get_gemm_kernel() is None
     True
     """
-    global _forced
-    _forced = None if kernel is None else _parse(kernel, where="set_gemm_kernel")
+    _SETTING.set(kernel, where="set_gemm_kernel")
 
 
 def get_gemm_kernel() -> GemmKernel | None:
     """The kernel set by :func:`set_gemm_kernel` (None: the default applies)."""
-    return _forced
+    return _SETTING.forced
 
 
-@contextlib.contextmanager
-def gemm_kernel(kernel: GemmKernel | str | None) -> Iterator[None]:
+def gemm_kernel(kernel: GemmKernel | str | None) -> contextlib.AbstractContextManager[None]:
     """:func:`set_gemm_kernel` for the duration of a block, then the previous setting.
 
     >>> with gemm_kernel("onednn"):
     ...     get_gemm_kernel()
     <GemmKernel.ONEDNN: 'onednn'>
     """
-    previous = _forced
-    set_gemm_kernel(kernel)
-    try:
-        yield
-    finally:
-        set_gemm_kernel(previous)
+    return _SETTING.scoped(kernel, where="set_gemm_kernel")
 
 
 def current_gemm_kernel() -> GemmKernel:
     """The kernel in force: the one set, else ``PSG_GEMM``, else ``rule``."""
-    if _forced is not None:
-        return _forced
-    from_env = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
-    if from_env:
-        return _parse(from_env, where=f"environment variable {ENVIRONMENT_VARIABLE}")
-    return GemmKernel.RULE
+    return _SETTING.current(GemmKernel.RULE)
 
 
 def clear_gemm_cache() -> None:

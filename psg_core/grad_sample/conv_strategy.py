@@ -43,15 +43,14 @@ import contextlib
 import enum
 import logging
 import math
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
 
-from psg_core.errors import ConfigError
+from psg_core._settings import ProcessSetting
 
 __all__ = ["ConvStrategy", "PER_SAMPLE_STRATEGIES", "ENVIRONMENT_VARIABLE", "set_conv_strategy",
            "get_conv_strategy", "conv_strategy", "current_conv_strategy", "clear_conv_strategy_cache",
@@ -83,19 +82,11 @@ class ConvStrategy(str, enum.Enum):
 PER_SAMPLE_STRATEGIES = (ConvStrategy.GROUPED_CONV, ConvStrategy.UNFOLD)
 
 _LOCK = threading.RLock()
-_forced: ConvStrategy | None = None
+_SETTING = ProcessSetting(ConvStrategy, ENVIRONMENT_VARIABLE, "convolution strategy")
 #: signature -> chosen strategy (``auto`` only).
 _cache: dict[tuple[Any, ...], ConvStrategy] = {}
 #: timed rounds per candidate after one untimed call; the minimum is kept.
 _ROUNDS = 3
-
-
-def _parse(strategy: ConvStrategy | str, *, where: str) -> ConvStrategy:
-    try:
-        return ConvStrategy(strategy)
-    except ValueError:
-        raise ConfigError(f"{where}: unknown convolution strategy {strategy!r}; expected one of "
-                          f"{[s.value for s in ConvStrategy]}") from None
 
 
 def set_conv_strategy(strategy: ConvStrategy | str | None) -> None:
@@ -113,40 +104,28 @@ def set_conv_strategy(strategy: ConvStrategy | str | None) -> None:
     >>> set_conv_strategy(None); get_conv_strategy() is None
     True
     """
-    global _forced
-    _forced = None if strategy is None else _parse(strategy, where="set_conv_strategy")
+    _SETTING.set(strategy, where="set_conv_strategy")
 
 
 def get_conv_strategy() -> ConvStrategy | None:
     """The strategy set by :func:`set_conv_strategy` (None: the default applies)."""
-    return _forced
+    return _SETTING.forced
 
 
-@contextlib.contextmanager
-def conv_strategy(strategy: ConvStrategy | str | None) -> Iterator[None]:
+def conv_strategy(strategy: ConvStrategy | str | None) -> contextlib.AbstractContextManager[None]:
     """:func:`set_conv_strategy` for the duration of a block, then the previous setting.
 
     >>> with conv_strategy("rule"):
     ...     get_conv_strategy()
     <ConvStrategy.RULE: 'rule'>
     """
-    previous = _forced
-    set_conv_strategy(strategy)
-    try:
-        yield
-    finally:
-        set_conv_strategy(previous)
+    return _SETTING.scoped(strategy, where="set_conv_strategy")
 
 
 def current_conv_strategy(device: torch.device) -> ConvStrategy:
     """The strategy in force for tensors on ``device``: the one set, else ``PSG_CONV_STRATEGY``,
     else ``auto`` on CUDA and ``rule`` elsewhere (see the module docstring for why)."""
-    if _forced is not None:
-        return _forced
-    from_env = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
-    if from_env:
-        return _parse(from_env, where=f"environment variable {ENVIRONMENT_VARIABLE}")
-    return ConvStrategy.AUTO if device.type == "cuda" else ConvStrategy.RULE
+    return _SETTING.current(ConvStrategy.AUTO if device.type == "cuda" else ConvStrategy.RULE)
 
 
 def clear_conv_strategy_cache() -> None:
