@@ -114,6 +114,71 @@ def test_a_parameter_made_output_beside_the_batched_one(mode: str, K: int) -> No
     check_mode(_WithBias(), x, y, K=K, mode=mode, loss=_loss)
 
 
+class _BiasTwice(_WithBias):
+    """The parameter-made output feeds two later layers, and the loss too (a regulariser)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Conv1d(C, C, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        h, bias = self.mixed(self.a(x))
+        return self.head(torch.tanh(self.b(h * bias) + bias).flatten(1)), bias.pow(2).sum()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_parameter_made_output_used_twice_and_in_the_loss(mode: str, K: int) -> None:
+    torch.manual_seed(1)
+    x, y = torch.randn(N * K, C, L), torch.randint(0, 3, (N * K,))
+
+    def loss(out: tuple[torch.Tensor, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out[0], t, reduction="none") + out[1]
+
+    check_mode(_BiasTwice(), x, y, K=K, mode=mode, loss=loss)
+
+
+@psg_core.unit_module
+class _TiledBias(nn.Module):
+    """A unit that builds a bias from its table once per batch row (``repeat(B, ...)``, then the
+    batch and head axes merged) or takes the previous unit's, and gates it with the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(L, 2)
+        self.gate = nn.Linear(C, 2)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, steps, _ = x.shape  # (B, L, C)
+        if bias is None:
+            bias = self.table(torch.arange(steps)).t().unsqueeze(0).repeat(rows, 1, 1).view(rows * 2, steps)
+        gated = torch.sigmoid(self.gate(x)).permute(0, 2, 1).reshape(rows * 2, steps) * bias  # (B*2, L)
+        return x * gated.view(rows, 2, steps).sum(1).unsqueeze(-1), bias
+
+
+class _TiledModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = _TiledBias(), _TiledBias()
+        self.head = nn.Linear(C * L, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, L)
+        h, bias = self.first(x.transpose(1, 2))
+        h, _ = self.second(h, bias=bias)
+        return self.head(h.flatten(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_tiled_bias_handed_from_unit_to_unit(mode: str, K: int) -> None:
+    """The second unit's per-sample run takes the bias one block per row (as the sample's own
+    forward builds it); the first unit's table gets its per-sample gradient where the bias meets
+    the batch in the second."""
+    torch.manual_seed(2)
+    x, y = torch.randn(N * K, C, L), torch.randint(0, 3, (N * K,))
+    check_mode(_TiledModel(), x, y, K=K, mode=mode, loss=_loss)
+
+
 def test_a_unit_owns_its_subtree_and_its_submodules_are_not_hooked() -> None:
     model = _model(_Unit)
     unit = model[1]
