@@ -262,6 +262,30 @@ def test_bad_batches_and_pushes(client: GradientClient) -> None:
         assert session.compute_gradients(inputs, labels).samples == 2  # and the session goes on
 
 
+def test_bad_audio_batches(client: GradientClient) -> None:
+    """A waveform shorter than one feature frame, a non-finite one, an attention mask (the audio
+    task takes none) or integer samples: INVALID_ARGUMENT with the reason, and the session goes on."""
+    model = hf_model(WAVLM, "WavLMForSequenceClassification")
+    labels = torch.tensor([0, 2])
+    with client.create_session("hf_audio_classification", model_kwargs=WAVLM, loss="cross_entropy",
+                               expected_batch_size=2, config=DPConfig(max_grad_norm=1.0)) as session:
+        session.push_parameters(model)
+        code, details, _ = status_of(lambda: session.compute_gradients({"input_values": torch.randn(2, 19)}, labels))
+        assert code == Code.INVALID_ARGUMENT and "20..1048576" in details  # the receptive field: 20 samples
+        audio = torch.randn(2, 64)
+        audio[1, 5] = float("nan")
+        code, details, _ = status_of(lambda: session.compute_gradients({"input_values": audio}, labels))
+        assert code == Code.INVALID_ARGUMENT and "contains NaN or infinity" in details
+        code, details, _ = status_of(lambda: session.compute_gradients(
+            {"input_values": torch.randn(2, 64), "attention_mask": torch.ones(2, 64)}, labels))
+        assert code == Code.INVALID_ARGUMENT and "has no keyword input(s) ['inputs/attention_mask']" in details
+        code, details, _ = status_of(lambda: session.compute_gradients({"input_values": torch.ones(2, 64,
+                                                                                                  dtype=torch.int64)},
+                                                                       labels))
+        assert code == Code.INVALID_ARGUMENT, details
+        assert session.compute_gradients({"input_values": torch.randn(2, 64)}, labels).samples == 2
+
+
 # ------------------------------------------------------------------------------------ Ray pool
 def test_lora_through_the_embedded_ray_pool(ray_session: Any) -> None:
     """Two Ray workers: the adapter's new versions reach the actors (whose models keep the frozen
