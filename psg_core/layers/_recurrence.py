@@ -414,14 +414,28 @@ class _KnownOutput(torch.autograd.Function):
         input_dtype, weight_dtype, bias_dtype = ctx.dtypes
         dt = grad.dtype
         grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
+        if _engine_needs(ctx, 0):
             grad_input = linear(grad, weight.to(dt).t()).to(input_dtype)
-        if ctx.needs_input_grad[1]:
+        if _engine_needs(ctx, 1):
             rows = grad.reshape(-1, grad.shape[-1])  # (B*T, out)
             grad_weight = mm_tn(rows, input.reshape(-1, input.shape[-1]).to(dt)).to(weight_dtype)
-        if ctx.needs_input_grad[2]:
+        if _engine_needs(ctx, 2):
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype)
         return grad_input, grad_weight, grad_bias, None
+
+
+def _engine_needs(ctx: Any, index: int) -> bool:
+    """Whether this backward pass uses the gradient of input ``index``: ``needs_input_grad`` says
+    only that the input requires one; a pass to chosen tensors (``torch.autograd.grad(loss,
+    outputs)``, how the hooks and ghost backends take the layers' output gradients) runs no
+    parameter's accumulation, so F.linear's own backward computes no weight gradient there either."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    try:
+        node = ctx.next_functions[index][0]
+        return node is None or bool(torch._C._will_engine_execute_node(node))
+    except (RuntimeError, AttributeError, IndexError, TypeError):
+        return True
 
 
 _KNOWN = "_psg_known_output"

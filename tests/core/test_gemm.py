@@ -246,3 +246,28 @@ def test_auto_really_times_both_kernels() -> None:
         linear(x, weight)
     (key, choice), = gemm.gemm_cache().items()
     assert key[0] == "linear" and choice in ("aten", "onednn")
+
+
+@pytest.mark.parametrize("kernel", ["aten", pytest.param("onednn", marks=needs_onednn)])
+def test_a_pass_to_the_layer_outputs_computes_no_weight_gradient(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hooks backend takes the layers' output gradients with torch.autograd.grad: the input and
+    hidden projections' backward computes no weight gradient there (as F.linear's does not); an
+    ordinary backward computes both."""
+    import psg_core.layers._recurrence as recurrence
+
+    weight_sums: list[tuple[int, ...]] = []
+    real = recurrence.mm_tn
+
+    def counted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        weight_sums.append(tuple(a.shape))
+        return real(a, b)
+
+    monkeypatch.setattr(recurrence, "mm_tn", counted)
+    torch.manual_seed(0)
+    model = _TextModel()
+    tokens, targets = torch.randint(0, 20, (4, 6)), torch.randint(0, 3, (4,))
+    with gemm_kernel(kernel):
+        per_sample_gradients(model, tokens, targets, loss_fn=nn.CrossEntropyLoss(reduction="none"), mode="hooks")
+        assert weight_sums == []
+        nn.functional.cross_entropy(model(tokens), targets).backward()
+    assert len(weight_sums) == (2 if kernel == "onednn" else 1)  # hh always through _KnownOutput; ih on oneDNN
