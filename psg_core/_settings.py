@@ -1,4 +1,5 @@
-"""A process-wide choice among an enum's values: the convolution strategy, the matrix-product kernel.
+"""A process-wide choice among an enum's values (the convolution strategy, the matrix-product
+kernel), and the measurement their ``auto`` settings make.
 
 Set in code (for the process, or for a block), else read from an environment variable, else a
 default that the caller computes (it may depend on the device). The setting is process-wide, like
@@ -9,15 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
+import math
 import os
-from collections.abc import Iterator
-from typing import Generic, TypeVar
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+import torch
 
 from psg_core.errors import ConfigError
 
-__all__ = ["ProcessSetting"]
+__all__ = ["ProcessSetting", "time_candidates"]
+
+logger = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=enum.Enum)
+_Key = TypeVar("_Key")
+#: timed rounds per candidate after one untimed call; the minimum is kept.
+_ROUNDS = 3
 
 
 class ProcessSetting(Generic[E]):
@@ -70,3 +81,43 @@ class ProcessSetting(Generic[E]):
         if from_env:
             return self.parse(from_env, where=f"environment variable {self.variable}")
         return default
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _out_of_memory(err: RuntimeError) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err)
+
+
+def time_candidates(candidates: Mapping[_Key, Callable[[], Any]], device: torch.device) -> dict[_Key, float]:
+    """Seconds per candidate: one untimed call each, then rounds of one call of every candidate
+    (so load drifting during the measurement hits them alike); the minimum per candidate. A
+    candidate that runs out of memory is left out.
+
+    >>> sorted(time_candidates({"a": lambda: None, "b": lambda: None}, torch.device("cpu")))
+    ['a', 'b']
+    """
+    alive: dict[_Key, Callable[[], Any]] = {}
+    for key, run in candidates.items():
+        try:
+            run()  # untimed: lazy initialisation, cuDNN's own algorithm search
+        except RuntimeError as err:
+            if not _out_of_memory(err):
+                raise
+            logger.debug("candidate %s ran out of memory; not a candidate", getattr(key, "value", key))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        alive[key] = run
+    best = {key: math.inf for key in alive}
+    for _ in range(_ROUNDS):
+        for key, run in alive.items():
+            _synchronize(device)
+            start = time.perf_counter()
+            run()
+            _synchronize(device)
+            best[key] = min(best[key], time.perf_counter() - start)
+    return best

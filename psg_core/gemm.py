@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from psg_core._settings import ProcessSetting
+from psg_core._settings import ProcessSetting, time_candidates
 
 __all__ = ["GemmKernel", "ENVIRONMENT_VARIABLE", "set_gemm_kernel", "get_gemm_kernel", "gemm_kernel",
-           "current_gemm_kernel", "onednn_available", "Projection", "linear", "linear_uses_onednn", "mm_tn",
-           "clear_gemm_cache", "gemm_cache"]
+           "current_gemm_kernel", "onednn_available", "Projection", "linear", "linear_uses_onednn", "onednn_linear",
+           "mm_tn", "clear_gemm_cache", "gemm_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +189,6 @@ def _signature(kind: str, *tensors: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _measured(key: tuple[Any, ...], aten: Callable[[], Any], onednn: Callable[[], Any]) -> bool:
-    from psg_core.grad_sample.conv_strategy import time_candidates
-
     with _LOCK:
         hit = _cache.get(key)
         if hit is not None:
@@ -225,6 +223,12 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def _onednn_add_linear(other: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``other + x @ weight.T`` in one oneDNN call (the sum is the product's post-op)."""
     return torch.ops.mkldnn._linear_pointwise.binary(x, other, weight, None, "add")  # type: ignore[no-any-return]
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on oneDNN, for a call :func:`linear_uses_onednn` approved (a
+    caller that decided once and must not decide again)."""
+    return _onednn_linear(x, weight, bias)
 
 
 def linear_uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

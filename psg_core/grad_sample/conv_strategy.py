@@ -42,15 +42,13 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import math
 import threading
-import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from psg_core._settings import ProcessSetting
+from psg_core._settings import ProcessSetting, time_candidates
 
 __all__ = ["ConvStrategy", "PER_SAMPLE_STRATEGIES", "ENVIRONMENT_VARIABLE", "set_conv_strategy",
            "get_conv_strategy", "conv_strategy", "current_conv_strategy", "clear_conv_strategy_cache",
@@ -85,8 +83,6 @@ _LOCK = threading.RLock()
 _SETTING = ProcessSetting(ConvStrategy, ENVIRONMENT_VARIABLE, "convolution strategy")
 #: signature -> chosen strategy (``auto`` only).
 _cache: dict[tuple[Any, ...], ConvStrategy] = {}
-#: timed rounds per candidate after one untimed call; the minimum is kept.
-_ROUNDS = 3
 
 
 def set_conv_strategy(strategy: ConvStrategy | str | None) -> None:
@@ -147,45 +143,6 @@ def seed_cache(key: tuple[Any, ...], strategy: ConvStrategy) -> None:
 
 
 # ------------------------------------------------------------------------------ measurement
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _out_of_memory(err: RuntimeError) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err)
-
-
-_Key = TypeVar("_Key")
-
-
-def time_candidates(candidates: Mapping[_Key, Callable[[], Any]], device: torch.device) -> dict[_Key, float]:
-    """Seconds per candidate: one untimed call each, then rounds of one call of every candidate
-    (so load drifting during the measurement hits them alike); the minimum per candidate. A
-    candidate that runs out of memory is left out. (Also :mod:`psg_core.gemm`'s measurement.)"""
-    alive: dict[_Key, Callable[[], Any]] = {}
-    for strategy, run in candidates.items():
-        try:
-            run()  # untimed: lazy initialisation, cuDNN's own algorithm search
-        except RuntimeError as err:
-            if not _out_of_memory(err):
-                raise
-            logger.debug("candidate %s ran out of memory; not a candidate", getattr(strategy, "value", strategy))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            continue
-        alive[strategy] = run
-    best = {strategy: math.inf for strategy in alive}
-    for _ in range(_ROUNDS):
-        for strategy, run in alive.items():
-            _synchronize(device)
-            start = time.perf_counter()
-            run()
-            _synchronize(device)
-            best[strategy] = min(best[strategy], time.perf_counter() - start)
-    return best
-
-
 def choose_measured(key: tuple[Any, ...], candidates: Mapping[ConvStrategy, Callable[[], Any]],
                     device: torch.device) -> ConvStrategy:
     """The cached choice for ``key``, or the fastest of ``candidates`` (timed now, then cached).

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from psg_core.gemm import Projection, linear, linear_uses_onednn, mm_tn
+from psg_core.gemm import Projection, linear, linear_uses_onednn, mm_tn, onednn_linear
 
 __all__ = ["run", "known_linear", "fast_linear"]
 
@@ -151,28 +151,21 @@ def _lstm_loop(gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     cs = gx.new_empty(steps + 1, batch, hidden)
     first = 0 if forward else steps
     hs[first], cs[first] = state
-    g_in = gates[..., 2 * hidden:3 * hidden].unbind(0)
     i, f, o = (sig[..., k * hidden:(k + 1) * hidden].unbind(0) for k in (0, 1, 3))
     gates_t, sig_t, cand_t, tanh_t, h_t, c_t = (b.unbind(0) for b in (gates, sig, cand, tanh_c, hs, cs))
     hh = Projection(weight, h_t[first], gates_t[0])
-    if hh.onednn:  # each step's gates a new tensor (no in-place product): kept, stacked after
-        new_gates: list[torch.Tensor] = list(gates_t)
-        for t in order:
-            read, write = (t, t + 1) if forward else (t + 1, t)
-            step_gates = new_gates[t] = hh(gates_t[t], h_t[read])
-            torch.sigmoid(step_gates, out=sig_t[t])
-            torch.tanh(step_gates[:, 2 * hidden:3 * hidden], out=cand_t[t])
-            torch.mul(f[t], c_t[read], out=c_t[write]).addcmul_(i[t], cand_t[t])
-            torch.mul(o[t], torch.tanh(c_t[write], out=tanh_t[t]), out=h_t[write])
-        hidden_gates = torch.stack(new_gates, 1).sub_(gx)  # hh(h_prev) = W_hh h + b_hh
-    else:
-        for t in order:
-            read, write = (t, t + 1) if forward else (t + 1, t)
-            torch.sigmoid(gates_t[t].addmm_(h_t[read], hh.weight), out=sig_t[t])
-            torch.tanh(g_in[t], out=cand_t[t])
-            torch.mul(f[t], c_t[read], out=c_t[write]).addcmul_(i[t], cand_t[t])
-            torch.mul(o[t], torch.tanh(c_t[write], out=tanh_t[t]), out=h_t[write])
-        hidden_gates = gates.transpose(0, 1) - gx  # hh(h_prev) = W_hh h + b_hh
+    # oneDNN's product returns each step's gates as a new tensor (kept, stacked after the loop);
+    # torch's adds W_hh h into the gates buffer in place
+    new_gates: list[torch.Tensor] = list(gates_t)
+    for t in order:
+        read, write = (t, t + 1) if forward else (t + 1, t)
+        step_gates = new_gates[t] = hh(gates_t[t], h_t[read]) if hh.onednn else gates_t[t].addmm_(h_t[read], hh.weight)
+        torch.sigmoid(step_gates, out=sig_t[t])
+        torch.tanh(step_gates[:, 2 * hidden:3 * hidden], out=cand_t[t])
+        torch.mul(f[t], c_t[read], out=c_t[write]).addcmul_(i[t], cand_t[t])
+        torch.mul(o[t], torch.tanh(c_t[write], out=tanh_t[t]), out=h_t[write])
+    # hh(h_prev) = W_hh h + b_hh
+    hidden_gates = torch.stack(new_gates, 1).sub_(gx) if hh.onednn else gates.transpose(0, 1) - gx
     prev, new = (slice(0, steps), slice(1, steps + 1)) if forward else (slice(1, steps + 1), slice(0, steps))
     h_prev = hs[prev].transpose(0, 1)  # (B, T, H) views
     final = (hs[steps if forward else 0], cs[steps if forward else 0])
@@ -452,36 +445,43 @@ def known_output(linear: torch.nn.Module, input: torch.Tensor, output: torch.Ten
         setattr(linear, _KNOWN, None)
 
 
+def _tied(linear: torch.nn.Module, input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``output``, already computed for ``linear(input)``, tied to the graph as F.linear would be."""
+    from psg_core.provenance import rowwise
+    weight, bias = linear.weight, linear.bias
+    return rowwise(lambda x: _KnownOutput.apply(x, weight, bias, output), input)  # type: ignore[no-any-return]
+
+
+def _plain_weight(linear: torch.nn.Module) -> bool:
+    """Whether the layer's weight is a plain tensor (ExpandedWeights compute per-sample gradients in
+    F.linear, so they get the ordinary call)."""
+    return type(linear.weight) in (torch.Tensor, torch.nn.Parameter)
+
+
 def known_linear(linear: torch.nn.Module, input: torch.Tensor) -> torch.Tensor | None:
     """The linear layer's output for ``input`` when :class:`known_output` holds it and the
-    parameters are plain tensors (ExpandedWeights compute per-sample gradients in F.linear, so
-    they get the ordinary call); None otherwise."""
+    parameters are plain tensors; None otherwise."""
     known = getattr(linear, _KNOWN, None)
-    if known is None or known[0] is not input:
+    if known is None or known[0] is not input or not _plain_weight(linear):
         return None
-    weight, bias = linear.weight, linear.bias
-    if type(weight) not in (torch.Tensor, torch.nn.Parameter):
-        return None
-    from psg_core.provenance import rowwise
-    return rowwise(lambda x: _KnownOutput.apply(x, weight, bias, known[1]), input)  # type: ignore[no-any-return]
+    return _tied(linear, input, known[1])
 
 
 def fast_linear(linear_layer: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor | None:
-    """``linear_layer(input)`` computed by :func:`psg_core.gemm.linear` where that takes oneDNN's
-    kernel (a plain float32 CPU call, see :mod:`psg_core.gemm`), tied to the graph by
-    :class:`_KnownOutput` (whose backward takes the same kernel); None otherwise (the ordinary
-    ``F.linear`` call: other kernels, autocast, ExpandedWeights, ``torch.func`` transforms)."""
-    weight, bias = linear_layer.weight, linear_layer.bias
-    if type(weight) not in (torch.Tensor, torch.nn.Parameter) or type(input) is not torch.Tensor:
+    """``linear_layer(input)`` computed by oneDNN where :mod:`psg_core.gemm` takes it (a plain
+    float32 CPU call), tied to the graph by :class:`_KnownOutput` (whose backward takes the same
+    kernel); None otherwise (the ordinary ``F.linear`` call: other kernels, autocast,
+    ExpandedWeights, ``torch.func`` transforms)."""
+    if not _plain_weight(linear_layer) or type(input) is not torch.Tensor:
         return None
+    bias = linear_layer.bias
     with torch.no_grad():
-        plain_input, plain_weight = input.detach(), weight.detach()
+        plain_input, plain_weight = input.detach(), linear_layer.weight.detach()
         plain_bias = None if bias is None else bias.detach()
         if not linear_uses_onednn(plain_input, plain_weight, plain_bias):
             return None
-        output = linear(plain_input, plain_weight, plain_bias)
-    from psg_core.provenance import rowwise
-    return rowwise(lambda x: _KnownOutput.apply(x, weight, bias, output), input)  # type: ignore[no-any-return]
+        output = onednn_linear(plain_input, plain_weight, plain_bias)
+    return _tied(linear_layer, input, output)
 
 
 # --------------------------------------------------------------------------------------- entry

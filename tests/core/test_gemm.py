@@ -224,14 +224,14 @@ def test_auto_measures_once_per_signature_and_keeps_the_faster(monkeypatch: pyte
         timed.append(sorted(candidates))
         return {"aten": 1.0, "onednn": 0.95}  # oneDNN not 10% faster: torch's kernel is kept
 
-    monkeypatch.setattr("psg_core.grad_sample.conv_strategy.time_candidates", fake_timing)
+    monkeypatch.setattr("psg_core.gemm.time_candidates", fake_timing)
     x, weight = torch.randn(3, 4), torch.randn(5, 4)
     with gemm_kernel("auto"):
         assert not linear_uses_onednn(x, weight)
         assert not linear_uses_onednn(torch.randn(3, 4), torch.randn(5, 4))  # same signature: cached
         assert timed == [["aten", "onednn"]]
         assert list(gemm.gemm_cache().values()) == ["aten"]
-        monkeypatch.setattr("psg_core.grad_sample.conv_strategy.time_candidates",
+        monkeypatch.setattr("psg_core.gemm.time_candidates",
                             lambda candidates, device: {"aten": 1.0, "onednn": 0.5})
         assert linear_uses_onednn(torch.randn(6, 4), weight)  # a new signature: measured, oneDNN
         assert sorted(gemm.gemm_cache().values()) == ["aten", "onednn"]
