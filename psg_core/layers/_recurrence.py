@@ -7,7 +7,9 @@ Python overhead) made DPLSTM 2.5x slower than torch's fused kernel, so here:
 1. the forward loop runs without autograd (:func:`run`): per step one ``addmm`` with the
    pre-transposed hidden weight and a few pointwise ops; it keeps what the backward needs and
    the state before every step, ``h_prev`` ``(B, T, H)`` (an unmasked LSTM, the common case,
-   writes every step straight into preallocated time-major buffers: :func:`_lstm_loop`);
+   writes every step straight into preallocated time-major buffers: :func:`_lstm_loop`, whose
+   whole loop, forward and backward, is one call of psg's C loop where it builds,
+   :mod:`psg_core.native`);
 2. ``gh = hh(h_prev)`` is one hooked Linear call on that sequence: the same values the loop
    used, computed once more so that ``hh`` sits in the graph like any Linear (hooks, ghost,
    functorch and ExpandedWeights all see an ordinary ``(B, T, H) -> (B, T, G*H)`` call);
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from psg_core import native
 from psg_core.gemm import Projection, linear, linear_uses_onednn, mm_tn, onednn_linear
 
 __all__ = ["run", "known_linear", "fast_linear"]
@@ -130,12 +133,47 @@ def _lstm_loop(gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                order: range) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...],
                                       tuple[torch.Tensor, ...]]:
     """:func:`_loop` of an unmasked LSTM, with what it returns written in place: every step's
-    results go straight into time-major ``(T, B, ·)`` buffers (``out=``), so a step is seven ops
-    (the gates buffer starts as input gates + hidden bias, and ``addmm_`` adds ``W_hh h``; with
-    oneDNN's product, :mod:`psg_core.gemm`, each step's gates are a new tensor, stacked once after
-    the loop) and the ``(B, T, ·)`` results are views of those buffers.
+    results go straight into time-major ``(T, B, ·)`` buffers, and the ``(B, T, ·)`` results are
+    views of those buffers. The loop is one call of :mod:`psg_core.native`'s C loop where that
+    applies, else :func:`_lstm_steps`.
     Plain tensors only (not under ``torch.func`` transforms, whose wrapped tensors cannot be
     written into plain buffers, nor under autocast, which would change ``addmm``'s dtype)."""
+    batch, steps, width = gx.shape
+    hidden = width // 4
+    forward = order.step > 0
+    sig = gx.new_empty(steps, batch, width)
+    cand = gx.new_empty(steps, batch, hidden)
+    tanh_c = gx.new_empty(steps, batch, hidden)
+    hs = gx.new_empty(steps + 1, batch, hidden)  # the states: slot 0 (forward) or T (reverse) is the first
+    cs = gx.new_empty(steps + 1, batch, hidden)
+    first = 0 if forward else steps
+    hs[first], cs[first] = state
+    tensors = (gx, weight) if bias is None else (gx, weight, bias)
+    lib = native.library() if native.applies(*tensors) else None
+    hidden_gates: torch.Tensor | None = None  # hh(h_prev) = W_hh h + b_hh
+    if lib is not None:
+        hidden_gates = gx.new_empty(batch, steps, width)
+        if not native.lstm_forward(lib, gx, weight, bias, hidden_gates, sig, cand, tanh_c, hs, cs,
+                                   reverse=not forward):
+            hidden_gates = None
+    if hidden_gates is None:
+        hidden_gates = _lstm_steps(gx, weight, bias, order, sig, cand, tanh_c, hs, cs)
+    prev, new = (slice(0, steps), slice(1, steps + 1)) if forward else (slice(1, steps + 1), slice(0, steps))
+    h_prev = hs[prev].transpose(0, 1)  # (B, T, H) views
+    final = (hs[steps if forward else 0], cs[steps if forward else 0])
+    return ((h_prev, hidden_gates), final,
+            (hs[new].transpose(0, 1), sig.transpose(0, 1), cand.transpose(0, 1), cs[prev].transpose(0, 1),
+             tanh_c.transpose(0, 1)))
+
+
+def _lstm_steps(gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, order: range,
+                sig: torch.Tensor, cand: torch.Tensor, tanh_c: torch.Tensor, hs: torch.Tensor, cs: torch.Tensor
+                ) -> torch.Tensor:
+    """:func:`_lstm_loop`'s time loop step by step, in torch ops (where :mod:`psg_core.native` has no
+    kernel): writes the time-major buffers, returns ``hh(h_prev)`` ``(B, T, 4H)``. A step is seven
+    ops: the gates buffer starts as input gates + hidden bias, and ``addmm_`` adds ``W_hh h``; with
+    oneDNN's product (:mod:`psg_core.gemm`) each step's gates are a new tensor, stacked once after
+    the loop."""
     batch, steps, width = gx.shape
     hidden = width // 4
     forward = order.step > 0
@@ -144,16 +182,9 @@ def _lstm_loop(gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         gates.copy_(gx.transpose(0, 1))
     else:
         torch.add(gx.transpose(0, 1), bias, out=gates)
-    sig = gx.new_empty(steps, batch, width)
-    cand = gx.new_empty(steps, batch, hidden)
-    tanh_c = gx.new_empty(steps, batch, hidden)
-    hs = gx.new_empty(steps + 1, batch, hidden)  # the states: slot 0 (forward) or T (reverse) is the first
-    cs = gx.new_empty(steps + 1, batch, hidden)
-    first = 0 if forward else steps
-    hs[first], cs[first] = state
     i, f, o = (sig[..., k * hidden:(k + 1) * hidden].unbind(0) for k in (0, 1, 3))
     gates_t, sig_t, cand_t, tanh_t, h_t, c_t = (b.unbind(0) for b in (gates, sig, cand, tanh_c, hs, cs))
-    hh = Projection(weight, h_t[first], gates_t[0])
+    hh = Projection(weight, h_t[0 if forward else steps], gates_t[0])
     # oneDNN's product returns each step's gates as a new tensor (kept, stacked after the loop);
     # torch's adds W_hh h into the gates buffer in place
     new_gates: list[torch.Tensor] = list(gates_t)
@@ -165,13 +196,7 @@ def _lstm_loop(gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         torch.mul(f[t], c_t[read], out=c_t[write]).addcmul_(i[t], cand_t[t])
         torch.mul(o[t], torch.tanh(c_t[write], out=tanh_t[t]), out=h_t[write])
     # hh(h_prev) = W_hh h + b_hh
-    hidden_gates = torch.stack(new_gates, 1).sub_(gx) if hh.onednn else gates.transpose(0, 1) - gx
-    prev, new = (slice(0, steps), slice(1, steps + 1)) if forward else (slice(1, steps + 1), slice(0, steps))
-    h_prev = hs[prev].transpose(0, 1)  # (B, T, H) views
-    final = (hs[steps if forward else 0], cs[steps if forward else 0])
-    return ((h_prev, hidden_gates), final,
-            (hs[new].transpose(0, 1), sig.transpose(0, 1), cand.transpose(0, 1), cs[prev].transpose(0, 1),
-             tanh_c.transpose(0, 1)))
+    return torch.stack(new_gates, 1).sub_(gx) if hh.onednn else gates.transpose(0, 1) - gx
 
 
 # ------------------------------------------------------------------------------ backward recurrences
@@ -196,6 +221,14 @@ def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: S
     # Written in place into buffers, but for tensors of a torch.func transform (grad's backward
     # runs with a graph one level up, and out= ops do not differentiate): those are stacked.
     in_place = not any(_wrapped(t) or t.requires_grad for t in (d_out, dh, dc, weight, *saved))
+    if in_place and valid is None and order:
+        # the kernel reads the saved activations and the state gradients (made contiguous there);
+        # the output gradients enter through the product only
+        lib = native.library() if native.applies(weight, sig, cand, c_prev, tanh_c) else None
+        done = None if lib is None else _lstm_backward_native(lib, sig, cand, c_prev, tanh_c, weight, order,
+                                                              d_out, dh, dc)
+        if done is not None:
+            return done
     # d gates_{i,f,g} = dc_new * from_c, d gates_o = dh_new * from_h, dc_new = dc + dh_new * to_c.
     if in_place:  # sigmoid' = s - s*s (one op for the adjacent i and f); from_c written in place
         d_if = torch.addcmul(sig[..., :2 * hidden], sig[..., :2 * hidden], sig[..., :2 * hidden], value=-1.0)
@@ -249,6 +282,28 @@ def _lstm_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: S
             dc_next = torch.addcmul(dc_next, dc, passes)
         dh, dc = dh_next, dc_next
     return (dgates.view(batch, steps, 4 * hidden) if dgates is not None else _stack(dg)), dh, dc
+
+
+def _lstm_backward_native(lib: Any, act: torch.Tensor, cand: torch.Tensor, c_prev: torch.Tensor,
+                          tanh_c: torch.Tensor, weight: torch.Tensor, order: range, d_out: torch.Tensor,
+                          dh: torch.Tensor, dc: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`_lstm_backward` of an unmasked LSTM as one call of :mod:`psg_core.native`'s loop;
+    None where the call could not run (the caller falls back). ``act``, ``cand``, ``c_prev`` and
+    ``tanh_c`` are time-major ``(T, B, ·)`` views; of ``act`` (the gates' sigmoids) only the i, f
+    and o slots are read."""
+    steps, batch, hidden = tanh_c.shape
+    if not cand.stride() == c_prev.stride() == tanh_c.stride():
+        cand, c_prev, tanh_c = (t.contiguous() for t in (cand, c_prev, tanh_c))
+    if d_out.stride(-1) != 1:
+        d_out = d_out.contiguous()
+    dgates = act.new_empty(batch, steps, 4 * hidden)
+    dh0 = dh.contiguous().clone()  # the final state's gradients in, the initial state's out
+    dc0 = dc.contiguous().clone()
+    if not native.lstm_backward(lib, weight.contiguous(), act, cand, c_prev, tanh_c, d_out, dh0, dc0, dgates,
+                                reverse=order.step < 0):
+        return None
+    return dgates, dh0, dc0
 
 
 def _gru_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Sequence[torch.Tensor] | None,

@@ -1,6 +1,7 @@
 """The DP recurrent layers against torch's and against the oracle, under each of psg's
 matrix-product kernels (:mod:`psg_core.gemm`: torch's and oneDNN's, which the time loops, the
-projections and their backward take)."""
+projections and their backward take), with and without psg's native pointwise step kernels
+(:mod:`psg_core.native`)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,23 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import psg_core
-from psg_core import gemm
+from psg_core import gemm, native
 from psg_core.backends.hooks import ALWAYS_BATCH_FIRST
 from psg_core.errors import ConfigError, UnsupportedModuleError
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPGRUCell, DPLSTMCell, DPRNNCell, RNNLinear
 from tests.oracle import check_against_oracle
 
-@pytest.fixture(autouse=True, params=["aten", "onednn"])
+@pytest.fixture(autouse=True, params=[("aten", "auto"), ("onednn", "auto"), ("aten", "off")],
+                ids=["aten", "onednn", "aten-torch-ops"])
 def gemm_kernel(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test of this file runs under each matrix-product kernel (oneDNN where torch has it)."""
-    if request.param == "onednn" and not gemm.onednn_available():
+    """Every test of this file runs under each matrix-product kernel (oneDNN where torch has it),
+    with psg's native pointwise kernels (:mod:`psg_core.native`, where they build) and without
+    (the torch ops they replace)."""
+    kernel, pointwise = request.param
+    if kernel == "onednn" and not gemm.onednn_available():
         pytest.skip("torch has no oneDNN linear kernel here")
-    with gemm.gemm_kernel(request.param):
-        yield request.param
+    with gemm.gemm_kernel(kernel), native.native_kernels(pointwise):
+        yield kernel
 
 
 REDUCTIONS = ["mean", "sum"]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import psg_core.gemm as gemm
+import psg_core.native as native
 from psg_core.clipping import clip_and_sum
 from psg_core.config import DPConfig
 from psg_core.dp import dp_gradient
@@ -124,13 +125,14 @@ def test_aten_never_calls_onednn(onednn_calls: list[tuple[int, ...]]) -> None:
 def test_recurrent_layers_run_on_onednn_when_chosen(layer: type[nn.Module], onednn_calls: list[tuple[int, ...]]
                                                     ) -> None:
     """The time loops, both directions' steps and the input projection take oneDNN's kernel (so
-    the oracle tests run under ``onednn`` exercise it), and equal torch's kernel."""
+    the oracle tests run under ``onednn`` exercise it), and equal torch's kernel. (The LSTM's loop
+    taken step by step: psg's native loop, psg_core.native, computes its products itself.)"""
     torch.manual_seed(0)
     rnn = layer(4, 6, batch_first=True)
     x = torch.randn(3, 5, 4, requires_grad=True)
     results = {}
     for kernel in ("aten", "onednn"):
-        with gemm_kernel(kernel):
+        with gemm_kernel(kernel), native.native_kernels("off"):
             rnn.zero_grad()
             x.grad = None
             out, _ = rnn(x)
