@@ -52,14 +52,14 @@ import torch
 from psg_core._settings import ProcessSetting
 
 __all__ = ["NativeKernels", "ENVIRONMENT_VARIABLE", "set_native_kernels", "native_kernels", "library",
-           "applies", "build_error", "lstm_forward", "lstm_backward"]
+           "applies", "build_error", "CELLS", "forward", "backward"]
 
 logger = logging.getLogger(__name__)
 
 #: The environment variable that sets whether the native kernels are used (``auto`` or ``off``).
 ENVIRONMENT_VARIABLE = "PSG_NATIVE"
 #: The version ``psg_native_version()`` of a library built from this source returns.
-_VERSION = 4
+_VERSION = 5
 _SOURCES = Path(__file__).resolve().parent / "csrc"
 #: the file compiled (it includes the others in the directory).
 _MAIN = "recurrence.c"
@@ -209,12 +209,12 @@ def _load() -> ctypes.CDLL | None:
         return None
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     for dtype in ("f32", "f64"):
-        forward = getattr(lib, f"psg_{dtype}_lstm_forward_sequence")
-        forward.argtypes = [n, n, n, i, i, p, n, n, p, p, p, n, n, p, p, p, p, p]
-        forward.restype = i
-        backward = getattr(lib, f"psg_{dtype}_lstm_backward_sequence")
-        backward.argtypes = [n, n, n, i, i, p, p, n, n, p, p, p, n, n, p, n, n, p, p, p, n, n]
-        backward.restype = i
+        loop = getattr(lib, f"psg_{dtype}_forward_sequence")
+        loop.argtypes = [i, n, n, n, i, i, p, n, n, p, p, p, n, n] + [p, n, n] * 5
+        loop.restype = i
+        loop = getattr(lib, f"psg_{dtype}_backward_sequence")
+        loop.argtypes = [i, n, n, n, i, i, p] + [p, n, n] * 6 + [p, p, p, n, n, p, n, n]
+        loop.restype = i
     return lib
 
 
@@ -267,53 +267,76 @@ def applies(*tensors: torch.Tensor) -> bool:
     return True
 
 
+#: the cell kinds of the C loops (recurrence.c's enum).
+CELLS = {"lstm": 0, "gru": 1, "tanh": 2, "relu": 3}
+_GATES = {"lstm": 4, "gru": 3, "tanh": 1, "relu": 1}
+
+
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def _time_major(tensor: torch.Tensor | None) -> tuple[int | None, int, int]:
+    """A ``(T, B, ·)`` buffer's pointer and its step and row strides (elements)."""
+    if tensor is None:
+        return None, 0, 0
+    return tensor.data_ptr(), tensor.stride(0), tensor.stride(1)
+
+
+def _batch_major(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """A ``(B, T, ·)`` tensor's pointer and its row and step strides (elements)."""
+    return tensor.data_ptr(), tensor.stride(0), tensor.stride(1)
 
 
 def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-def lstm_forward(lib: ctypes.CDLL, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 hidden_gates: torch.Tensor, act: torch.Tensor, cand: torch.Tensor, tanh_c: torch.Tensor,
-                 hs: torch.Tensor, cs: torch.Tensor, reverse: bool) -> bool:
-    """An LSTM direction's forward time loop in one call.
+def forward(lib: ctypes.CDLL, cell: str, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            hidden_gates: torch.Tensor, hs: torch.Tensor, reverse: bool, *, act: torch.Tensor | None = None,
+            cand: torch.Tensor | None = None, tanh_c: torch.Tensor | None = None,
+            cs: torch.Tensor | None = None) -> bool:
+    """A recurrent direction's forward time loop in one call.
 
-    ``gx`` ``(B, T, 4H)``: the input gates (input bias included); ``weight`` ``(4H, H)`` and
-    ``bias`` ``(4H,)`` or None: the hidden projection's. Written: ``hidden_gates`` ``(B, T, 4H)``
-    (``W_hh h_prev + b_hh``), and the time-major contiguous buffers ``act`` ``(T, B, 4H)`` (the
-    gates after their nonlinearities), ``cand`` and ``tanh_c`` ``(T, B, H)``, ``hs`` and ``cs``
-    ``(T+1, B, H)`` (the states; slot 0, or T when ``reverse``, holds the initial one on entry).
-    Returns False, having written nothing, where threads or memory could not be had.
+    ``cell``: ``"lstm"``, ``"gru"``, ``"tanh"`` or ``"relu"`` (:data:`CELLS`); ``gx``
+    ``(B, T, G*H)``: the input gates (input bias included); ``weight`` ``(G*H, H)`` and ``bias``
+    ``(G*H,)`` or None: the hidden projection's. Written: ``hidden_gates`` ``(B, T, G*H)``
+    (``W_hh h_prev + b_hh``) and the time-major ``(T, B, ·)`` buffers: ``hs`` ``(T+1, B, H)``
+    the states (slot 0, or T when ``reverse``, holds the initial one on entry); the LSTM's ``act``
+    ``(T, B, 4H)`` (its gates after their nonlinearities), ``cand`` and ``tanh_c`` ``(T, B, H)``
+    and ``cs`` ``(T+1, B, H)`` (like ``hs``); the GRU's ``act`` ``(T, B, 2H)`` (r and z) and
+    ``cand`` ``(T, B, H)`` (n). Returns False, having written nothing, where memory could not be had.
     """
     batch, steps, width = gx.shape
-    hidden = width // 4
-    suffix = _DTYPES[gx.dtype]
-    wt = weight.t().contiguous()  # (H, 4H): a step's product reads its rows
-    status = getattr(lib, f"psg_{suffix}_lstm_forward_sequence")(
-        batch, hidden, steps, int(reverse), _threads(), gx.data_ptr(), gx.stride(0), gx.stride(1), wt.data_ptr(),
-        _pointer(bias), hidden_gates.data_ptr(), hidden_gates.stride(0), hidden_gates.stride(1), act.data_ptr(),
-        cand.data_ptr(), tanh_c.data_ptr(), hs.data_ptr(), cs.data_ptr())
+    hidden = width // _GATES[cell]
+    wt = weight.t().contiguous()  # (H, G*H): a step's product reads its rows
+    status = getattr(lib, f"psg_{_DTYPES[gx.dtype]}_forward_sequence")(
+        CELLS[cell], batch, hidden, steps, int(reverse), _threads(), *_batch_major(gx), wt.data_ptr(),
+        _pointer(bias), *_batch_major(hidden_gates), *_time_major(act), *_time_major(cand), *_time_major(tanh_c),
+        *_time_major(hs), *_time_major(cs))
     return bool(status == 0)
 
 
-def lstm_backward(lib: ctypes.CDLL, weight: torch.Tensor, act: torch.Tensor, cand: torch.Tensor,
-                  c_prev: torch.Tensor, tanh_c: torch.Tensor, d_out: torch.Tensor, dh: torch.Tensor,
-                  dc: torch.Tensor, dgates: torch.Tensor, reverse: bool) -> bool:
-    """An LSTM direction's backward time loop in one call.
+def backward(lib: ctypes.CDLL, cell: str, weight: torch.Tensor, d_out: torch.Tensor, dh: torch.Tensor,
+             d_input: torch.Tensor, reverse: bool, *, d_hidden: torch.Tensor | None = None,
+             dc: torch.Tensor | None = None, act: torch.Tensor | None = None, cand: torch.Tensor | None = None,
+             tanh_c: torch.Tensor | None = None, hs: torch.Tensor | None = None,
+             cs: torch.Tensor | None = None) -> bool:
+    """A recurrent direction's backward time loop in one call, from what its forward saved.
 
-    ``act`` ``(T, B, 4H)`` and ``cand``, ``c_prev``, ``tanh_c`` ``(T, B, H)`` as the forward saved
-    them (the last three with one layout); ``d_out`` ``(B, T, H)``: the outputs' gradients.
-    ``dh``, ``dc`` ``(B, H)`` contiguous: the final state's gradients on entry, the initial
-    state's on return. Written: ``dgates`` ``(B, T, 4H)``, the gates' gradients before their
-    nonlinearities. Returns False, having written nothing, where threads or memory could not be had.
+    ``weight`` ``(G*H, H)`` contiguous; ``d_out`` ``(B, T, H)``: the outputs' gradients;
+    ``dh`` (and the LSTM's ``dc``) ``(B, H)`` contiguous: the final state's gradients on entry,
+    the initial state's on return. Written: ``d_input`` ``(B, T, G*H)``, the input gates'
+    gradients, and ``d_hidden`` (the GRU's hidden gates', which differ; the other cells' are
+    ``d_input``). The saved activations, time-major ``(T, B, ·)`` views: the LSTM's ``act``,
+    ``cand``, ``tanh_c`` (as its forward wrote them) and ``cs``, c before each step; the GRU's
+    ``act`` (r, z), ``cand`` (n), ``tanh_c`` its ``h_n = W_hn h_prev + b_hn`` and ``hs``, h before
+    each step; the RNN's ``hs``, h after each step. Returns False, having written nothing, where
+    memory could not be had.
     """
-    steps, batch, hidden = tanh_c.shape
-    suffix = _DTYPES[act.dtype]
-    status = getattr(lib, f"psg_{suffix}_lstm_backward_sequence")(
-        batch, hidden, steps, int(reverse), _threads(), weight.data_ptr(), act.data_ptr(), act.stride(0),
-        act.stride(1), cand.data_ptr(), c_prev.data_ptr(), tanh_c.data_ptr(), tanh_c.stride(0), tanh_c.stride(1),
-        d_out.data_ptr(), d_out.stride(0), d_out.stride(1), dh.data_ptr(), dc.data_ptr(), dgates.data_ptr(),
-        dgates.stride(0), dgates.stride(1))
+    batch, steps, hidden = d_out.shape
+    status = getattr(lib, f"psg_{_DTYPES[d_input.dtype]}_backward_sequence")(
+        CELLS[cell], batch, hidden, steps, int(reverse), _threads(), weight.data_ptr(), *_time_major(act),
+        *_time_major(cand), *_time_major(tanh_c), *_time_major(hs), *_time_major(cs), *_batch_major(d_out),
+        dh.data_ptr(), _pointer(dc), *_batch_major(d_input), *_batch_major(d_input if d_hidden is None else d_hidden))
     return bool(status == 0)

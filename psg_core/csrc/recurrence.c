@@ -1,4 +1,5 @@
-/* psg's native CPU kernels: an LSTM direction's whole time loop, forward and backward.
+/* psg's native CPU kernels: a recurrent direction's whole time loop (LSTM, GRU, RNN), forward and
+ * backward.
  *
  * psg's DP recurrent layers run their time loop step by step: per step one matrix product with
  * the hidden weight and the cell's pointwise ops. From Python each step costs a product call
@@ -7,7 +8,7 @@
  * of the step. Here the whole loop is one call: the product (a register-blocked microkernel on
  * GCC vector types, which the compiler maps to the host's widest SIMD), the pointwise cell fused
  * after it, and the steps split over torch's OpenMP threads by hidden units with one barrier per step (see
- * lstm_sequence.h). Float32 and float64. Loaded with ctypes by psg_core.native; the step-by-step
+ * sequence.h). Float32 and float64. Loaded with ctypes by psg_core.native; the step-by-step
  * loop in Python is the fallback and the reference the tests compare with.
  *
  * Gates are ordered as torch's: input i, forget f, cell candidate g, output o, each H wide.
@@ -51,6 +52,8 @@ __attribute__((simd("notinbranch"))) double tanh(double);
 #endif
 #define VEC_BYTES 64
 
+enum { PSG_LSTM = 0, PSG_GRU = 1, PSG_RNN_TANH = 2, PSG_RNN_RELU = 3 };
+
 #define REAL float
 #define LANES (VEC_BYTES / 4)
 typedef float psg_vf __attribute__((vector_size(VEC_BYTES)));
@@ -60,7 +63,7 @@ typedef float psg_vfu __attribute__((vector_size(VEC_BYTES), aligned(4)));
 #define EXP expf
 #define TANH tanhf
 #define NAME(x) psg_f32_##x
-#include "lstm_sequence.h"
+#include "sequence.h"
 #undef REAL
 #undef LANES
 #undef VEC
@@ -78,7 +81,7 @@ typedef double psg_vdu __attribute__((vector_size(VEC_BYTES), aligned(8)));
 #define EXP exp
 #define TANH tanh
 #define NAME(x) psg_f64_##x
-#include "lstm_sequence.h"
+#include "sequence.h"
 
 /* The library's interface version: psg_core.native refuses a library built from another source. */
-int psg_native_version(void) { return 4; }
+int psg_native_version(void) { return 5; }

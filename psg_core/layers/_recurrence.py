@@ -129,6 +129,34 @@ def _loop(step: Step, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return (_stack(h_prev), _stack(hidden_gates)), state, (_stack(outs), *(_stack(v) for v in saved))
 
 
+def _native_loop(lib: Any, cell: str, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 h0: torch.Tensor, order: range
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
+    """:func:`_loop` of an unmasked GRU or RNN (``cell``: ``"gru"``, ``"tanh"`` or ``"relu"``) as
+    one call of :mod:`psg_core.native`'s C loop, with what :func:`_loop` returns (the ``(B, T, ·)``
+    results views of time-major buffers); None where the call could not run."""
+    batch, steps, width = gx.shape
+    hidden = h0.shape[1]
+    forward = order.step > 0
+    hs = gx.new_empty(steps + 1, batch, hidden)  # the states: slot 0 (forward) or T (reverse) is the first
+    hs[0 if forward else steps] = h0
+    hidden_gates = gx.new_empty(batch, steps, width)  # hh(h_prev) = W_hh h + b_hh
+    gru = cell == "gru"
+    rz = gx.new_empty(steps, batch, 2 * hidden) if gru else None
+    cand = gx.new_empty(steps, batch, hidden) if gru else None
+    if not native.forward(lib, cell, gx, weight, bias, hidden_gates, hs, not forward, act=rz, cand=cand):
+        return None
+    prev, new = (slice(0, steps), slice(1, steps + 1)) if forward else (slice(1, steps + 1), slice(0, steps))
+    outs = hs[new].transpose(0, 1)  # (B, T, H) views
+    saved: tuple[torch.Tensor, ...]
+    if gru:
+        assert rz is not None and cand is not None
+        saved = (rz.transpose(0, 1), cand.transpose(0, 1), hidden_gates[..., 2 * hidden:])
+    else:
+        saved = (hs[new].transpose(0, 1),)  # the outputs again, as another view (autograd returns one, saves one)
+    return (hs[prev].transpose(0, 1), hidden_gates), (hs[steps if forward else 0],), (outs, *saved)
+
+
 def _lstm_loop(gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: tuple[torch.Tensor, ...],
                order: range) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...],
                                       tuple[torch.Tensor, ...]]:
@@ -153,8 +181,8 @@ def _lstm_loop(gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     hidden_gates: torch.Tensor | None = None  # hh(h_prev) = W_hh h + b_hh
     if lib is not None:
         hidden_gates = gx.new_empty(batch, steps, width)
-        if not native.lstm_forward(lib, gx, weight, bias, hidden_gates, sig, cand, tanh_c, hs, cs,
-                                   reverse=not forward):
+        if not native.forward(lib, "lstm", gx, weight, bias, hidden_gates, hs, not forward, act=sig, cand=cand,
+                              tanh_c=tanh_c, cs=cs):
             hidden_gates = None
     if hidden_gates is None:
         hidden_gates = _lstm_steps(gx, weight, bias, order, sig, cand, tanh_c, hs, cs)
@@ -293,17 +321,47 @@ def _lstm_backward_native(lib: Any, act: torch.Tensor, cand: torch.Tensor, c_pre
     ``tanh_c`` are time-major ``(T, B, ·)`` views; of ``act`` (the gates' sigmoids) only the i, f
     and o slots are read."""
     steps, batch, hidden = tanh_c.shape
-    if not cand.stride() == c_prev.stride() == tanh_c.stride():
-        cand, c_prev, tanh_c = (t.contiguous() for t in (cand, c_prev, tanh_c))
     if d_out.stride(-1) != 1:
         d_out = d_out.contiguous()
     dgates = act.new_empty(batch, steps, 4 * hidden)
     dh0 = dh.contiguous().clone()  # the final state's gradients in, the initial state's out
     dc0 = dc.contiguous().clone()
-    if not native.lstm_backward(lib, weight.contiguous(), act, cand, c_prev, tanh_c, d_out, dh0, dc0, dgates,
-                                reverse=order.step < 0):
+    if not native.backward(lib, "lstm", weight.contiguous(), d_out, dh0, dgates, order.step < 0, dc=dc0, act=act,
+                           cand=cand, tanh_c=tanh_c, cs=c_prev):
         return None
     return dgates, dh0, dc0
+
+
+def _rnn_backward_native(spec: "_Spec", saved: Sequence[torch.Tensor], weight: torch.Tensor,
+                         valid: Sequence[torch.Tensor] | None, d_out: torch.Tensor, dh: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The backward recurrence of an unmasked GRU or RNN as one call of :mod:`psg_core.native`'s
+    C loop: ``(d input gates, d hidden gates, d h0)``, ``(B, T, G*H)`` each (one tensor for the
+    RNN, whose two are equal); None where it does not apply (the caller falls back)."""
+    if valid is None and spec.order and not any(_wrapped(t) or t.requires_grad for t in (d_out, dh, weight, *saved)):
+        lib = native.library() if native.applies(weight, *saved) else None
+    else:
+        lib = None
+    if lib is None:
+        return None
+    batch, steps, hidden = d_out.shape
+    if d_out.stride(-1) != 1:
+        d_out = d_out.contiguous()
+    dh0 = dh.contiguous().clone()  # the final state's gradient in, the initial state's out
+    reverse = spec.order.step < 0
+    if spec.kind == "gru":
+        rz, cand, hidden_n, h_prev = (t.transpose(0, 1) for t in saved)  # (T, B, ·) views
+        d_input, d_hidden = (d_out.new_empty(batch, steps, 3 * hidden) for _ in range(2))
+        if not native.backward(lib, "gru", weight.contiguous(), d_out, dh0, d_input, reverse, d_hidden=d_hidden,
+                               act=rz, cand=cand, tanh_c=hidden_n, hs=h_prev):
+            return None
+        return d_input, d_hidden, dh0
+    (new,) = saved
+    d_pre = d_out.new_empty(batch, steps, hidden)
+    if not native.backward(lib, "relu" if spec.relu else "tanh", weight.contiguous(), d_out, dh0, d_pre, reverse,
+                           hs=new.transpose(0, 1)):
+        return None
+    return d_pre, d_pre, dh0
 
 
 def _gru_backward(saved: Sequence[torch.Tensor], weight: torch.Tensor, valid: Sequence[torch.Tensor] | None,
@@ -426,6 +484,13 @@ class _Recurrence(torch.autograd.Function):
             dgx = d_gates.to(gx_dtype)
             dgh = dgx if gh_dtype == gx_dtype else d_gates.to(gh_dtype)
         else:
+            native_done = _rnn_backward_native(spec, saved, weight, valid, d_out.to(dt), dh)
+            if native_done is not None:
+                d_in, d_hid, dh0 = native_done
+                dgx = d_in.to(gx_dtype)
+                dgh = dgx if d_hid is d_in and gh_dtype == gx_dtype else d_hid.to(gh_dtype)
+                return (dgx, dgh, dh0.to(h_dtype), None, None, None, None, None, None, None,
+                        *([None] * len(saved)))
             douts = d_out.to(dt).unbind(1)
             if spec.kind == "gru":
                 d_input, d_hidden, dh0 = _gru_backward(saved, weight, valid, spec.order, douts, dh)
@@ -579,6 +644,14 @@ def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None
             else:
                 step = _gru_step if kind == "gru" else _rnn_step(torch.relu if relu else torch.tanh)
                 start = (h0.detach(),)
+                tensors = (x, weight) if bias is None else (x, weight, bias)
+                if mask is None and not autocast_active() and native.applies(*tensors):
+                    lib = native.library()
+                    done = None if lib is None else _native_loop(lib, kind if kind == "gru" else
+                                                                 ("relu" if relu else "tanh"), x, weight, bias,
+                                                                 start[0], order)
+                    if done is not None:
+                        return done
             return _loop(step, x, weight, bias, start, mask, order)
 
     (h_prev, gh_values), final, results = rowwise(loop, gx)

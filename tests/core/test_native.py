@@ -1,4 +1,4 @@
-"""psg's native LSTM loops (psg_core.native): built on this host, equal to the step-by-step loop in
+"""psg's native recurrent loops (psg_core.native): built on this host, equal to the step-by-step loop in
 torch ops they replace whatever the thread count, refused where they do not apply, and a clean
 fallback where they cannot be built."""
 
@@ -16,8 +16,7 @@ import torch
 
 from psg_core import native
 from psg_core.errors import ConfigError
-from psg_core.layers import DPLSTM
-from psg_core.layers import _recurrence as recurrence
+from psg_core.layers import DPGRU, DPLSTM, DPRNN
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
@@ -37,57 +36,31 @@ def test_the_kernels_build_where_a_compiler_is() -> None:
         assert native.build_error() is None
 
 
-def _inputs(batch: int, steps: int, hidden: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+LAYERS = {"lstm": DPLSTM, "gru": DPGRU, "tanh": DPRNN, "relu": DPRNN}
+
+
+def _layer(kind: str, features: int, hidden: int, dtype: torch.dtype, **kwargs: object) -> torch.nn.Module:
+    if kind in ("tanh", "relu"):
+        kwargs["nonlinearity"] = kind
+    return LAYERS[kind](features, hidden, batch_first=True, **kwargs).to(dtype)
+
+
+def _run(layer: torch.nn.Module, kind: str, x: torch.Tensor, setting: str, seed: int) -> list[torch.Tensor]:
+    """Outputs, final state and every gradient (input, initial state, parameters) of one pass."""
     gen = torch.Generator().manual_seed(seed)
-    wide = torch.randn(batch, steps, 8 * hidden, generator=gen, dtype=dtype)
-    return {"gx": wide[..., :4 * hidden],  # rows strided, as a slice of a wider tensor
-            "weight": torch.randn(4 * hidden, hidden, generator=gen, dtype=dtype) / hidden ** 0.5,
-            "bias": torch.randn(4 * hidden, generator=gen, dtype=dtype),
-            "h0": torch.randn(batch, hidden, generator=gen, dtype=dtype),
-            "c0": torch.randn(batch, hidden, generator=gen, dtype=dtype),
-            "d_out": torch.randn(batch, steps, hidden, generator=gen, dtype=dtype),
-            "dh": torch.randn(batch, hidden, generator=gen, dtype=dtype),
-            "dc": torch.randn(batch, hidden, generator=gen, dtype=dtype)}
-
-
-def _forward(lib, x: dict[str, torch.Tensor], reverse: bool, bias: bool) -> dict[str, torch.Tensor]:
-    """One direction's forward: by the C loop (``lib``) or step by step in torch ops (None)."""
-    batch, steps, width = x["gx"].shape
-    hidden = width // 4
-    out = {"act": torch.full((steps, batch, width), float("nan"), dtype=x["gx"].dtype),
-           "cand": torch.full((steps, batch, hidden), float("nan"), dtype=x["gx"].dtype),
-           "tanh_c": torch.full((steps, batch, hidden), float("nan"), dtype=x["gx"].dtype),
-           "hs": torch.full((steps + 1, batch, hidden), float("nan"), dtype=x["gx"].dtype),
-           "cs": torch.full((steps + 1, batch, hidden), float("nan"), dtype=x["gx"].dtype)}
-    first = steps if reverse else 0
-    out["hs"][first], out["cs"][first] = x["h0"], x["c0"]
-    b = x["bias"] if bias else None
-    order = range(steps - 1, -1, -1) if reverse else range(steps)
-    if lib is None:
-        out["hidden_gates"] = recurrence._lstm_steps(x["gx"], x["weight"], b, order, out["act"], out["cand"],
-                                                     out["tanh_c"], out["hs"], out["cs"])
-    else:
-        out["hidden_gates"] = torch.full_like(x["gx"], float("nan"))
-        assert native.lstm_forward(lib, x["gx"], x["weight"], b, out["hidden_gates"], out["act"], out["cand"],
-                                   out["tanh_c"], out["hs"], out["cs"], reverse=reverse)
-    return out
-
-
-def _backward(lib, x: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], reverse: bool
-              ) -> tuple[torch.Tensor, ...]:
-    steps = x["gx"].shape[1]
-    c_prev = saved["cs"][1:] if reverse else saved["cs"][:steps]
-    order = range(steps - 1, -1, -1) if reverse else range(steps)
-    # the layer hands its saved activations over as (B, T, ·) views of the time-major buffers
-    args = (tuple(t.transpose(0, 1) for t in (saved["act"], saved["cand"], c_prev, saved["tanh_c"])), x["weight"],
-            None, order, x["d_out"], x["dh"], x["dc"])
-    if lib is None:
-        with native.native_kernels("off"):
-            return recurrence._lstm_backward(*args)  # type: ignore[arg-type]
-    done = recurrence._lstm_backward_native(lib, saved["act"], saved["cand"], c_prev, saved["tanh_c"],
-                                            x["weight"], order, x["d_out"], x["dh"], x["dc"])
-    assert done is not None
-    return done
+    layers = layer.num_layers * (2 if layer.bidirectional else 1)
+    shape = (layers, x.shape[0], layer.hidden_size)
+    h0 = torch.randn(*shape, generator=gen, dtype=x.dtype).requires_grad_()
+    state = (h0, torch.randn(*shape, generator=gen, dtype=x.dtype).requires_grad_()) if kind == "lstm" else h0
+    layer.zero_grad()
+    inp = x.clone().requires_grad_()
+    with native.native_kernels(setting):
+        out, final = layer(inp, state)
+        finals = list(final) if kind == "lstm" else [final]
+        weights = [torch.randn(t.shape, generator=gen, dtype=x.dtype) for t in (out, *finals)]
+        sum((t * w).sum() for t, w in zip((out, *finals), weights)).backward()
+    leaves = [inp, *(state if kind == "lstm" else (state,))]
+    return [out, *finals, *(t.grad for t in leaves), *(p.grad for p in layer.parameters())]
 
 
 # (batch, steps, hidden): hidden a multiple of the vector width (16 floats, 8 doubles) or not, one
@@ -97,36 +70,47 @@ SHAPES = [(1, 1, 1), (3, 5, 5), (8, 4, 16), (9, 3, 24), (17, 6, 40), (2, 7, 64),
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("batch,steps,hidden", SHAPES)
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "tanh", "relu"])
 def test_the_loops_equal_the_step_by_step_loop(dtype: torch.dtype, batch: int, steps: int, hidden: int,
-                                               reverse: bool, bias: bool) -> None:
-    """Forward (every buffer the backward reads, the states, the hidden projection) and backward
-    (the gates' gradients, the initial state's) against the torch-ops loop they replace."""
-    lib = _lib()
-    x = _inputs(batch, steps, hidden, dtype, seed=batch * 1000 + steps * 10 + hidden)
-    got, want = _forward(lib, x, reverse, bias), _forward(None, x, reverse, bias)
-    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype is torch.float64 else {"rtol": 2e-5, "atol": 2e-6}
-    for name in ("cand", "tanh_c", "hs", "cs", "hidden_gates"):
-        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"{name}: {m}")
-    for gate in (0, 1, 3):  # i, f, o: the act slots the backward reads (torch's loop keeps sigmoid(g) in 2)
-        torch.testing.assert_close(got["act"][..., gate * hidden:(gate + 1) * hidden],
-                                   want["act"][..., gate * hidden:(gate + 1) * hidden], **tol)
-    for name, g, w in zip(("dgates", "dh0", "dc0"), _backward(lib, x, want, reverse), _backward(None, x, want, reverse)):
-        torch.testing.assert_close(g, w, **tol, msg=lambda m: f"{name}: {m}")
+                                               kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A two-layer bidirectional layer (both directions of the loop, the second layer fed the
+    first's outputs), with and without biases, through the C loops and through the torch-ops loop
+    they replace: outputs, final states and the gradients of the input, the initial state and every
+    parameter."""
+    _lib()
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(native, name)
+
+        def counted(*args: object, _real: object = real, _name: str = name, **kwargs: object) -> bool:
+            calls[_name] += 1
+            return _real(*args, **kwargs)  # type: ignore[operator,no-any-return]
+        monkeypatch.setattr(native, name, counted)
+    # float32: the two loops sum in different orders (float64 shows the algebra is the same)
+    tol = {"rtol": 1e-11, "atol": 1e-12} if dtype is torch.float64 else {"rtol": 1e-4, "atol": 2e-5}
+    for bias in (True, False):
+        torch.manual_seed(hidden * 100 + steps)
+        layer = _layer(kind, 3, hidden, dtype, num_layers=2, bidirectional=True, bias=bias)
+        x = torch.randn(batch, steps, 3, dtype=dtype)
+        seed = batch * 1000 + steps
+        for got, want in zip(_run(layer, kind, x, "auto", seed), _run(layer, kind, x, "off", seed)):
+            torch.testing.assert_close(got, want, **tol)
+    assert calls == {"forward": 8, "backward": 8}  # 2 biases x 2 layers x 2 directions, C loops only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_results_do_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
-    lib = _lib()
-    x = _inputs(9, 5, 48, dtype, seed=7)
+@pytest.mark.parametrize("kind", ["lstm", "gru", "tanh", "relu"])
+def test_the_results_do_not_depend_on_the_thread_count(dtype: torch.dtype, kind: str) -> None:
+    _lib()
+    torch.manual_seed(0)
+    layer = _layer(kind, 3, 48, dtype, bidirectional=True)
+    x = torch.randn(9, 5, 3, dtype=dtype)
     threads = torch.get_num_threads()
     results = []
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            saved = _forward(lib, x, False, True)
-            results.append([*saved.values(), *_backward(lib, x, saved, False)])
+            results.append(_run(layer, kind, x, "auto", seed=1))
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:
@@ -184,8 +168,7 @@ def _child(code: str, **env: str) -> dict:
 _PROBE = """
 import json, torch
 from psg_core import native
-from psg_core.layers import DPLSTM
-from psg_core.layers import _recurrence as recurrence
+from psg_core.layers import DPGRU, DPLSTM, DPRNN
 torch.manual_seed(0)
 out, _ = DPLSTM(3, 4, batch_first=True)(torch.randn(2, 5, 3))
 out.sum().backward()
