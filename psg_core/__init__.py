@@ -28,6 +28,7 @@ from psg_core.fix_model import fix_model
 from psg_core.grad_sample import (GHOST_NORMS, GRAD_SAMPLERS, GhostFactors, GradSamplerRegistry, WeightLayout,
                                   register_ghost_norm, register_grad_sampler)
 from psg_core.gemm import GemmKernel, gemm_kernel, set_gemm_kernel
+from psg_core.native import NativeKernels, native_kernels, set_native_kernels
 from psg_core.grad_sample.conv_strategy import ConvStrategy, conv_strategy, set_conv_strategy
 from psg_core.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from psg_core.layout import batch_free
@@ -88,10 +89,12 @@ __all__ = [
     "conv_strategy",
     "dp_gradient",
     "gemm_kernel",
+    "native_kernels",
     "l2_sensitivity",
     "secure_generator",
     "set_conv_strategy",
     "set_gemm_kernel",
+    "set_native_kernels",
     "split_batch",
     "unit_module",
     "steps_for_epochs",
@@ -106,6 +109,7 @@ __all__ = [
     "ConfigError",
     "ConvStrategy",
     "GemmKernel",
+    "NativeKernels",
     "DPConfig",
     "DPGradient",
     "GHOST_NORMS",

@@ -6,10 +6,10 @@ Python overhead) made DPLSTM 2.5x slower than torch's fused kernel, so here:
 
 1. the forward loop runs without autograd (:func:`run`): per step one ``addmm`` with the
    pre-transposed hidden weight and a few pointwise ops; it keeps what the backward needs and
-   the state before every step, ``h_prev`` ``(B, T, H)`` (an unmasked LSTM, the common case,
-   writes every step straight into preallocated time-major buffers: :func:`_lstm_loop`, whose
-   whole loop, forward and backward, is one call of psg's C loop where it builds,
-   :mod:`psg_core.native`);
+   the state before every step, ``h_prev`` ``(B, T, H)``. An unmasked layer, the common case,
+   runs the whole loop, forward and backward, as one call of psg's C loop where it builds
+   (:mod:`psg_core.native`), its results in time-major buffers (the LSTM's also step by step:
+   :func:`_lstm_loop`);
 2. ``gh = hh(h_prev)`` is one hooked Linear call on that sequence: the same values the loop
    used, computed once more so that ``hh`` sits in the graph like any Linear (hooks, ghost,
    functorch and ExpandedWeights all see an ordinary ``(B, T, H) -> (B, T, G*H)`` call);
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from psg_core import native
+import psg_core.native as native
 from psg_core.gemm import Projection, linear, linear_uses_onednn, mm_tn, onednn_linear
 
 __all__ = ["run", "known_linear", "fast_linear"]
