@@ -16,8 +16,8 @@ one order: the results do not depend on the thread count.
 
 The library is compiled on first use with the host's C compiler (``$CC``, else ``cc``, ``gcc``
 or ``clang``; tuned for the host's CPU, linked to the OpenMP runtime torch loaded) into a cache
-directory (``$PSG_CACHE_DIR``, else ``$XDG_CACHE_HOME/psg``, else ``~/.cache/psg``), keyed by the
-sources, the flags and the CPU, and loaded with :mod:`ctypes`; later processes load the cached
+directory (``$PSG_CACHE_DIR``, else ``$XDG_CACHE_HOME/psg``, else ``~/.cache/psg``; the system's
+temporary directory where those cannot be written), keyed by the sources, the flags and the CPU, and loaded with :mod:`ctypes`; later processes load the cached
 file (a build takes about a second). Where no compiler works, or the directory cannot be
 written, psg logs why once and the layers keep their step-by-step loop in torch ops (the fallback,
 and the reference the tests compare the kernels with). Nothing else changes.
@@ -93,12 +93,26 @@ def native_kernels(value: NativeKernels | str | None) -> contextlib.AbstractCont
 
 
 # ------------------------------------------------------------------------------ building
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where built libraries are kept, in order: ``$PSG_CACHE_DIR/native``, else the user's cache
+    (``$XDG_CACHE_HOME/psg/native``, else ``~/.cache/psg/native``); then a per-user directory in
+    the system's temporary directory, for a home that cannot be written (a read-only container)."""
     explicit = os.environ.get("PSG_CACHE_DIR")
     if explicit:
-        return Path(explicit) / "native"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "psg" / "native"
+        preferred = Path(explicit) / "native"
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        preferred = Path(base) / "psg" / "native"
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return [preferred, Path(tempfile.gettempdir()) / f"psg-native-{user}"]
+
+
+def _writable(directory: Path) -> bool:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK | os.X_OK)
 
 
 def _compilers() -> list[str]:
@@ -161,13 +175,17 @@ def _build(sources: dict[str, str]) -> Path | None:
             key = hashlib.sha256("\0".join([*(f"{name}\0{text}" for name, text in sorted(sources.items())),
                                             compiler, *flags, *link, platform.machine(), _cpu_signature(),
                                             sys.platform]).encode()).hexdigest()[:20]
-            directory = _cache_dir()
-            target = directory / f"psg_recurrence_{key}.so"
-            if target.exists():
-                return target
+            name = f"psg_recurrence_{key}.so"
+            for directory in _cache_dirs():
+                if (directory / name).exists():
+                    return directory / name
+            writable = next((d for d in _cache_dirs() if _writable(d)), None)
+            if writable is None:
+                errors.append(f"no writable cache directory ({', '.join(map(str, _cache_dirs()))})")
+                break
+            target = writable / name
             try:
-                directory.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=directory) as scratch:
+                with tempfile.TemporaryDirectory(dir=writable) as scratch:
                     for name, text in sources.items():
                         (Path(scratch) / name).write_text(text)
                     obj, built = Path(scratch) / "recurrence.o", Path(scratch) / "recurrence.so"

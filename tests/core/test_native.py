@@ -195,3 +195,14 @@ def test_the_build_is_cached_per_directory(tmp_path: Path) -> None:
     assert second["built"] is True
     assert [p.stat().st_mtime_ns for p in tmp_path.rglob("*.so")] == [stamp]  # loaded, not rebuilt
     assert not [p for p in tmp_path.rglob("*") if p.is_dir() and p.name != "native"]  # no scratch left
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this host")
+def test_an_unwritable_cache_directory_falls_back_to_the_temporary_one(tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    got = _child(_PROBE, PSG_CACHE_DIR=str(blocked), TMPDIR=str(temporary), PSG_NATIVE="auto")
+    assert got["built"] is True, got["error"]
+    assert len(list(temporary.glob("psg-native-*/*.so"))) == 1
