@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 #: The environment variable that sets whether the native kernels are used (``auto`` or ``off``).
 ENVIRONMENT_VARIABLE = "PSG_NATIVE"
 #: The version ``psg_native_version()`` of a library built from this source returns.
-_VERSION = 5
+_VERSION = 6
 _SOURCES = Path(__file__).resolve().parent / "csrc"
 #: the file compiled (it includes the others in the directory).
 _MAIN = "recurrence.c"
@@ -308,8 +308,23 @@ def _batch_major(tensor: torch.Tensor) -> tuple[int, int, int]:
     return tensor.data_ptr(), tensor.stride(0), tensor.stride(1)
 
 
+#: set in a process forked from this one: GNU OpenMP's thread pool does not survive fork (the
+#: child's next parallel region waits for the parent's threads, as torch's own parallel ops do
+#: there), so a forked child runs the loops on its one thread, outside any parallel region.
+_forked = False
+
+
+def _in_forked_child() -> None:
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_forked_child)
+
+
 def _threads() -> int:
-    return max(1, torch.get_num_threads())
+    return 1 if _forked else max(1, torch.get_num_threads())
 
 
 def forward(lib: ctypes.CDLL, cell: str, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

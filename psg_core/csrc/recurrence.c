@@ -84,4 +84,4 @@ typedef double psg_vdu __attribute__((vector_size(VEC_BYTES), aligned(8)));
 #include "sequence.h"
 
 /* The library's interface version: psg_core.native refuses a library built from another source. */
-int psg_native_version(void) { return 5; }
+int psg_native_version(void) { return 6; }

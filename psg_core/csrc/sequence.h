@@ -354,8 +354,12 @@ int NAME(forward_sequence)(int cell, long B, long H, long T, int reverse, int th
   job.hs = hs; job.hs_t = hs_t; job.hs_b = hs_b;
   job.cs = cs; job.cs_t = cs_t; job.cs_b = cs_b;
   job.scratch = scratch;
+  if (threads == 1) {
+    NAME(forward_thread)(&job, 0, 1); /* no parallel region: usable in a forked child (see native.py) */
+  } else {
 #pragma omp parallel num_threads(threads)
-  NAME(forward_thread)(&job, PSG_THREAD_INDEX(), PSG_THREAD_COUNT());
+    NAME(forward_thread)(&job, PSG_THREAD_INDEX(), PSG_THREAD_COUNT());
+  }
   free(scratch);
   return 0;
 }
@@ -397,11 +401,15 @@ int NAME(backward_sequence)(int cell, long B, long H, long T, int reverse, int t
   job.din = din; job.din_b = din_b; job.din_t = din_t;
   job.dhid = dhid; job.dhid_b = dhid_b; job.dhid_t = dhid_t;
   job.scratch = scratch; job.product = product; job.product_stride = product_stride;
+  if (threads == 1) {
+    NAME(backward_thread)(&job, 0, 1);
+  } else {
 #pragma omp parallel num_threads(threads)
-  {
-    /* a thread beyond the count asked for (never, by OpenMP's rules) would find no product buffer */
-    int index = PSG_THREAD_INDEX(), count = PSG_THREAD_COUNT();
-    if (count <= threads) NAME(backward_thread)(&job, index, count);
+    {
+      /* a thread beyond the count asked for (never, by OpenMP's rules) would find no product buffer */
+      int index = PSG_THREAD_INDEX(), count = PSG_THREAD_COUNT();
+      if (count <= threads) NAME(backward_thread)(&job, index, count);
+    }
   }
   free(scratch);
   free(product);

@@ -206,3 +206,33 @@ def test_an_unwritable_cache_directory_falls_back_to_the_temporary_one(tmp_path:
     got = _child(_PROBE, PSG_CACHE_DIR=str(blocked), TMPDIR=str(temporary), PSG_NATIVE="auto")
     assert got["built"] is True, got["error"]
     assert len(list(temporary.glob("psg-native-*/*.so"))) == 1
+
+
+_FORK_PROBE = """
+import json, os, torch
+from psg_core import native
+lib = native.library()
+B, T, H = 3, 4, 40
+def run():
+    gx, w = torch.randn(B, T, 4 * H), torch.randn(4 * H, H)
+    hg, act = torch.empty(B, T, 4 * H), torch.empty(T, B, 4 * H)
+    cand, tc = torch.empty(T, B, H), torch.empty(T, B, H)
+    hs, cs = torch.zeros(T + 1, B, H), torch.zeros(T + 1, B, H)
+    assert native.forward(lib, "lstm", gx, w, None, hg, hs, False, act=act, cand=cand, tanh_c=tc, cs=cs)
+    return bool(hs.isfinite().all())
+torch.set_num_threads(2)
+parent = run()  # the parallel region starts OpenMP's thread pool in this process
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if run() else 1)  # in the child: on its one thread, no parallel region
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"built": lib is not None, "parent": parent, "child_status": status}))
+"""
+
+
+@pytest.mark.skipif(not HAS_COMPILER or not hasattr(os, "fork"), reason="no C compiler, or no fork")
+def test_a_forked_child_runs_the_loops_on_one_thread() -> None:
+    """GNU OpenMP's thread pool does not survive fork: a child's parallel region would wait for
+    the parent's threads forever. The loops run without one there."""
+    got = _child(_FORK_PROBE, PSG_NATIVE="auto")
+    assert got == {"built": True, "parent": True, "child_status": 0}
