@@ -17,8 +17,9 @@ one order: the results do not depend on the thread count.
 The library is compiled on first use with the host's C compiler (``$CC``, else ``cc``, ``gcc``
 or ``clang``; tuned for the host's CPU, linked to the OpenMP runtime torch loaded) into a cache
 directory (``$PSG_CACHE_DIR``, else ``$XDG_CACHE_HOME/psg``, else ``~/.cache/psg``; the system's
-temporary directory where those cannot be written), keyed by the sources, the flags and the CPU, and loaded with :mod:`ctypes`; later processes load the cached
-file (a build takes about a second). Where no compiler works, or the directory cannot be
+temporary directory where those cannot be written), keyed by the sources, the flags and the CPU,
+and loaded with :mod:`ctypes`; later processes load the cached file (a build takes about a
+second). Where no compiler works, or no directory can be
 written, psg logs why once and the layers keep their step-by-step loop in torch ops (the fallback,
 and the reference the tests compare the kernels with). Nothing else changes.
 

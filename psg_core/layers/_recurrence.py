@@ -129,9 +129,15 @@ def _loop(step: Step, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return (_stack(h_prev), _stack(hidden_gates)), state, (_stack(outs), *(_stack(v) for v in saved))
 
 
+def _native_cell(kind: str, relu: bool) -> str:
+    """The cell's name in :data:`psg_core.native.CELLS` (an RNN's is its nonlinearity)."""
+    return kind if kind != "rnn" else ("relu" if relu else "tanh")
+
+
 def _native_loop(lib: Any, cell: str, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  h0: torch.Tensor, order: range
-                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...],
+                            tuple[torch.Tensor, ...]] | None:
     """:func:`_loop` of an unmasked GRU or RNN (``cell``: ``"gru"``, ``"tanh"`` or ``"relu"``) as
     one call of :mod:`psg_core.native`'s C loop, with what :func:`_loop` returns (the ``(B, T, ·)``
     results views of time-major buffers); None where the call could not run."""
@@ -358,7 +364,7 @@ def _rnn_backward_native(spec: "_Spec", saved: Sequence[torch.Tensor], weight: t
         return d_input, d_hidden, dh0
     (new,) = saved
     d_pre = d_out.new_empty(batch, steps, hidden)
-    if not native.backward(lib, "relu" if spec.relu else "tanh", weight.contiguous(), d_out, dh0, d_pre, reverse,
+    if not native.backward(lib, _native_cell(spec.kind, spec.relu), weight.contiguous(), d_out, dh0, d_pre, reverse,
                            hs=new.transpose(0, 1)):
         return None
     return d_pre, d_pre, dh0
@@ -647,8 +653,7 @@ def run(cell: Any, sequence: torch.Tensor, state: Any, mask: torch.Tensor | None
                 tensors = (x, weight) if bias is None else (x, weight, bias)
                 if mask is None and not autocast_active() and native.applies(*tensors):
                     lib = native.library()
-                    done = None if lib is None else _native_loop(lib, kind if kind == "gru" else
-                                                                 ("relu" if relu else "tanh"), x, weight, bias,
+                    done = None if lib is None else _native_loop(lib, _native_cell(kind, relu), x, weight, bias,
                                                                  start[0], order)
                     if done is not None:
                         return done

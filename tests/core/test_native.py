@@ -172,7 +172,8 @@ from psg_core.layers import DPGRU, DPLSTM, DPRNN
 torch.manual_seed(0)
 out, _ = DPLSTM(3, 4, batch_first=True)(torch.randn(2, 5, 3))
 out.sum().backward()
-print(json.dumps({"built": native.library() is not None, "error": native.build_error(), "finite": bool(out.isfinite().all())}))
+print(json.dumps({"built": native.library() is not None, "error": native.build_error(),
+                  "finite": bool(out.isfinite().all())}))
 """
 
 
