@@ -169,17 +169,22 @@ def _rule_prefers_onednn() -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def plain_cpu_tensor(t: torch.Tensor, grad_mode: bool) -> bool:
+    """A plain CPU tensor (no subclass such as ExpandedWeights) that a kernel outside autograd may
+    read: not recorded by autograd (``grad_mode``: whether grad mode is on) and not wrapped by a
+    ``torch.func`` transform. psg's own kernels (oneDNN's products here, psg_core.native's loops)
+    take only those."""
+    return (type(t) in _PLAIN and t.device.type == "cpu" and not (grad_mode and t.requires_grad)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
 def _applies(*tensors: torch.Tensor | None) -> bool:
     """Whether oneDNN may compute a product of these tensors (see the module docstring)."""
     grad_mode = torch.is_grad_enabled()
     for t in tensors:
         if t is None:
             continue
-        if type(t) not in _PLAIN or t.dtype is not torch.float32 or t.device.type != "cpu" or t.numel() == 0:
-            return False
-        if grad_mode and t.requires_grad:
-            return False
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if t.dtype is not torch.float32 or t.numel() == 0 or not plain_cpu_tensor(t, grad_mode):
             return False
     return not torch.is_autocast_enabled("cpu")
 

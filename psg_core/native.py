@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from psg_core._settings import ProcessSetting
+from psg_core.gemm import plain_cpu_tensor
 
 __all__ = ["NativeKernels", "ENVIRONMENT_VARIABLE", "set_native_kernels", "native_kernels", "library",
            "applies", "build_error", "CELLS", "forward", "backward"]
@@ -265,7 +266,6 @@ def build_error() -> str | None:
 
 # ------------------------------------------------------------------------------ applicability
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -278,14 +278,7 @@ def applies(*tensors: torch.Tensor) -> bool:
     if dtype not in _DTYPES:
         return False
     grad_mode = torch.is_grad_enabled()
-    for t in tensors:
-        if type(t) not in _PLAIN or t.dtype is not dtype or t.device.type != "cpu":
-            return False
-        if t.stride(-1) != 1 or (grad_mode and t.requires_grad):
-            return False
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
-            return False
-    return True
+    return all(t.dtype is dtype and t.stride(-1) == 1 and plain_cpu_tensor(t, grad_mode) for t in tensors)
 
 
 #: the cell kinds of the C loops (recurrence.c's enum).
