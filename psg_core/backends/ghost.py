@@ -480,8 +480,19 @@ def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: tor
     table layout, :attr:`GhostNormEntry.sums_from_factors`): each entry's gradient
     row, scaled by its sample's factor (zero for a dropped sample: its rows may hold inf), added
     into the entry's table row. The ``(V, d)`` sum, in the weight's dtype."""
+    if factors.kind is FactorKind.KEYED and factors.source is not None and factors.weight is not None \
+            and dropped is None:
+        # weighted rows of the samples' own rows (EmbeddingBag: each token's bag gradient): each
+        # entry's scale folds its weight and its sample's factor, one (M, d) buffer in all
+        # every sample's norm is finite, so a row holding inf or NaN has weight 0 in all its
+        # sample's entries (an empty bag's): it adds nothing, and must not add 0 * inf
+        right = torch.where(factors.right.isfinite(), factors.right, 0)  # (N*K, d)
+        scale = factors.weight.to(right.dtype) * as_dtype(sample_factors, right.dtype)[factors.left[0]]  # (M,)
+        scaled = right.index_select(0, factors.source).mul_(scale[:, None])  # (M, d)
+        total = right.new_zeros(weight.shape).index_add_(0, factors.left[1], scaled)  # (V, d)
+        return as_dtype(total, weight.dtype)
     if factors.kind is FactorKind.KEYED:
-        samples, rows, right = factors.left[0], factors.left[1], factors.right  # (M,), (M,), (M, d)
+        samples, rows, right = factors.left[0], factors.left[1], factors.entries()  # (M,), (M,), (M, d)
     else:
         tokens, right = factors.left, factors.right  # (N, T), (N, T, d)
         samples = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(tokens).reshape(-1)

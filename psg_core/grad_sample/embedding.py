@@ -198,7 +198,8 @@ def embedding_bag_grad_sample(layer: nn.EmbeddingBag, activations: list[Any],
         inputs, offsets, _ = _bag_call(activations, kwargs)
         tokens, bag, bags, counted = _counted_tokens(layer, inputs, offsets)  # (M,) each
         return {layer.weight: _max_grad_sample(layer, tokens, bag, counted, backprops, bags, K)}
-    tokens, bag_index, values, bags = _bag_entries(layer, activations, kwargs, backprops)
+    tokens, bag_index, weight, bags = _bag_weights(layer, activations, kwargs, backprops.dtype)
+    values = torch.where(weight[:, None] != 0, backprops[bag_index] * weight[:, None], 0)  # (M, d)
     grad = _per_sample_scatter(tokens, bag_index // K, values, bags // K, layer.num_embeddings)  # (N, V, d)
     return {layer.weight: grad}
 
@@ -221,28 +222,28 @@ def _counted_tokens(layer: nn.EmbeddingBag, inputs: Any, offsets: torch.Tensor |
     return tokens, bag, bags, counted
 
 
-def _bag_entries(layer: nn.EmbeddingBag, args: Sequence[Any], kwargs: dict[str, Any], backprops: torch.Tensor
+def _bag_weights(layer: nn.EmbeddingBag, args: Sequence[Any], kwargs: dict[str, Any], dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Mode "sum"/"mean": each token's table row and bag, and the ``(M, d)`` gradient it sends to
-    that row (0 for padding and tokens after the last offset), with the number of bags.
+    """Mode "sum"/"mean": each token's table row and bag, and the ``(M,)`` weight of its bag's
+    gradient in the gradient it sends to that row (0 for padding and tokens after the last
+    offset, whose row is then 0 and bag 0), with the number of bags.
 
-    Every token takes part, the ones not counted with value 0: selecting the counted ones would
+    Every token takes part, the ones not counted with weight 0: selecting the counted ones would
     need their number on the host (a device sync).
     """
     inputs, offsets, per_sample_weights = _bag_call(list(args), kwargs)
     tokens, bag, bags, counted = _counted_tokens(layer, inputs, offsets)  # (M,) each
-    weight = counted.to(backprops.dtype)  # (M,)
+    weight = counted.to(dtype)  # (M,)
     if per_sample_weights is not None:
-        weight = weight * per_sample_weights.reshape(-1).to(backprops.dtype)
+        weight = weight * per_sample_weights.reshape(-1).to(dtype)
     bag_index = bag.clamp(min=0)  # (M,)
     if layer.mode == "mean":
-        sizes = backprops.new_zeros(bags).index_add_(0, bag_index, counted.to(backprops.dtype))  # (B,)
+        sizes = torch.zeros(bags, dtype=dtype, device=weight.device).index_add_(0, bag_index, counted.to(dtype))
         weight = weight / sizes.clamp(min=1)[bag_index]
     elif layer.mode != "sum":
         raise UnsupportedModuleError(
             f"embedding_bag_grad_sample: unknown EmbeddingBag mode {layer.mode!r}")
-    values = torch.where(counted[:, None], backprops[bag_index] * weight[:, None], 0)  # (M, d)
-    return torch.where(counted, tokens, 0), bag_index, values, bags
+    return torch.where(counted, tokens, 0), bag_index, weight, bags
 
 
 # The ghost norm of EmbeddingBag (modes sum and mean): sample n's gradient scatters its tokens'
@@ -257,7 +258,8 @@ def _bag_positions(layer: nn.EmbeddingBag, tokens: torch.Tensor, output: Any, ba
                      is_cheaper=lambda layer, positions: True, whole_call=True, layout=WeightLayout.KEYED_TABLE)
 def embedding_bag_ghost_factors(layer: nn.EmbeddingBag, call: Any, backprop: torch.Tensor,
                                 K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
-    """Each token's (sample, table row) and the gradient it sends there (modes sum and mean).
+    """Each token's (sample, table row) and the gradient it sends there (modes sum and mean): its
+    weight (1, a mean's 1/size or its per-sample weight) times its bag's gradient.
 
     >>> from types import SimpleNamespace
     >>> layer = nn.EmbeddingBag(10, 3, mode="sum")
@@ -267,5 +269,5 @@ def embedding_bag_ghost_factors(layer: nn.EmbeddingBag, call: Any, backprop: tor
     [12.0, 3.0]
     """
     _reject_batch_mixing(layer, "embedding_bag_ghost_factors")
-    tokens, bag_index, values, bags = _bag_entries(layer, call.args, call.kwargs, backprop)
-    return GhostFactors.keyed(bag_index // K, tokens, values, bags // K), {}
+    tokens, bag_index, weight, bags = _bag_weights(layer, call.args, call.kwargs, backprop.dtype)
+    return GhostFactors.keyed(bag_index // K, tokens, backprop, bags // K, source=bag_index, weight=weight), {}

@@ -57,7 +57,9 @@ class FactorKind(enum.Enum):
     #: a lookup table: ``grad[n][v] = sum_{t: left[n, t] == v} right[n, t]`` (Embedding).
     INDEX = "index"
     #: a lookup table with any number of entries per sample: ``left (2, M)`` holds each entry's
-    #: sample and table row, ``grad[n][v] = sum_{m: left[:, m] == (n, v)} right[m]`` (EmbeddingBag).
+    #: sample and table row, ``grad[n][v] = sum_{m: left[:, m] == (n, v)} entry(m)`` (EmbeddingBag).
+    #: ``entry(m)`` is ``right[m]``, or ``weight[m] * right[source[m]]`` when the entries are
+    #: weighted copies of a few shared rows (an EmbeddingBag's tokens, of their bag's gradient).
     KEYED = "keyed"
 
 
@@ -67,13 +69,19 @@ class GhostFactors:
 
     ``DOT``: ``left (N, G, T, I)``, ``right (N, G, T, O)``. ``INDEX``: ``left (N, T)`` token ids,
     ``right (N, T, d)`` output gradients (rows that get no gradient, e.g. padding, zeroed).
-    ``KEYED``: ``left (2, M)`` (sample, token id) of M entries, ``right (M, d)``, ``samples`` N.
+    ``KEYED``: ``left (2, M)`` (sample, token id) of M entries, ``right (M, d)``, ``samples`` N;
+    or, with ``source`` and ``weight`` (both ``(M,)``), ``right (N*K, d)`` holds K rows per sample
+    (sample n's are ``n*K .. n*K+K-1``) and entry m is ``weight[m] * right[source[m]]``, a row of
+    its own sample: the norms and the clipped sum then need no ``(M, d)`` entry rows
+    (:meth:`entries` makes them where a caller needs them).
     """
 
     kind: FactorKind
     left: torch.Tensor
     right: torch.Tensor
     samples: int = 0
+    source: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
 
     @classmethod
     def dot(cls, left: torch.Tensor, right: torch.Tensor) -> GhostFactors:
@@ -92,14 +100,34 @@ class GhostFactors:
         return cls(FactorKind.INDEX, tokens, right)
 
     @classmethod
-    def keyed(cls, sample: torch.Tensor, tokens: torch.Tensor, right: torch.Tensor, samples: int) -> GhostFactors:
+    def keyed(cls, sample: torch.Tensor, tokens: torch.Tensor, right: torch.Tensor, samples: int, *,
+              source: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> GhostFactors:
         """A lookup table's gradient from M entries: their ``(M,)`` samples and table rows and
-        ``(M, d)`` gradients; ``samples`` is N. Entries that get no gradient carry zeros."""
-        if sample.shape != tokens.shape or tokens.dim() != 1 or right.dim() != 2 \
-                or right.shape[0] != tokens.shape[0]:
+        ``(M, d)`` gradients; ``samples`` is N. Entries that get no gradient carry zeros.
+
+        With ``source`` and ``weight`` (``(M,)`` each), ``right`` is ``(N*K, d)``, K rows per
+        sample, and entry m's gradient is ``weight[m] * right[source[m]]``; ``source[m]`` must be a
+        row of entry m's sample (``source // K == sample``) and an entry that gets no gradient has
+        weight 0 and a finite row.
+        """
+        if sample.shape != tokens.shape or tokens.dim() != 1 or right.dim() != 2 or (
+                source is None and right.shape[0] != tokens.shape[0]):
             raise ConfigError(f"GhostFactors.keyed: expected (M,), (M,) and (M, d), got {tuple(sample.shape)}, "
                               f"{tuple(tokens.shape)} and {tuple(right.shape)}")
-        return cls(FactorKind.KEYED, torch.stack([sample, tokens]), right, samples)
+        if (source is None) != (weight is None) or (source is not None and (
+                source.shape != tokens.shape or cast(torch.Tensor, weight).shape != tokens.shape
+                or right.shape[0] % max(samples, 1) or (samples == 0 and right.shape[0]))):
+            raise ConfigError(f"GhostFactors.keyed: source and weight come together, (M,) each, with K rows "
+                              f"of right per sample; got source {_shape(source)}, weight {_shape(weight)}, "
+                              f"right {tuple(right.shape)} for {samples} samples")
+        return cls(FactorKind.KEYED, torch.stack([sample, tokens]), right, samples, source, weight)
+
+    def entries(self) -> torch.Tensor:
+        """KEYED factors' ``(M, d)`` entry rows (``right`` itself unless the entries are weighted
+        rows of ``right``)."""
+        if self.source is None or self.weight is None:
+            return self.right
+        return _weighted_rows(self.right, self.source, self.weight.to(self.right.dtype))
 
     @staticmethod
     def concat(parts: Sequence[GhostFactors]) -> GhostFactors:
@@ -108,7 +136,7 @@ class GhostFactors:
             return parts[0]
         if parts[0].kind is FactorKind.KEYED:
             return GhostFactors(FactorKind.KEYED, torch.cat([p.left for p in parts], 1),
-                                torch.cat([p.right for p in parts], 0), parts[0].samples)
+                                torch.cat([p.entries() for p in parts], 0), parts[0].samples)
         axis = 2 if parts[0].kind is FactorKind.DOT else 1
         return GhostFactors(parts[0].kind, torch.cat([p.left for p in parts], axis),
                             torch.cat([p.right for p in parts], axis))
@@ -126,6 +154,9 @@ class GhostFactors:
         """
         right = as_dtype(self.right, dtype)
         if self.kind is FactorKind.KEYED:
+            if self.source is not None and self.weight is not None:
+                return _weighted_keyed_sq_norms(self.left[0], self.left[1], self.source,
+                                                as_dtype(self.weight, dtype), right, self.samples)
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
         # (N, [G,] T, T); a one-row Gram is a squared norm: computing it costs less than looking it up
         gram_right = _gram(right) if grams is None or right.shape[-2] == 1 else grams.get(right, _gram)
@@ -134,6 +165,10 @@ class GhostFactors:
             return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
         same_token = self.left.unsqueeze(2) == self.left.unsqueeze(1)  # (N, T, T)
         return (gram_right * same_token).sum((1, 2)).clamp_min(0)
+
+
+def _shape(tensor: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if tensor is None else tuple(tensor.shape)
 
 
 def _gram(rows: torch.Tensor) -> torch.Tensor:
@@ -200,14 +235,61 @@ def _keyed_sq_norms(sample: torch.Tensor, tokens: torch.Tensor, right: torch.Ten
     count = tokens.shape[0]
     if count == 0:
         return right.new_zeros(samples)
+    order, run, run_sample = _runs(sample, tokens)
+    sums = right.new_zeros(count, right.shape[1]).index_add_(0, run, right[order])  # (M, d), runs first
+    return right.new_zeros(samples).index_add_(0, run_sample, sums.square().sum(1))
+
+
+def _weighted_rows(rows: torch.Tensor, source: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``(M, d)``: ``weight[m] * rows[source[m]]``, 0 where the weight is 0 (whatever the row holds)."""
+    weight = weight[:, None]
+    return torch.where(weight != 0, rows[source] * weight, 0)
+
+
+def _runs(sample: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The entries sorted by (sample, token): the order, each sorted entry's run (one run per
+    distinct key, numbered from 0) and each run's sample (0 for the unused run numbers), ``(M,)``
+    each, with fixed shapes only."""
     key = sample * (tokens.max() + 1) + tokens  # (M,), stays on the device
     key, order = key.sort()
     is_start = torch.ones_like(key, dtype=torch.bool)
     is_start[1:] = key[1:] != key[:-1]
     run = is_start.cumsum(0) - 1  # (M,) the run of each sorted entry
-    sums = right.new_zeros(count, right.shape[1]).index_add_(0, run, right[order])  # (M, d), runs first
     run_sample = torch.zeros_like(run).scatter_(0, run, sample[order])  # (M,)
-    return right.new_zeros(samples).index_add_(0, run_sample, sums.square().sum(1))
+    return order, run, run_sample
+
+
+def _weighted_keyed_sq_norms(sample: torch.Tensor, tokens: torch.Tensor, source: torch.Tensor,
+                             weight: torch.Tensor, rows: torch.Tensor, samples: int) -> torch.Tensor:
+    """:func:`_keyed_sq_norms` of entries ``weight[m] * rows[source[m]]`` (``rows (N*K, d)``, K per
+    sample): a run's row is ``sum_k c_k rows[n*K + k]`` with ``c_k`` its entries' weights from row
+    k, so sample n's squared norm is ``sum_{k,l} S_n[k, l] Gram_n[k, l]`` with ``S_n`` the sum of
+    ``c c^T`` over its runs: ``(M, K)`` weights and ``(N, K, K)`` Grams, no ``(M, d)`` rows. Where
+    ``K*K`` exceeds d the ``(M, d)`` runs are cheaper and serve.
+
+    >>> rows = torch.tensor([[1.0, 0.0], [0.0, 2.0]])  # one row (bag) per sample
+    >>> _weighted_keyed_sq_norms(torch.tensor([0, 0, 1]), torch.tensor([4, 4, 5]), torch.tensor([0, 0, 1]),
+    ...                          torch.tensor([0.5, 0.5, 3.0]), rows, 2).tolist()  # (0.5+0.5)^2 * 1, 3^2 * 4
+    [1.0, 36.0]
+    """
+    count, dim = tokens.shape[0], rows.shape[1]
+    if count == 0 or samples == 0:
+        return rows.new_zeros(samples)
+    K = rows.shape[0] // samples
+    if K * K > dim:
+        return _keyed_sq_norms(sample, tokens, _weighted_rows(rows, source, weight), samples)
+    order, run, run_sample = _runs(sample, tokens)
+    slot = source[order] - sample[order] * K  # (M,) the entry's row among its sample's K
+    coef = weight.new_zeros(count * K).index_add_(0, run * K + slot, weight[order]).view(count, K)
+    per_sample = rows.view(samples, K, dim)
+    if K == 1:
+        weights = weight.new_zeros(samples).index_add_(0, run_sample, coef.view(-1).square())  # (N,)
+        # a sample with no weighted entry has norm 0 whatever its row holds (an empty bag's)
+        return torch.where(weights != 0, weights * per_sample[:, 0].square().sum(1), 0)
+    outer = (coef[:, :, None] * coef[:, None, :]).view(count, K * K)  # (M, K*K)
+    pairs = weight.new_zeros(samples, K * K).index_add_(0, run_sample, outer)  # (N, K*K)
+    gram = (per_sample @ per_sample.transpose(1, 2)).view(samples, K * K)  # (N, K*K)
+    return torch.where(pairs != 0, pairs * gram, 0).sum(1).clamp_min(0)
 
 
 class WeightLayout(enum.Enum):
@@ -371,7 +453,7 @@ def _dense(layout: WeightLayout, factors: GhostFactors, shape: Sequence[int], dt
     keyed = _as_keyed(factors)
     samples, rows = keyed.samples, shape[0]
     flat = right.new_zeros(samples * rows, right.shape[-1]).index_add_(
-        0, keyed.left[0] * rows + keyed.left[1], keyed.right.to(dtype))  # (N*V, d)
+        0, keyed.left[0] * rows + keyed.left[1], keyed.entries().to(dtype))  # (N*V, d)
     return flat.view(samples, *shape)
 
 
