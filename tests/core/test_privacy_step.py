@@ -100,3 +100,16 @@ def test_dp_step_is_dp_gradient_followed_by_the_privacy_step() -> None:
         assert torch.equal(p.grad, expected[name])
     assert step.normaliser == privacy.normaliser == 6.0
     assert step.accountant.history == [(1.1, 0.02, 1)]
+
+
+@pytest.mark.parametrize("normaliser", [0.0, -2.0, float("inf"), float("nan")])
+def test_a_normaliser_that_is_not_a_positive_finite_number_is_refused(normaliser: float) -> None:
+    with pytest.raises(ConfigError, match="normaliser must be a positive finite number"):
+        PrivacyStep(noise_multiplier=1.0, sensitivity=1.0, sample_rate=0.1, normaliser=normaliser)
+
+
+def test_an_odd_normaliser_releases_the_sum_times_its_reciprocal() -> None:
+    privacy = PrivacyStep(noise_multiplier=0.0, sensitivity=1.0, sample_rate=0.1, normaliser=3.0)
+    sums = {"w": torch.randn(50, dtype=torch.float64)}
+    released = privacy.noise_and_normalise(sums)
+    torch.testing.assert_close(released["w"], sums["w"] / 3.0, rtol=1e-15, atol=0)
