@@ -11,14 +11,18 @@ product                                            MKL          oneDNN
 ``(512, 128) @ (128, 1024)`` (an LSTM's input)     1.31 ms      0.57 ms
 ``(1024, 512) @ (512, 256)`` (a weight gradient)   2.80 ms      1.41 ms
 ``(8, 256) @ (256, 1024)`` plus the gates (a step)  0.064 ms     0.055 ms
+``(32, 64).T @ (32, 64)`` (a small weight gradient) 0.0048 ms    0.017 ms
+``(32, 64) @ (64, 10)`` (a classifier head)         0.0029 ms    0.013 ms
 =================================================  ===========  ==========
 
 psg's own products sit on its hot paths: the DP recurrent layers' time loops (one small product
 per step, forward and backward) and their input and hidden projections, and ghost clipping's
 clipped weight sums. They go through this module, which picks the kernel:
 
-* ``rule`` (the default): oneDNN for float32 CPU tensors when the CPU is not Intel's, has
-  AVX-512 and torch was built with oneDNN; torch's own kernel otherwise (on Intel CPUs MKL uses
+* ``rule`` (the default): oneDNN for float32 CPU products of at least
+  :data:`RULE_MIN_MULTIPLY_ADDS` multiply-adds when the CPU is not Intel's, has AVX-512 and torch
+  was built with oneDNN (below that, oneDNN's fixed cost per call of about 10 us outweighs its
+  wider vectors); torch's own kernel otherwise (on Intel CPUs MKL uses
   AVX-512 itself, and psg keeps the layouts measured fastest for it);
 * ``auto``: both kernels are timed once per signature (shapes, layouts, dtype, threads) on the
   call's own tensors, and oneDNN is kept for the process where it is at least 10% faster;
@@ -54,7 +58,7 @@ from psg_core._settings import ProcessSetting, time_candidates
 
 __all__ = ["GemmKernel", "ENVIRONMENT_VARIABLE", "set_gemm_kernel", "get_gemm_kernel", "gemm_kernel",
            "current_gemm_kernel", "onednn_available", "Projection", "linear", "linear_uses_onednn", "onednn_linear",
-           "mm_tn", "clear_gemm_cache", "gemm_cache"]
+           "mm_tn", "clear_gemm_cache", "gemm_cache", "RULE_MIN_MULTIPLY_ADDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +211,21 @@ def _measured(key: tuple[Any, ...], aten: Callable[[], Any], onednn: Callable[[]
         return fast
 
 
+#: The ``rule`` leaves products of fewer multiply-adds to torch's kernel: oneDNN's fixed cost per
+#: call (about 10 us: primitive lookup, layout checks) outweighs its wider vectors there (the
+#: module docstring's table).
+RULE_MIN_MULTIPLY_ADDS = 1 << 20
+
+
+def _multiply_adds(kind: str, tensors: tuple[torch.Tensor | None, ...]) -> int:
+    """A product's multiply-adds: ``x (..., K) @ weight (N, K).T`` ("linear", "projection") or
+    ``a (R, M).T @ b (R, N)`` ("mm_tn")."""
+    first, second = tensors[0], tensors[1]
+    if first is None or second is None:
+        return 0
+    return first.numel() * (second.shape[1] if kind == "mm_tn" else second.shape[0])
+
+
 def _use_onednn(kind: str, tensors: tuple[torch.Tensor | None, ...], aten: Callable[[], Any],
                 onednn: Callable[[], Any]) -> bool:
     kernel = current_gemm_kernel()
@@ -215,7 +234,7 @@ def _use_onednn(kind: str, tensors: tuple[torch.Tensor | None, ...], aten: Calla
     if kernel is GemmKernel.ONEDNN:
         return True
     if kernel is GemmKernel.RULE:
-        return _rule_prefers_onednn()
+        return _rule_prefers_onednn() and _multiply_adds(kind, tensors) >= RULE_MIN_MULTIPLY_ADDS
     present = [t for t in tensors if t is not None]
     return _measured(_signature(kind, *present), aten, onednn)
 

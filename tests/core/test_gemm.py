@@ -219,6 +219,23 @@ def test_rule_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_onednn
+def test_rule_leaves_small_products_to_torch(monkeypatch: pytest.MonkeyPatch,
+                                            onednn_calls: list[tuple[int, ...]]) -> None:
+    """Under the rule, products below RULE_MIN_MULTIPLY_ADDS take torch's kernel, larger ones oneDNN."""
+    monkeypatch.setattr(gemm, "_rule_prefers_onednn", lambda: True)
+    small_x, small_w = torch.randn(32, 64), torch.randn(64, 64)  # 131k multiply-adds
+    large_x, large_w = torch.randn(64, 128), torch.randn(256, 128)  # 2.1M
+    assert 32 * 64 * 64 < gemm.RULE_MIN_MULTIPLY_ADDS <= 64 * 128 * 256
+    torch.testing.assert_close(gemm.linear(small_x, small_w), small_x @ small_w.t())
+    torch.testing.assert_close(gemm.mm_tn(small_x, small_x), small_x.t() @ small_x)
+    assert onednn_calls == []
+    torch.testing.assert_close(gemm.linear(large_x, large_w), large_x @ large_w.t(), rtol=1e-4, atol=1e-4)
+    a, b = torch.randn(256, 64), torch.randn(256, 128)  # mm_tn: 2.1M
+    torch.testing.assert_close(gemm.mm_tn(a, b), a.t() @ b, rtol=1e-4, atol=1e-4)
+    assert len(onednn_calls) == 2
+
+
+@needs_onednn
 def test_auto_measures_once_per_signature_and_keeps_the_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     timed: list[list[str]] = []
 
