@@ -18,6 +18,7 @@ from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn
 from psg_core.modes import Clipping, GradSampleMode
 from psg_core.precision import no_autocast
+from psg_core.support import one_walk
 
 __all__ = ["dp_gradient", "l2_sensitivity"]
 
@@ -97,34 +98,35 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
         raise ConfigError(f"dp_gradient: config must be a DPConfig, got {type(config).__name__}")
     if not isinstance(module, nn.Module):
         raise ConfigError(f"dp_gradient: expected an nn.Module, got {type(module).__name__}")
-    model_inputs = ModelInputs.parse(inputs, where="dp_gradient")
-    if not isinstance(targets, torch.Tensor):
-        raise ConfigError(f"dp_gradient: targets must be a tensor, got {type(targets).__name__}")
-    _check_finite(model_inputs, targets)
-    params = trainable_parameters(module)
-    if not params:
-        raise ConfigError("dp_gradient: the module has no trainable parameters")
-    layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=config.augmentation_multiplicity,
-                                 batch_first=config.batch_first, where="dp_gradient")
-    if layout.num_samples == 0:
-        return _empty(params)
+    with one_walk(module):  # the step's checks, hooks and parameter lists share one walk of the tree
+        model_inputs = ModelInputs.parse(inputs, where="dp_gradient")
+        if not isinstance(targets, torch.Tensor):
+            raise ConfigError(f"dp_gradient: targets must be a tensor, got {type(targets).__name__}")
+        _check_finite(model_inputs, targets)
+        params = trainable_parameters(module)
+        if not params:
+            raise ConfigError("dp_gradient: the module has no trainable parameters")
+        layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=config.augmentation_multiplicity,
+                                     batch_first=config.batch_first, where="dp_gradient")
+        if layout.num_samples == 0:
+            return _empty(params)
 
-    own_sum = BACKENDS[config.mode].dp_gradient
-    if own_sum is not None:  # ghost: norms and the clipped sum without per-sample gradients
-        result = own_sum(module, model_inputs, targets, loss_fn=loss_fn, config=config)
-        result.per_sample_norms = result.per_sample_norms.to(torch.float32)
-        return result
+        own_sum = BACKENDS[config.mode].dp_gradient
+        if own_sum is not None:  # ghost: norms and the clipped sum without per-sample gradients
+            result = own_sum(module, model_inputs, targets, loss_fn=loss_fn, config=config, layout=layout)
+            result.per_sample_norms = result.per_sample_norms.to(torch.float32)
+            return result
 
-    out = compute_per_sample(module, model_inputs, targets, loss_fn=loss_fn, mode=config.mode,
-                             augmentation_multiplicity=config.augmentation_multiplicity,
-                             loss_reduction=config.loss_reduction, batch_first=config.batch_first,
-                             layout=layout)
-    with no_autocast():  # norms in fp32, sums in the parameters' precision (psg_core.precision)
-        clipped = clip_and_sum(out.grads, max_grad_norm=config.max_grad_norm, clipping=config.clipping,
-                               per_layer_max_grad_norms=config.per_layer_max_grad_norms)
-    dropped = dropped_samples(clipped.per_sample_norms)
-    losses = out.per_sample_losses if dropped is None else out.per_sample_losses[~dropped]  # theirs may be NaN
-    return DPGradient(grads={name: g.to(params[name].dtype) for name, g in clipped.grads.items()},
-                      per_sample_norms=clipped.per_sample_norms,
-                      loss_sum=float(losses.sum().item()), num_samples=out.num_samples,
-                      num_clipped=clipped.num_clipped, num_dropped=clipped.num_dropped)
+        out = compute_per_sample(module, model_inputs, targets, loss_fn=loss_fn, mode=config.mode,
+                                 augmentation_multiplicity=config.augmentation_multiplicity,
+                                 loss_reduction=config.loss_reduction, batch_first=config.batch_first,
+                                 layout=layout)
+        with no_autocast():  # norms in fp32, sums in the parameters' precision (psg_core.precision)
+            clipped = clip_and_sum(out.grads, max_grad_norm=config.max_grad_norm, clipping=config.clipping,
+                                   per_layer_max_grad_norms=config.per_layer_max_grad_norms)
+        dropped = dropped_samples(clipped.per_sample_norms)
+        losses = out.per_sample_losses if dropped is None else out.per_sample_losses[~dropped]  # theirs may be NaN
+        return DPGradient(grads={name: g.to(params[name].dtype) for name, g in clipped.grads.items()},
+                          per_sample_norms=clipped.per_sample_norms,
+                          loss_sum=float(losses.sum().item()), num_samples=out.num_samples,
+                          num_clipped=clipped.num_clipped, num_dropped=clipped.num_dropped)

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from psg_core._layout import STATE_BATCH_AXIS
 from psg_core.errors import UnsupportedModuleError
-from psg_core.support import own_parameters
+from psg_core.support import modules_of, own_parameters, trainable_parameters
 
 __all__ = ["rowwise", "rowwise_module", "is_rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN",
            "MIXED", "GROUPED", "PERMUTED"]
@@ -411,7 +411,7 @@ class BatchTracker(TorchFunctionMode):
         # Tables an Embedding with max_norm renormalised in place at the batch's tokens: their rows
         # looked up by those tokens are each sample's own; any other use mixes samples.
         self._renormed = _TensorMap()
-        self._params: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if p.requires_grad}
+        self._params: dict[int, nn.Parameter] = {id(p): p for p in trainable_parameters(module).values()}
         self._frames: list[_Frame] = []
         #: inside a row-wise module's call (its ops are not followed).
         self._suspended = False
@@ -421,7 +421,7 @@ class BatchTracker(TorchFunctionMode):
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> BatchTracker:
-        for path, layer in self._module.named_modules():
+        for path, layer in modules_of(self._module):
             if layer is self._module and self._root_by_caller:
                 continue
             label = f"'{path or '<root>'}' ({type(layer).__qualname__})"

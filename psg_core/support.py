@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -24,7 +26,7 @@ from psg_core.errors import UnsupportedModuleError
 
 __all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
            "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters",
-           "unit_module", "is_unit", "hooked_modules"]
+           "unit_module", "is_unit", "hooked_modules", "modules_of", "one_walk", "trainable_parameters"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -32,6 +34,58 @@ SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
 FUSED: tuple[type[nn.Module], ...] = (nn.RNNBase, nn.MultiheadAttention)
 #: Fused layers that ``torch.func.vmap`` cannot run per sample.
 NOT_VMAPPABLE: tuple[type[nn.Module], ...] = (nn.RNNBase,)
+
+
+# ------------------------------------------------------------------------------ the model's tree
+_WALK = threading.local()
+
+
+@contextlib.contextmanager
+def one_walk(module: nn.Module) -> Iterator[None]:
+    """Within the block, :func:`modules_of` ``(module)`` lists ``module.named_modules()`` once: a
+    step's checks, hooks and parameter lists (each of which used to walk the tree itself) share
+    one walk. The tree must not change inside the block (a step does not change it)."""
+    previous = getattr(_WALK, "held", None)
+    _WALK.held = (module, tuple(module.named_modules()))
+    try:
+        yield
+    finally:
+        _WALK.held = previous
+
+
+def modules_of(module: nn.Module) -> Sequence[tuple[str, nn.Module]]:
+    """``module.named_modules()`` as a sequence: the walk :func:`one_walk` holds for ``module``, or
+    a new one.
+
+    >>> [path for path, _ in modules_of(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))]
+    ['', '0', '1']
+    """
+    held = getattr(_WALK, "held", None)
+    if held is not None and held[0] is module:
+        return held[1]  # type: ignore[no-any-return]
+    return tuple(module.named_modules())
+
+
+def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """``named_parameters()`` restricted to parameters with ``requires_grad`` (same names, same
+    order), from :func:`modules_of`.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    >>> model[0].bias.requires_grad_(False)  # doctest: +ELLIPSIS
+    Parameter containing:...
+    >>> list(trainable_parameters(model))
+    ['0.weight', '1.weight', '1.bias']
+    """
+    seen: set[int] = set()
+    out: dict[str, nn.Parameter] = {}
+    for path, layer in modules_of(module):
+        for name, p in layer._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.requires_grad:
+                out[f"{path}.{name}" if path else name] = p
+    return out
 
 
 def _label(path: str, layer: nn.Module) -> str:
@@ -73,7 +127,7 @@ def _reject(module: nn.Module, checks: Sequence[_Check], *, where: str) -> None:
     check's first offending layer in walk order; the checks in the order given). A TorchScript
     module is refused first, whatever the checks: no backend can hook it or run it under torch.func."""
     first: list[UnsupportedModuleError | None] = [None] * len(checks)
-    for path, layer in module.named_modules():
+    for path, layer in modules_of(module):
         if isinstance(layer, torch.jit.ScriptModule):
             raise UnsupportedModuleError(
                 f"{where}: module {_label(path, layer)} is a TorchScript module (torch.jit.script), whose "
@@ -135,7 +189,7 @@ def is_unit(layer: nn.Module) -> bool:
 def hooked_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``module.named_modules()`` without the submodules of units (whose parameters the unit owns)."""
     inside: str | None = None
-    for path, layer in module.named_modules():
+    for path, layer in modules_of(module):
         if inside is not None and (inside == "" or path.startswith(inside + ".")):
             continue
         inside = None

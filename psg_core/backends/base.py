@@ -16,6 +16,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from psg_core.errors import ConfigError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, check_multiplicity, unwrap_batch_free
 from psg_core.modes import LossReduction, parse_enum
+from psg_core.support import trainable_parameters
 
 __all__ = ["AbstractGradSampleModule", "PerSampleOutput", "PerSampleBackend", "check_rows", "earliest_edges", "parameters_kept", "on_output_grads", "get_grad_sample", "set_grad_sample",
            "trainable_parameters"]
@@ -74,11 +75,6 @@ def check_rows(rows: int, augmentation_multiplicity: int, *, where: str) -> int:
     :meth:`psg_core.layout.BatchLayout.of`)."""
     return BatchLayout.of(rows=rows, augmentation_multiplicity=augmentation_multiplicity, batch_first=True,
                           where=where).num_samples
-
-
-def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
-    """``named_parameters()`` restricted to parameters with ``requires_grad``."""
-    return {name: p for name, p in module.named_parameters() if p.requires_grad}
 
 
 @contextlib.contextmanager

@@ -544,7 +544,7 @@ def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter
 
 
 def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,
-                      config: DPConfig) -> DPGradient:
+                      config: DPConfig, layout: BatchLayout | None = None) -> DPGradient:
     """Clipped sum of per-sample gradients by ghost clipping: norms first, then the sum.
 
     Equal (up to floating point) to clipping the per-sample gradients of any other backend with
@@ -560,6 +560,8 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
         targets: ``N*K`` rows, same layout.
         loss_fn: returns the unreduced loss (a torch loss module of any reduction is accepted).
         config: K, reduction, batch_first, max_grad_norm and clipping rule.
+        layout: the batch's layout when the caller validated it already (:func:`psg_core.dp_gradient`
+            does, with ``inputs`` parsed into :class:`~psg_core.layout.ModelInputs`).
 
     Returns:
         :class:`~psg_core.config.DPGradient` keyed by ``named_parameters()`` names.
@@ -572,20 +574,21 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
     (3, torch.Size([3]), torch.Size([8, 4]))
     """
     return with_loss_scale(lambda scale: _ghost_dp_gradient(module, inputs, targets, loss_fn=loss_fn, config=config,
-                                                            loss_scale=scale),
+                                                            loss_scale=scale, layout=layout),
                            lambda out: bool(torch.isfinite(out.per_sample_norms).all()))
 
 
 def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,
-                       config: DPConfig, loss_scale: float) -> DPGradient:
+                       config: DPConfig, loss_scale: float, layout: BatchLayout | None) -> DPGradient:
     """One attempt of :func:`ghost_dp_gradient` with the backward pass's loss scaled by ``loss_scale``."""
     if not isinstance(config, DPConfig):
         raise ConfigError(f"{_WHERE}: config must be a DPConfig, got {type(config).__name__}")
     _check_supported(module)
     loss_fn = as_unreduced(loss_fn)
     model_inputs = ModelInputs.parse(inputs, where=_WHERE)
-    layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=config.augmentation_multiplicity,
-                                 batch_first=config.batch_first, where=_WHERE)
+    if layout is None or not isinstance(inputs, ModelInputs):
+        layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=config.augmentation_multiplicity,
+                                     batch_first=config.batch_first, where=_WHERE)
     num_samples = layout.num_samples
     params = trainable_parameters(module)
     if num_samples == 0 or not params:
