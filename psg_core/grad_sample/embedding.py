@@ -27,6 +27,7 @@ from psg_core.errors import UnsupportedModuleError
 from psg_core.grad_sample._utils import wants_grad
 from psg_core.grad_sample.ghost_norm import GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
+from psg_core.precision import as_dtype
 
 __all__ = ["embedding_grad_sample", "embedding_ghost_factors", "embedding_bag_grad_sample"]
 
@@ -232,6 +233,20 @@ def _bag_weights(layer: nn.EmbeddingBag, args: Sequence[Any], kwargs: dict[str, 
     need their number on the host (a device sync).
     """
     inputs, offsets, per_sample_weights = _bag_call(list(args), kwargs)
+    if layer.padding_idx is None and not (layer.include_last_offset and _flat_input(inputs).dim() == 1) \
+            and layer.mode in ("sum", "mean"):
+        # Every token counts (torch starts the first bag at offset 0): no mask to apply.
+        tokens, bag, bags = _bag_of_token(_flat_input(inputs), offsets, False)  # (M,) each
+        count = tokens.shape[0]
+        if layer.mode == "sum":
+            weight = (as_dtype(per_sample_weights.reshape(-1), dtype) if per_sample_weights is not None
+                      else torch.ones(count, dtype=dtype, device=tokens.device))
+        elif inputs.dim() == 2:  # fixed-length bags
+            weight = torch.full((count,), 1.0 / max(1, inputs.shape[1]), dtype=dtype, device=tokens.device)
+        else:  # an empty bag's size is 0, but no token reads it
+            ones = torch.ones(count, dtype=dtype, device=tokens.device)
+            weight = torch.zeros(bags, dtype=dtype, device=tokens.device).index_add_(0, bag, ones).reciprocal()[bag]
+        return tokens, bag, weight, bags
     tokens, bag, bags, counted = _counted_tokens(layer, inputs, offsets)  # (M,) each
     weight = counted.to(dtype)  # (M,)
     if per_sample_weights is not None:
@@ -270,4 +285,5 @@ def embedding_bag_ghost_factors(layer: nn.EmbeddingBag, call: Any, backprop: tor
     """
     _reject_batch_mixing(layer, "embedding_bag_ghost_factors")
     tokens, bag_index, weight, bags = _bag_weights(layer, call.args, call.kwargs, backprop.dtype)
-    return GhostFactors.keyed(bag_index // K, tokens, backprop, bags // K, source=bag_index, weight=weight), {}
+    sample = bag_index if K == 1 else bag_index // K  # (M,)
+    return GhostFactors.keyed(sample, tokens, backprop, bags // K, source=bag_index, weight=weight), {}

@@ -155,8 +155,8 @@ class GhostFactors:
         right = as_dtype(self.right, dtype)
         if self.kind is FactorKind.KEYED:
             if self.source is not None and self.weight is not None:
-                return _weighted_keyed_sq_norms(self.left[0], self.left[1], self.source,
-                                                as_dtype(self.weight, dtype), right, self.samples)
+                return _weighted_keyed_sq_norms(self.left, self.source, as_dtype(self.weight, dtype), right,
+                                                self.samples)
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
         # (N, [G,] T, T); a one-row Gram is a squared norm: computing it costs less than looking it up
         gram_right = _gram(right) if grams is None or right.shape[-2] == 1 else grams.get(right, _gram)
@@ -259,37 +259,62 @@ def _runs(sample: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, tor
     return order, run, run_sample
 
 
-def _weighted_keyed_sq_norms(sample: torch.Tensor, tokens: torch.Tensor, source: torch.Tensor,
-                             weight: torch.Tensor, rows: torch.Tensor, samples: int) -> torch.Tensor:
-    """:func:`_keyed_sq_norms` of entries ``weight[m] * rows[source[m]]`` (``rows (N*K, d)``, K per
-    sample): a run's row is ``sum_k c_k rows[n*K + k]`` with ``c_k`` its entries' weights from row
-    k, so sample n's squared norm is ``sum_{k,l} S_n[k, l] Gram_n[k, l]`` with ``S_n`` the sum of
-    ``c c^T`` over its runs: ``(M, K)`` weights and ``(N, K, K)`` Grams, no ``(M, d)`` rows. Where
-    ``K*K`` exceeds d the ``(M, d)`` runs are cheaper and serve.
+def _weighted_keyed_sq_norms(left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
+                             samples: int) -> torch.Tensor:
+    """:func:`_keyed_sq_norms` of entries ``weight[m] * rows[source[m]]`` (``left (2, M)`` their
+    samples and table rows, ``rows (N*K, d)``, K per sample): a run (the entries of one sample
+    and table row) sends ``sum_k c_k rows[n*K + k]``, ``c_k`` the weights of its entries from
+    row k, so sample n's squared norm is ``sum_{k,l} S_n[k, l] Gram_n[k, l]`` with ``S_n`` the sum
+    of ``c c^T`` over its runs. ``S_n[k]`` is also the sum over its entries m from row k of
+    ``weight[m] * c(run of m)``: ``(M, K)`` numbers and ``(N, K, K)`` Grams, no ``(M, d)`` rows,
+    and no per-run sample. Where ``K*K`` exceeds d the ``(M, d)`` runs are cheaper and serve.
 
     >>> rows = torch.tensor([[1.0, 0.0], [0.0, 2.0]])  # one row (bag) per sample
-    >>> _weighted_keyed_sq_norms(torch.tensor([0, 0, 1]), torch.tensor([4, 4, 5]), torch.tensor([0, 0, 1]),
-    ...                          torch.tensor([0.5, 0.5, 3.0]), rows, 2).tolist()  # (0.5+0.5)^2 * 1, 3^2 * 4
+    >>> left = torch.tensor([[0, 0, 1], [4, 4, 5]])  # (sample, table row) of 3 entries
+    >>> _weighted_keyed_sq_norms(left, torch.tensor([0, 0, 1]), torch.tensor([0.5, 0.5, 3.0]), rows,
+    ...                          2).tolist()  # (0.5+0.5)^2 * 1, 3^2 * 4
     [1.0, 36.0]
     """
-    count, dim = tokens.shape[0], rows.shape[1]
+    count, dim = left.shape[1], rows.shape[1]
     if count == 0 or samples == 0:
         return rows.new_zeros(samples)
     K = rows.shape[0] // samples
+    sample = left[0]
     if K * K > dim:
-        return _keyed_sq_norms(sample, tokens, _weighted_rows(rows, source, weight), samples)
-    order, run, run_sample = _runs(sample, tokens)
-    slot = source[order] - sample[order] * K  # (M,) the entry's row among its sample's K
-    coef = weight.new_zeros(count * K).index_add_(0, run * K + slot, weight[order]).view(count, K)
+        return _keyed_sq_norms(sample, left[1], _weighted_rows(rows, source, weight), samples)
+    run, runs = _run_of_entry(left)
     per_sample = rows.view(samples, K, dim)
     if K == 1:
-        weights = weight.new_zeros(samples).index_add_(0, run_sample, coef.view(-1).square())  # (N,)
+        coef = weight.new_zeros(runs).index_add_(0, run, weight)  # (R,) each run's weight
+        weights = weight.new_zeros(samples).index_add_(0, sample, weight * coef[run])  # (N,) sum of c^2
         # a sample with no weighted entry has norm 0 whatever its row holds (an empty bag's)
         return torch.where(weights != 0, weights * per_sample[:, 0].square().sum(1), 0)
-    outer = (coef[:, :, None] * coef[:, None, :]).view(count, K * K)  # (M, K*K)
-    pairs = weight.new_zeros(samples, K * K).index_add_(0, run_sample, outer)  # (N, K*K)
-    gram = (per_sample @ per_sample.transpose(1, 2)).view(samples, K * K)  # (N, K*K)
-    return torch.where(pairs != 0, pairs * gram, 0).sum(1).clamp_min(0)
+    slot = source - sample * K  # (M,) the entry's row among its sample's K
+    coef = weight.new_zeros(runs * K).index_add_(0, run * K + slot, weight).view(runs, K)  # (R, K)
+    pairs = weight.new_zeros(samples * K, K).index_add_(0, source, coef[run] * weight[:, None])  # (N*K, K)
+    gram = per_sample @ per_sample.transpose(1, 2)  # (N, K, K)
+    pairs = pairs.view(samples, K, K)
+    return torch.where(pairs != 0, pairs * gram, 0).sum((1, 2)).clamp_min(0)
+
+
+def _run_of_entry(left: torch.Tensor, *, count_runs: bool | None = None) -> tuple[torch.Tensor, int]:
+    """Each entry's run, one per distinct column of ``left (2, M)`` (a sample and table row), and
+    the number of run slots. ``count_runs`` (default: on a CPU): ``torch.unique``, one op, as many
+    slots as distinct keys; else a sort of the keys with fixed shapes only, M slots (on a device,
+    counting the distinct keys would read them on the host).
+
+    >>> left = torch.tensor([[0, 0, 1, 0], [4, 2, 4, 4]])
+    >>> _run_of_entry(left)[0].tolist(), _run_of_entry(left, count_runs=False)[0].tolist()
+    ([1, 0, 2, 1], [1, 0, 2, 1])
+    """
+    if count_runs is None:
+        count_runs = left.device.type == "cpu"
+    if count_runs:
+        # one key per (sample, row): torch.unique along a dim of left sorts columns ~60x slower
+        unique, run = torch.unique(left[0] * (left[1].max() + 1) + left[1], return_inverse=True)
+        return run, unique.shape[0]
+    order, sorted_run, _ = _runs(left[0], left[1])
+    return torch.empty_like(sorted_run).scatter_(0, order, sorted_run), left.shape[1]
 
 
 class WeightLayout(enum.Enum):
