@@ -46,11 +46,27 @@ def one_walk(module: nn.Module) -> Iterator[None]:
     step's checks, hooks and parameter lists (each of which used to walk the tree itself) share
     one walk. The tree must not change inside the block (a step does not change it)."""
     previous = getattr(_WALK, "held", None)
-    _WALK.held = (module, tuple(module.named_modules()))
+    _WALK.held = _Walk(module, tuple(module.named_modules()))
     try:
         yield
     finally:
         _WALK.held = previous
+
+
+class _Walk:
+    """One walk of a module's tree, and what was read from it (its trainable parameters, each
+    layer's own parameters), for the duration of :func:`one_walk`."""
+
+    def __init__(self, module: nn.Module, modules: tuple[tuple[str, nn.Module], ...]) -> None:
+        self.module = module
+        self.modules = modules
+        self.trainable: dict[str, nn.Parameter] | None = None
+        self.own: dict[nn.Module, tuple[nn.Parameter, ...]] = {}  # by the layer (held: no id reuse)
+
+
+def _held(module: nn.Module) -> _Walk | None:
+    held: _Walk | None = getattr(_WALK, "held", None)
+    return held if held is not None and held.module is module else None
 
 
 def modules_of(module: nn.Module) -> Sequence[tuple[str, nn.Module]]:
@@ -60,10 +76,8 @@ def modules_of(module: nn.Module) -> Sequence[tuple[str, nn.Module]]:
     >>> [path for path, _ in modules_of(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))]
     ['', '0', '1']
     """
-    held = getattr(_WALK, "held", None)
-    if held is not None and held[0] is module:
-        return held[1]  # type: ignore[no-any-return]
-    return tuple(module.named_modules())
+    held = _held(module)
+    return held.modules if held is not None else tuple(module.named_modules())
 
 
 def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -76,6 +90,9 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     >>> list(trainable_parameters(model))
     ['0.weight', '1.weight', '1.bias']
     """
+    held = _held(module)
+    if held is not None and held.trainable is not None:
+        return dict(held.trainable)
     seen: set[int] = set()
     out: dict[str, nn.Parameter] = {}
     for path, layer in modules_of(module):
@@ -85,6 +102,8 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
             seen.add(id(p))
             if p.requires_grad:
                 out[f"{path}.{name}" if path else name] = p
+    if held is not None:
+        held.trainable = dict(out)
     return out
 
 
@@ -213,6 +232,16 @@ def own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
     >>> [tuple(p.shape) for p in own_parameters(layer)], own_parameters(layer.parametrizations.weight)
     ([(3,), (3, 1), (3, 2)], ())
     """
+    held: _Walk | None = getattr(_WALK, "held", None)
+    if held is not None:
+        known = held.own.get(layer)
+        if known is None:
+            known = held.own[layer] = _own_parameters(layer)
+        return known
+    return _own_parameters(layer)
+
+
+def _own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
     if isinstance(layer, _PARAMETRIZATION_LIST):
         return ()
     if is_unit(layer):  # its whole subtree (see unit_module)

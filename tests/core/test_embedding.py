@@ -9,25 +9,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import psg_core
-import psg_core.grad_sample.ghost_norm as ghost_norm
 from psg_core.errors import BatchLayoutError, UnsupportedModuleError
 from tests.oracle import Batch, check_against_oracle, hooks_grad_samples, mse_loss
 
 REDUCTIONS = ["mean", "sum"]
 KS = [1, 3]
-
-
-@pytest.fixture(params=[True, False], ids=["counted-runs", "sorted-runs"])
-def bag_runs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """The ghost norm of an EmbeddingBag finds its runs by counting the distinct keys (a CPU's
-    way) or by a sort with fixed shapes (a device's way): both, on every device."""
-    real = ghost_norm._run_of_entry
-
-    def runs(left: torch.Tensor, *, count_runs: bool | None = None) -> tuple[torch.Tensor, int]:
-        return real(left, count_runs=request.param)
-
-    monkeypatch.setattr(ghost_norm, "_run_of_entry", runs)
-    return bool(request.param)
 
 
 # ----------------------------------------------------------------------------------- Embedding
@@ -141,7 +127,7 @@ def _bag_samples(tokens: torch.Tensor, lengths: list[int], weights: torch.Tensor
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("padding_idx", [None, 1])
 def test_embedding_bag_2d(loss_reduction: str, K: int, mode: str, padding_idx: int | None,
-                          device: torch.device, bag_runs: bool) -> None:
+                          device: torch.device) -> None:
     torch.manual_seed(3)
     model = _BagHead(nn.EmbeddingBag(6, 4, mode=mode, padding_idx=padding_idx))
     tokens = torch.randint(0, 6, (3 * K, 4))
@@ -155,7 +141,7 @@ def test_embedding_bag_2d(loss_reduction: str, K: int, mode: str, padding_idx: i
 @pytest.mark.parametrize("include_last_offset", [False, True])
 @pytest.mark.parametrize("by_keyword", [False, True])
 def test_embedding_bag_offsets(loss_reduction: str, K: int, mode: str, include_last_offset: bool,
-                               by_keyword: bool, device: torch.device, bag_runs: bool) -> None:
+                               by_keyword: bool, device: torch.device) -> None:
     torch.manual_seed(4)
     bag = nn.EmbeddingBag(7, 3, mode=mode, include_last_offset=include_last_offset, padding_idx=0)
     model = _BagHead(bag, by_keyword=by_keyword)
@@ -171,7 +157,7 @@ def test_embedding_bag_offsets(loss_reduction: str, K: int, mode: str, include_l
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("by_keyword", [False, True])
 def test_embedding_bag_per_sample_weights(loss_reduction: str, K: int, by_keyword: bool,
-                                          device: torch.device, bag_runs: bool) -> None:
+                                          device: torch.device) -> None:
     torch.manual_seed(5)
     model = _BagHead(nn.EmbeddingBag(6, 3, mode="sum", padding_idx=2), by_keyword=by_keyword)
     tokens, lengths = _random_bags(2 * K, 6, seed=10 + K)
@@ -193,8 +179,7 @@ def test_embedding_bag_per_sample_weights(loss_reduction: str, K: int, by_keywor
 @pytest.mark.parametrize("config", [dict(mode="sum"), dict(mode="mean"), dict(mode="sum", padding_idx=0),
                                     dict(mode="mean", include_last_offset=True), dict(mode="sum", weights=True)])
 @pytest.mark.parametrize("flat", [True, False])
-def test_embedding_bag_ghost_norms_and_clipped_sums(K: int, config: dict[str, Any], flat: bool,
-                                                    bag_runs: bool) -> None:
+def test_embedding_bag_ghost_norms_and_clipped_sums(K: int, config: dict[str, Any], flat: bool) -> None:
     """The ghost norm from the tokens' weights and their bags' gradients (never the (M, d) rows):
     per-sample norms and clipped sums equal the hooks backend's, tokens repeating within and
     across bags, empty bags included (K up to 3: the (M, K) weights and (N, K, K) Grams; K=5: the (M, d) runs)."""
