@@ -100,24 +100,32 @@ def _weighted_sum(factors: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return summed.reshape(grad.shape[1:])
 
 
-def clip_factors(layer_norms: torch.Tensor, names: Sequence[str], *, max_grad_norm: float,
-                 clipping: Clipping, per_layer_max_grad_norms: Sequence[float] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def clip_factors(layer_norms: torch.Tensor | None, names: Sequence[str], *, max_grad_norm: float,
+                 clipping: Clipping, per_layer_max_grad_norms: Sequence[float] | None = None,
+                 norms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The clipping rule applied to per-sample, per-parameter norms (shared by every backend).
 
     Args:
-        layer_norms: ``(N, P)`` L2 norm of each sample's gradient of each parameter.
+        layer_norms: ``(N, P)`` L2 norm of each sample's gradient of each parameter (None when
+            ``norms`` is given and clipping is not per_layer).
         names: the P parameter names (for per-layer bounds and messages).
+        norms: the ``(N,)`` total norms when the caller has them (ghost clipping sums squared
+            norms): the norms of ``layer_norms``' rows otherwise.
 
     Returns:
         ``(factors, norms, clipped)``: factors ``(N,)`` (``(N, P)`` for per_layer) to multiply each
         sample's gradient by, total norms ``(N,)`` and a ``(N,)`` bool of the samples scaled down.
     """
-    norms = torch.linalg.vector_norm(layer_norms, dim=1)  # (N,)
+    if norms is None:
+        if layer_norms is None:
+            raise ConfigError("clip_factors: give layer_norms, or norms for flat or automatic clipping")
+        norms = torch.linalg.vector_norm(layer_norms, dim=1)  # (N,)
     # A sample whose gradient is not finite (overflowing inputs or parameters) would make the sum
     # NaN, and its influence would not be bounded by C: it gets factor 0 (see dropped_samples).
     finite = torch.isfinite(norms)  # (N,)
     if clipping is Clipping.PER_LAYER:
+        if layer_norms is None:
+            raise ConfigError("clip_factors: per_layer clipping needs the per-layer norms")
         bounds = torch.tensor(_per_layer_bounds(names, max_grad_norm, per_layer_max_grad_norms),
                               dtype=layer_norms.dtype, device=layer_norms.device)  # (P,)
         factors = (bounds / (layer_norms + FLAT_EPSILON)).clamp(max=1.0)  # (N, P)
@@ -134,8 +142,8 @@ def dropped_samples(norms: torch.Tensor) -> torch.Tensor | None:
     """``(N,)`` bool: the samples whose gradient is not finite, which clipping drops (factor 0,
     rows zeroed before the sum) and the results count in ``num_dropped``; None when there is
     none (the common case, decided with one device-to-host read per step)."""
-    dropped = ~torch.isfinite(norms)
-    return dropped if bool(dropped.any()) else None
+    finite = torch.isfinite(norms)
+    return None if bool(finite.all()) else ~finite
 
 
 def zero_dropped(grad: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:

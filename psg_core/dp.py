@@ -17,7 +17,7 @@ from psg_core.errors import ConfigError, NonFiniteInputError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn
 from psg_core.modes import Clipping, GradSampleMode
-from psg_core.precision import no_autocast
+from psg_core.precision import as_dtype, no_autocast
 from psg_core.support import one_walk
 
 __all__ = ["dp_gradient", "l2_sensitivity"]
@@ -114,7 +114,7 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
         own_sum = BACKENDS[config.mode].dp_gradient
         if own_sum is not None:  # ghost: norms and the clipped sum without per-sample gradients
             result = own_sum(module, model_inputs, targets, loss_fn=loss_fn, config=config, layout=layout)
-            result.per_sample_norms = result.per_sample_norms.to(torch.float32)
+            result.per_sample_norms = as_dtype(result.per_sample_norms, torch.float32)
             return result
 
         out = compute_per_sample(module, model_inputs, targets, loss_fn=loss_fn, mode=config.mode,

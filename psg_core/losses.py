@@ -59,7 +59,9 @@ def per_sample_loss(per_element: torch.Tensor, *, num_samples: int, batch_dim: i
     if per_element.dim() == 0:
         raise ConfigError("loss_fn: returned a scalar; it must return the unreduced loss "
                           "(e.g. nn.CrossEntropyLoss(reduction='none'))")
-    rows_first = per_element.movedim(batch_dim, 0)  # (N*K, ...)
+    if per_element.dim() == 1 and per_element.shape[0] == num_samples:
+        return per_element  # one number per sample already (K = 1): its own mean and sum
+    rows_first = per_element.movedim(batch_dim, 0) if batch_dim else per_element  # (N*K, ...)
     if num_samples and rows_first.shape[0] % num_samples:
         raise BatchLayoutError(
             f"loss_fn: the unreduced loss has shape {tuple(per_element.shape)}, whose dimension "

@@ -75,7 +75,9 @@ def compute_dtype(params: Iterable[torch.Tensor]) -> torch.dtype:
     >>> compute_dtype([torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)])
     torch.float32
     """
-    floating = [p.dtype for p in params if p.is_floating_point()]
+    floating = {p.dtype for p in params if p.is_floating_point()}
+    if len(floating) == 1:
+        return floating.pop()  # (the common case: no promotion to ask torch for)
     return functools.reduce(torch.promote_types, floating) if floating else torch.float32
 
 

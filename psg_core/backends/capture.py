@@ -32,7 +32,8 @@ __all__ = ["LayerCall", "call_grad_samples", "capture_call", "separate_outputs"]
 
 
 def _detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
+    # (a tensor outside autograd's graph is its own detached self: no op to dispatch)
+    return value.detach() if isinstance(value, torch.Tensor) and value.requires_grad else value
 
 
 @dataclass

@@ -95,6 +95,8 @@ def _ghost_is_cheaper(layer: nn.Module, positions: int) -> bool:
 
 
 # ------------------------------------------------------------------------------ bookkeeping
+_HALF_OR_SINGLE = frozenset({torch.float16, torch.bfloat16, torch.float32})  # promoted with fp32: fp32
+
 @dataclass
 class _Call:
     """One forward call of a hooked layer, with its ghost norm and positions (None: not a
@@ -160,8 +162,10 @@ class _GhostBookkeeping:
         self._shared_plans: dict[torch.Tensor, bool] = {}
         self._shared_factors: dict[torch.Tensor, list[tuple[WeightLayout, GhostFactors]]] = {}
         self.edges: list[GradientEdge] = []
-        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._owners_left), torch.float32)
-        self.norm_dtype = dtype
+        # norms in (at least) fp32: the promotion of fp32 and the trainable parameters' dtypes
+        dtypes = {p.dtype for p in self._owners_left}
+        self.norm_dtype = torch.float32 if dtypes <= _HALF_OR_SINGLE else functools.reduce(
+            torch.promote_types, dtypes, torch.float32)
         # (N,) per parameter, summed as the contributions come (a parameter no call reached has
         # none: zero norm, see sq_norm).
         self.sq_norms: dict[torch.Tensor, torch.Tensor] = {}
@@ -309,10 +313,12 @@ class _GhostBookkeeping:
         call.captured.check_unchanged(_WHERE)
         bd = call.captured.batch_dim
         dtype = self._layers[call.layer].dtype
-        g = to_compute(cast(torch.Tensor, call.captured.unmerge(grad)).movedim(bd, 0), dtype)  # (N*K, ...)
+        g = cast(torch.Tensor, call.captured.unmerge(grad))
+        g = to_compute(g.movedim(bd, 0) if bd else g, dtype)  # (N*K, ...)
         if call.norm is not None and call.norm.whole_call:
             return call.captured, g
-        a = to_compute(call.captured.args[0].movedim(bd, 0), dtype)  # (N*K, ...)
+        a = call.captured.args[0]
+        a = to_compute(a.movedim(bd, 0) if bd else a, dtype)  # (N*K, ...)
         return a, g
 
     def _norm_contribution(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
@@ -388,8 +394,8 @@ class _GhostBookkeeping:
                 self._add_sq_norm(param, shared_sq_norms(shared, param.shape, self.norm_dtype))
             grad_sample = self._materialised.get(param)
             if grad_sample is not None:
-                flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)
-                self._add_sq_norm(param, torch.linalg.vector_norm(flat, dim=1, dtype=self.norm_dtype).square())
+                flat = as_dtype(grad_sample.reshape(self.num_samples, -1), self.norm_dtype)  # (N, numel)
+                self._add_sq_norm(param, (flat * flat).sum(1))
 
     def backward(self, total_loss: torch.Tensor) -> None:
         """The one backward pass: ``total_loss`` through the hooked outputs only (no parameter
@@ -467,6 +473,8 @@ def _scale_rows(g: torch.Tensor, *, factors: torch.Tensor, K: int, calls: int, d
     dropped sample's rows zeroed): broadcast over a view that splits the rows, never a per-row
     copy of the factors."""
     samples = factors.shape[0]
+    if calls == 1 and K == 1 and dropped is None:  # one row per sample
+        return g * as_dtype(factors, g.dtype).view((samples,) + (1,) * (g.dim() - 1))
     rows = g.unflatten(0, (calls, samples, K))  # a view: splitting one axis needs no copy
     shape = (1, samples, 1) + (1,) * (g.dim() - 1)
     if dropped is not None:
@@ -487,7 +495,7 @@ def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: tor
         # every sample's norm is finite, so a row holding inf or NaN has weight 0 in all its
         # sample's entries (an empty bag's): it adds nothing, and must not add 0 * inf
         right = torch.where(factors.right.isfinite(), factors.right, 0)  # (N*K, d)
-        scale = factors.weight.to(right.dtype) * as_dtype(sample_factors, right.dtype)[factors.left[0]]  # (M,)
+        scale = as_dtype(factors.weight, right.dtype) * as_dtype(sample_factors, right.dtype)[factors.left[0]]  # (M,)
         scaled = right.index_select(0, factors.source).mul_(scale[:, None])  # (M, d)
         total = right.new_zeros(weight.shape).index_add_(0, factors.left[1], scaled)  # (V, d)
         return as_dtype(total, weight.dtype)
@@ -529,12 +537,15 @@ def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter
                   loss_scale: float = 1.0) -> tuple[dict[torch.Tensor, torch.Tensor], torch.Tensor, int]:
     """Each parameter's ``(N,)`` clipping factors, the ``(N,)`` total norms and the clip count."""
     names = list(params)
-    layer_norms = torch.stack([bookkeeping.sq_norm(params[n]) for n in names], 1).sqrt()  # (N, P)
-    if loss_scale != 1.0:
-        layer_norms = layer_norms / loss_scale
+    squared = torch.stack([bookkeeping.sq_norm(params[n]) for n in names], 1)  # (N, P)
+    layer_norms = total = None
+    if config.clipping is Clipping.PER_LAYER:
+        layer_norms = squared.sqrt() if loss_scale == 1.0 else squared.sqrt() / loss_scale
+    else:  # the total norm from the squared ones, no per-layer norm taken
+        total = squared.sum(1).sqrt() if loss_scale == 1.0 else squared.sum(1).sqrt() / loss_scale
     factors, norms, clipped = clip_factors(layer_norms, names, max_grad_norm=config.max_grad_norm,
                                            clipping=config.clipping,
-                                           per_layer_max_grad_norms=config.per_layer_max_grad_norms)
+                                           per_layer_max_grad_norms=config.per_layer_max_grad_norms, norms=total)
     by_param: dict[torch.Tensor, torch.Tensor]
     if config.clipping is Clipping.PER_LAYER:
         by_param = {params[n]: factors[:, i] for i, n in enumerate(names)}
@@ -628,8 +639,9 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
         grad = torch.zeros_like(p) if grad is None else (grad.to_dense() if grad.is_sparse else grad)
         # contiguous: a clipped sum may be a transposed view (psg_core.gemm.mm_tn), made dense
         # here, once the pass's activations are freed
-        grads[name] = as_dtype(grad.detach(), p.dtype).contiguous()
-    return DPGradient(grads=grads, per_sample_norms=norms.detach().to(torch.float32),
+        grads[name] = as_dtype(grad.detach() if grad.requires_grad else grad, p.dtype).contiguous()
+    return DPGradient(grads=grads, per_sample_norms=as_dtype(norms.detach() if norms.requires_grad else norms,
+                                                             torch.float32),
                       loss_sum=float((losses if dropped is None else losses[~dropped]).detach().sum()),
                       num_samples=num_samples, num_clipped=num_clipped, num_dropped=count_dropped(dropped))
 

@@ -235,8 +235,9 @@ def _keyed_sq_norms(sample: torch.Tensor, tokens: torch.Tensor, right: torch.Ten
     count = tokens.shape[0]
     if count == 0:
         return right.new_zeros(samples)
-    order, run, run_sample = _runs(sample, tokens)
+    order, run = _runs(sample, tokens)
     sums = right.new_zeros(count, right.shape[1]).index_add_(0, run, right[order])  # (M, d), runs first
+    run_sample = torch.zeros_like(run).scatter_(0, run, sample[order])  # (M,) 0 for unused run numbers
     return right.new_zeros(samples).index_add_(0, run_sample, sums.square().sum(1))
 
 
@@ -246,17 +247,18 @@ def _weighted_rows(rows: torch.Tensor, source: torch.Tensor, weight: torch.Tenso
     return torch.where(weight != 0, rows[source] * weight, 0)
 
 
-def _runs(sample: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The entries sorted by (sample, token): the order, each sorted entry's run (one run per
-    distinct key, numbered from 0) and each run's sample (0 for the unused run numbers), ``(M,)``
-    each, with fixed shapes only."""
+def _runs(sample: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries sorted by (sample, token): the order and each sorted entry's run (one run per
+    distinct key, numbered from 0), ``(M,)`` each, with fixed shapes only.
+
+    >>> order, run = _runs(torch.tensor([1, 0, 0]), torch.tensor([3, 5, 3]))
+    >>> order.tolist(), run.tolist()
+    ([2, 1, 0], [0, 1, 2])
+    """
     key = sample * (tokens.max() + 1) + tokens  # (M,), stays on the device
     key, order = key.sort()
-    is_start = torch.ones_like(key, dtype=torch.bool)
-    is_start[1:] = key[1:] != key[:-1]
-    run = is_start.cumsum(0) - 1  # (M,) the run of each sorted entry
-    run_sample = torch.zeros_like(run).scatter_(0, run, sample[order])  # (M,)
-    return order, run, run_sample
+    run = (torch.diff(key, prepend=key[:1]) != 0).cumsum(0)  # (M,) a new run where the key changes
+    return order, run
 
 
 def _weighted_keyed_sq_norms(left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
@@ -283,12 +285,12 @@ def _weighted_keyed_sq_norms(left: torch.Tensor, source: torch.Tensor, weight: t
     if K * K > dim:
         return _keyed_sq_norms(sample, left[1], _weighted_rows(rows, source, weight), samples)
     run, runs = _run_of_entry(left)
-    per_sample = rows.view(samples, K, dim)
-    if K == 1:
+    if K == 1:  # rows (N, d)
         coef = weight.new_zeros(runs).index_add_(0, run, weight)  # (R,) each run's weight
         weights = weight.new_zeros(samples).index_add_(0, sample, weight * coef[run])  # (N,) sum of c^2
         # a sample with no weighted entry has norm 0 whatever its row holds (an empty bag's)
-        return torch.where(weights != 0, weights * per_sample[:, 0].square().sum(1), 0)
+        return torch.where(weights != 0, weights * (rows * rows).sum(1), 0)
+    per_sample = rows.view(samples, K, dim)
     slot = source - sample * K  # (M,) the entry's row among its sample's K
     coef = weight.new_zeros(runs * K).index_add_(0, run * K + slot, weight).view(runs, K)  # (R, K)
     pairs = weight.new_zeros(samples * K, K).index_add_(0, source, coef[run] * weight[:, None])  # (N*K, K)
@@ -305,7 +307,7 @@ def _run_of_entry(left: torch.Tensor) -> tuple[torch.Tensor, int]:
     >>> _run_of_entry(torch.tensor([[0, 0, 1, 0], [4, 2, 4, 4]]))[0].tolist()
     [1, 0, 2, 1]
     """
-    order, sorted_run, _ = _runs(left[0], left[1])
+    order, sorted_run = _runs(left[0], left[1])
     return torch.empty_like(sorted_run).scatter_(0, order, sorted_run), left.shape[1]
 
 
