@@ -105,8 +105,12 @@ def linear_ghost_factors(layer: nn.Linear, activation: torch.Tensor, backprop: t
     >>> factors.left.shape, factors.right.shape, len(others)
     (torch.Size([2, 1, 10, 3]), torch.Size([2, 1, 10, 2]), 1)
     """
-    x, g = _rows(activation, backprop, K)  # (N, K*T, d_in), (N, K*T, d_out)
-    return GhostFactors.dot(x.unsqueeze(1), g.unsqueeze(1)), _bias(layer, g)  # (N, 1, K*T, .)
+    n_samples = backprop.shape[0] // K
+    rows_per_sample = K * math.prod(backprop.shape[1:-1])  # explicit: N may be 0
+    x = activation.reshape(n_samples, 1, rows_per_sample, activation.shape[-1])  # (N, 1, K*T, d_in)
+    g = backprop.reshape(n_samples, 1, rows_per_sample, backprop.shape[-1])  # (N, 1, K*T, d_out)
+    bias = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}  # (N, d_out)
+    return GhostFactors.dot(x, g), bias  # one group
 
 
 # ------------------------------------------------------------------------- transformers' Conv1D
@@ -140,5 +144,9 @@ def _conv1d_weight_sum(layer: _AffineLayer, activation: torch.Tensor, backprop: 
 def conv1d_ghost_factors(layer: _AffineLayer, activation: torch.Tensor, backprop: torch.Tensor,
                          K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """The factors of ``nn.Linear``: a transposed weight has the same norm."""
-    x, g = _rows(activation, backprop, K)  # (N, K*T, d_in), (N, K*T, d_out)
-    return GhostFactors.dot(x.unsqueeze(1), g.unsqueeze(1)), _bias(layer, g)  # (N, 1, K*T, .)
+    n_samples = backprop.shape[0] // K
+    rows_per_sample = K * math.prod(backprop.shape[1:-1])  # explicit: N may be 0
+    x = activation.reshape(n_samples, 1, rows_per_sample, activation.shape[-1])  # (N, 1, K*T, d_in)
+    g = backprop.reshape(n_samples, 1, rows_per_sample, backprop.shape[-1])  # (N, 1, K*T, d_out)
+    bias = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}  # (N, d_out)
+    return GhostFactors.dot(x, g), bias  # one group
