@@ -494,7 +494,7 @@ def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: tor
         # entry's scale folds its weight and its sample's factor, one (M, d) buffer in all
         # every sample's norm is finite, so a row holding inf or NaN has weight 0 in all its
         # sample's entries (an empty bag's): it adds nothing, and must not add 0 * inf
-        right = torch.where(factors.right.isfinite(), factors.right, 0)  # (N*K, d)
+        right = torch.nan_to_num(factors.right, nan=0.0, posinf=0.0, neginf=0.0)  # (N*K, d)
         scale = as_dtype(factors.weight, right.dtype) * as_dtype(sample_factors, right.dtype)[factors.left[0]]  # (M,)
         scaled = right.index_select(0, factors.source).mul_(scale[:, None])  # (M, d)
         total = right.new_zeros(weight.shape).index_add_(0, factors.left[1], scaled)  # (V, d)
