@@ -286,4 +286,5 @@ def embedding_bag_ghost_factors(layer: nn.EmbeddingBag, call: Any, backprop: tor
     _reject_batch_mixing(layer, "embedding_bag_ghost_factors")
     tokens, bag_index, weight, bags = _bag_weights(layer, call.args, call.kwargs, backprop.dtype)
     sample = bag_index if K == 1 else bag_index // K  # (M,)
-    return GhostFactors.keyed(sample, tokens, backprop, bags // K, source=bag_index, weight=weight), {}
+    return GhostFactors.keyed(sample, tokens, backprop, bags // K, source=bag_index, weight=weight,
+                              table_rows=layer.num_embeddings), {}

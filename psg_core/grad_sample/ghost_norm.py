@@ -82,6 +82,8 @@ class GhostFactors:
     samples: int = 0
     source: torch.Tensor | None = None
     weight: torch.Tensor | None = None
+    #: KEYED: the table's number of rows when known (every token is below it), 0 otherwise.
+    table_rows: int = 0
 
     @classmethod
     def dot(cls, left: torch.Tensor, right: torch.Tensor) -> GhostFactors:
@@ -101,7 +103,8 @@ class GhostFactors:
 
     @classmethod
     def keyed(cls, sample: torch.Tensor, tokens: torch.Tensor, right: torch.Tensor, samples: int, *,
-              source: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> GhostFactors:
+              source: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+              table_rows: int = 0) -> GhostFactors:
         """A lookup table's gradient from M entries: their ``(M,)`` samples and table rows and
         ``(M, d)`` gradients; ``samples`` is N. Entries that get no gradient carry zeros.
 
@@ -120,7 +123,7 @@ class GhostFactors:
             raise ConfigError(f"GhostFactors.keyed: source and weight come together, (M,) each, with K rows "
                               f"of right per sample; got source {_shape(source)}, weight {_shape(weight)}, "
                               f"right {tuple(right.shape)} for {samples} samples")
-        return cls(FactorKind.KEYED, torch.stack([sample, tokens]), right, samples, source, weight)
+        return cls(FactorKind.KEYED, torch.stack([sample, tokens]), right, samples, source, weight, table_rows)
 
     def entries(self) -> torch.Tensor:
         """KEYED factors' ``(M, d)`` entry rows (``right`` itself unless the entries are weighted
@@ -156,7 +159,7 @@ class GhostFactors:
         if self.kind is FactorKind.KEYED:
             if self.source is not None and self.weight is not None:
                 return _weighted_keyed_sq_norms(self.left, self.source, as_dtype(self.weight, dtype), right,
-                                                self.samples)
+                                                self.samples, self.table_rows)
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
         if self.kind is FactorKind.DOT and right.shape[-2] == 1:
             # one row per sample and group (a Linear on (N, d) inputs): the products of the rows'
@@ -253,22 +256,23 @@ def _weighted_rows(rows: torch.Tensor, source: torch.Tensor, weight: torch.Tenso
     return torch.where(weight != 0, rows[source] * weight, 0)
 
 
-def _runs(sample: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _runs(sample: torch.Tensor, tokens: torch.Tensor, table_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries sorted by (sample, token): the order and each sorted entry's run (one run per
-    distinct key, numbered from 0), ``(M,)`` each, with fixed shapes only.
+    distinct key, numbered from 0), ``(M,)`` each, with fixed shapes only. ``table_rows``: a bound
+    on the tokens when known (else read from them, on the device).
 
     >>> order, run = _runs(torch.tensor([1, 0, 0]), torch.tensor([3, 5, 3]))
     >>> order.tolist(), run.tolist()
     ([2, 1, 0], [0, 1, 2])
     """
-    key = sample * (tokens.max() + 1) + tokens  # (M,), stays on the device
+    key = sample * (table_rows if table_rows else tokens.max() + 1) + tokens  # (M,), stays on the device
     key, order = key.sort()
     run = (torch.diff(key, prepend=key[:1]) != 0).cumsum(0)  # (M,) a new run where the key changes
     return order, run
 
 
 def _weighted_keyed_sq_norms(left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
-                             samples: int) -> torch.Tensor:
+                             samples: int, table_rows: int = 0) -> torch.Tensor:
     """:func:`_keyed_sq_norms` of entries ``weight[m] * rows[source[m]]`` (``left (2, M)`` their
     samples and table rows, ``rows (N*K, d)``, K per sample): a run (the entries of one sample
     and table row) sends ``sum_k c_k rows[n*K + k]``, ``c_k`` the weights of its entries from
@@ -287,10 +291,10 @@ def _weighted_keyed_sq_norms(left: torch.Tensor, source: torch.Tensor, weight: t
     if count == 0 or samples == 0:
         return rows.new_zeros(samples)
     K = rows.shape[0] // samples
-    sample = left[0]
+    sample, tokens = left[0], left[1]
     if K * K > dim:
-        return _keyed_sq_norms(sample, left[1], _weighted_rows(rows, source, weight), samples)
-    run, runs = _run_of_entry(left)
+        return _keyed_sq_norms(sample, tokens, _weighted_rows(rows, source, weight), samples)
+    run, runs = _run_of_entry(sample, tokens, table_rows)
     if K == 1:  # rows (N, d)
         coef = weight.new_zeros(runs).index_add_(0, run, weight)  # (R,) each run's weight
         weights = weight.new_zeros(samples).index_add_(0, sample, weight * coef[run])  # (N,) sum of c^2
@@ -305,16 +309,16 @@ def _weighted_keyed_sq_norms(left: torch.Tensor, source: torch.Tensor, weight: t
     return torch.where(pairs != 0, pairs * gram, 0).sum((1, 2)).clamp_min(0)
 
 
-def _run_of_entry(left: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Each entry's run, one per distinct column of ``left (2, M)`` (a sample and table row), and
-    the number of run slots (M: a sort of the keys with fixed shapes only; counting the distinct
-    keys would read them on the host, a device's sync, and on a CPU measured no faster).
+def _run_of_entry(sample: torch.Tensor, tokens: torch.Tensor, table_rows: int = 0) -> tuple[torch.Tensor, int]:
+    """Each entry's run, one per distinct (sample, table row), and the number of run slots (M: a
+    sort of the keys with fixed shapes only; counting the distinct keys would read them on the
+    host, a device's sync, and on a CPU measured no faster).
 
-    >>> _run_of_entry(torch.tensor([[0, 0, 1, 0], [4, 2, 4, 4]]))[0].tolist()
+    >>> _run_of_entry(torch.tensor([0, 0, 1, 0]), torch.tensor([4, 2, 4, 4]))[0].tolist()
     [1, 0, 2, 1]
     """
-    order, sorted_run = _runs(left[0], left[1])
-    return torch.empty_like(sorted_run).scatter_(0, order, sorted_run), left.shape[1]
+    order, sorted_run = _runs(sample, tokens, table_rows)
+    return torch.empty_like(sorted_run).scatter_(0, order, sorted_run), tokens.shape[0]
 
 
 class WeightLayout(enum.Enum):
