@@ -490,10 +490,10 @@ def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: tor
     into the entry's table row. The ``(V, d)`` sum, in the weight's dtype."""
     if factors.kind is FactorKind.KEYED and factors.source is not None and factors.weight is not None \
             and dropped is None:
-        # weighted rows of the samples' own rows (EmbeddingBag: each token's bag gradient): each
-        # entry's scale folds its weight and its sample's factor, one (M, d) buffer in all
-        # every sample's norm is finite, so a row holding inf or NaN has weight 0 in all its
-        # sample's entries (an empty bag's): it adds nothing, and must not add 0 * inf
+        # Weighted rows of the samples' own rows (EmbeddingBag: each token's bag gradient): each
+        # entry's scale folds its weight and its sample's factor, one (M, d) buffer in all. Every
+        # sample's norm is finite here, so a row holding inf or NaN has weight 0 in all of its
+        # sample's entries (an empty bag's): it adds nothing, and must not add 0 * inf.
         right = torch.nan_to_num(factors.right, nan=0.0, posinf=0.0, neginf=0.0)  # (N*K, d)
         scale = as_dtype(factors.weight, right.dtype) * as_dtype(sample_factors, right.dtype)[factors.left[0]]  # (M,)
         scaled = right.index_select(0, factors.source).mul_(scale[:, None])  # (M, d)

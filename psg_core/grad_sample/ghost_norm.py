@@ -130,7 +130,7 @@ class GhostFactors:
         rows of ``right``)."""
         if self.source is None or self.weight is None:
             return self.right
-        return _weighted_rows(self.right, self.source, self.weight.to(self.right.dtype))
+        return _weighted_rows(self.right, self.source, as_dtype(self.weight, self.right.dtype))
 
     @staticmethod
     def concat(parts: Sequence[GhostFactors]) -> GhostFactors:
