@@ -134,6 +134,8 @@ def _bag_of_token(inputs: torch.Tensor, offsets: torch.Tensor | None, include_la
             f"embedding_bag_grad_sample: a {inputs.dim()}-D input needs offsets (got None)")
     bags = offsets.numel() - int(include_last_offset)
     position = torch.arange(inputs.numel(), device=inputs.device)  # (M,)
+    if not include_last_offset:  # torch starts the first bag at 0: a token's bag counts the later starts
+        return inputs, torch.searchsorted(offsets[1:], position, right=True), bags  # (M,)
     bag = torch.searchsorted(offsets[:bags], position, right=True) - 1  # (M,)
     if include_last_offset:
         # torch documents the extra last offset as the input's length; tokens past it are left out
