@@ -35,7 +35,6 @@ compute. Mixing that never reaches a value (``bool(mask.all())`` to pick a code 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import weakref
@@ -79,7 +78,6 @@ _PAIRED = -5
 _TLS = threading.local()
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 _PLAIN = (torch.Tensor, nn.Parameter)
-_NULL = contextlib.nullcontext()  # reusable and reentrant: one for every tracked op
 
 
 def active_tracker() -> BatchTracker | None:
@@ -635,48 +633,71 @@ class BatchTracker(TorchFunctionMode):
         leaves = _tensors(args, [])
         if kwargs:
             _tensors(kwargs, leaves)
-        computed: torch.Tensor | None = None
         # The book-keeping reads tensor attributes; tensor subclasses (ExpandedWeights) must not
-        # see those reads, only the op itself.
-        plain = all(type(t) in _PLAIN for t in leaves)
-        with _NULL if plain else _NO_SUBCLASS():
-            entries = self._batched.entries
-            batched: list[tuple[torch.Tensor, tuple[int, int]]] = []
-            for t in leaves:
-                entry = entries.get(id(t))
-                if entry is not None and entry[0]() is t:
-                    batched.append((t, entry[1]))
-            if not batched:
-                origin = frozenset().union(*(self._origin_of(t) for t in leaves)) if leaves else frozenset()
-            else:
-                name = getattr(func, "__name__", "")
-                if torch.is_grad_enabled():
-                    free = [t for t in leaves if t.requires_grad and not any(t is b for b, _ in batched)]
-                    if free:
-                        met = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
-                        if isinstance(met, _Computed):
-                            computed = met.value  # the op, rewritten around its meeting point
-                        else:
-                            args, kwargs = met
+        # see those reads, only the op itself (plain tensors need no guard: no context per op).
+        plain = True
+        for t in leaves:
+            if type(t) not in _PLAIN:
+                plain = False
+                break
+        if plain:
+            before = self._before(func, args, kwargs, leaves)
+        else:
+            with _NO_SUBCLASS():
+                before = self._before(func, args, kwargs, leaves)
+        batched, origin, name, args, kwargs, computed = before
         out = func(*args, **kwargs) if computed is None else computed
-        with _NULL if plain else _NO_SUBCLASS():
-            if not batched:
-                if origin:
-                    # Inside a no-grad region too: a custom autograd.Function's forward (or a reentrant
-                    # checkpoint) runs without grad and returns its result, which the Function then
-                    # attaches to the graph: its origin is known from here only.
-                    record_all = not torch.is_grad_enabled()
-                    for t in _tensors(out, []):
-                        if t.requires_grad or record_all:
-                            self._origin[t] = origin
-                    if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
-                        self._note_tiles(getattr(func, "__name__", ""), args, out)
-                if self._orders.entries and isinstance(out, torch.Tensor) and leaves and leaves[0] in self._orders \
-                        and getattr(func, "__name__", "") in _COPIES:
-                    self._orders[out] = True  # the same order on another device or dtype
-            else:
-                self._follow(name, args, kwargs, batched, out)
+        if plain:
+            self._after(func, args, kwargs, leaves, batched, origin, name, out)
+        else:
+            with _NO_SUBCLASS():
+                self._after(func, args, kwargs, leaves, batched, origin, name, out)
         return out
+
+    def _before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[torch.Tensor]
+                ) -> tuple[list[tuple[torch.Tensor, tuple[int, int]]], frozenset[int], str, tuple[Any, ...],
+                           dict[str, Any], torch.Tensor | None]:
+        """An op's batched operands (or the trainable parameters its operands come from) and the
+        arguments to run it with (a meeting may rewrite them, or compute the op itself)."""
+        entries = self._batched.entries
+        batched: list[tuple[torch.Tensor, tuple[int, int]]] = []
+        for t in leaves:
+            entry = entries.get(id(t))
+            if entry is not None and entry[0]() is t:
+                batched.append((t, entry[1]))
+        if not batched:
+            origin = frozenset().union(*(self._origin_of(t) for t in leaves)) if leaves else frozenset()
+            return batched, origin, "", args, kwargs, None
+        name = getattr(func, "__name__", "")
+        if torch.is_grad_enabled():
+            free = [t for t in leaves if t.requires_grad and not any(t is b for b, _ in batched)]
+            if free:
+                met = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
+                if isinstance(met, _Computed):
+                    return batched, frozenset(), name, args, kwargs, met.value  # the op, rewritten
+                args, kwargs = met
+        return batched, frozenset(), name, args, kwargs, None
+
+    def _after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[torch.Tensor],
+               batched: list[tuple[torch.Tensor, tuple[int, int]]], origin: frozenset[int], name: str,
+               out: Any) -> None:
+        """Records where an op's result holds the batch (or which parameters it comes from)."""
+        if batched:
+            self._follow(name, args, kwargs, batched, out)
+            return
+        if origin:
+            # Inside a no-grad region too: a custom autograd.Function's forward (or a reentrant
+            # checkpoint) runs without grad and returns its result, which the Function then
+            # attaches to the graph: its origin is known from here only.
+            record_all = not torch.is_grad_enabled()
+            for t in _tensors(out, []):
+                if t.requires_grad or record_all:
+                    self._origin[t] = origin
+            if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+                self._note_tiles(getattr(func, "__name__", ""), args, out)
+        if self._orders.entries and isinstance(out, torch.Tensor) and leaves and leaves[0] in self._orders \
+                and getattr(func, "__name__", "") in _COPIES:
+            self._orders[out] = True  # the same order on another device or dtype
 
     # ------------------------------------------------------------------------------ meetings
     def _meet(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
