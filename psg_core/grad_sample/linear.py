@@ -109,7 +109,7 @@ def linear_ghost_factors(layer: nn.Linear, activation: torch.Tensor, backprop: t
     rows_per_sample = K * math.prod(backprop.shape[1:-1])  # explicit: N may be 0
     x = activation.reshape(n_samples, 1, rows_per_sample, activation.shape[-1])  # (N, 1, K*T, d_in)
     g = backprop.reshape(n_samples, 1, rows_per_sample, backprop.shape[-1])  # (N, 1, K*T, d_out)
-    bias = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}  # (N, d_out)
+    bias: dict[torch.Tensor, torch.Tensor] = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}
     return GhostFactors.dot(x, g), bias  # one group
 
 
@@ -148,5 +148,5 @@ def conv1d_ghost_factors(layer: _AffineLayer, activation: torch.Tensor, backprop
     rows_per_sample = K * math.prod(backprop.shape[1:-1])  # explicit: N may be 0
     x = activation.reshape(n_samples, 1, rows_per_sample, activation.shape[-1])  # (N, 1, K*T, d_in)
     g = backprop.reshape(n_samples, 1, rows_per_sample, backprop.shape[-1])  # (N, 1, K*T, d_out)
-    bias = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}  # (N, d_out)
+    bias: dict[torch.Tensor, torch.Tensor] = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}
     return GhostFactors.dot(x, g), bias  # one group
