@@ -166,6 +166,53 @@ class BatchLayout:
         return fold_rows(tensor.movedim(dim, 0), self.augmentation_multiplicity)
 
 
+def _leaves(value: Any, out: list[Any]) -> list[Any]:
+    """``tree_flatten(value)[0]``, with plain lists, tuples and dicts walked here: torch's flatten
+    makes a reference cycle per call (a nested recursive helper), which would hold the batch's
+    tensors until the garbage collector ran. Other containers (named tuples, registered pytree
+    nodes) go to torch's.
+
+    >>> _leaves([(1, {"a": 2}), [3]], [])
+    [1, 2, 3]
+    """
+    kind = type(value)
+    if kind is list or kind is tuple:
+        for item in value:
+            _leaves(item, out)
+    elif kind is dict:
+        for item in value.values():
+            _leaves(item, out)
+    elif isinstance(value, torch.Tensor) or value is None or kind in (int, float, bool, str):
+        out.append(value)
+    else:
+        out.extend(tree_flatten(value)[0])
+    return out
+
+
+def _visit_batch_tensors(value: Any, layout: BatchLayout, free: Any, found: list[tuple[torch.Tensor, int]]) -> None:
+    """:meth:`ModelInputs.batch_tensors`' walk of one argument (``free``: ids of batch-free tensors)."""
+    if isinstance(value, PackedSequence):
+        if _rows_of(value, 0) == layout.rows:
+            found.append((value.data, -1))
+        return
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _visit_batch_tensors(item, layout, free, found)
+        return
+    if isinstance(value, Mapping):
+        for item in value.values():
+            _visit_batch_tensors(item, layout, free, found)
+        return
+    if isinstance(value, torch.Tensor):
+        if id(value) in free:
+            return
+        dim = layout.batch_dim if value.dim() > layout.batch_dim else 0
+        if value.dim() > dim and value.shape[dim] == layout.rows:
+            found.append((value, dim))
+        elif _bag_offsets_with_last(value, layout.rows):
+            found.append((value, -1))  # one offset per bag, plus the end: not an axis of rows
+
+
 def _rows_of(value: Any, batch_dim: int) -> int | None:
     if isinstance(value, PackedSequence):
         return int(value.batch_sizes[0]) if value.batch_sizes.numel() else 0
@@ -222,7 +269,7 @@ class ModelInputs:
         return cls(tuple(args), dict(kwargs), free)
 
     def leaves(self) -> list[Any]:
-        return tree_flatten((self.args, self.kwargs))[0]
+        return _leaves([self.args, self.kwargs], [])
 
     def first_rows(self, batch_dim: int) -> int | None:
         """Rows of the first batch tensor (a PackedSequence counts its sequences; batch-free
@@ -230,7 +277,7 @@ class ModelInputs:
         for value in list(self.args) + list(self.kwargs.values()):
             if isinstance(value, PackedSequence):
                 return _rows_of(value, batch_dim)
-            for leaf in tree_flatten(value)[0]:
+            for leaf in _leaves(value, []):
                 if id(leaf) in self.free:
                     continue
                 rows = _rows_of(leaf, batch_dim)
@@ -244,31 +291,10 @@ class ModelInputs:
         batch, and an EmbeddingBag's offsets with the last offset included (their axis is then
         not a plain dimension of rows: -1)."""
         found: list[tuple[torch.Tensor, int]] = []
-
-        def visit(value: Any) -> None:
-            if isinstance(value, PackedSequence):
-                if _rows_of(value, 0) == layout.rows:
-                    found.append((value.data, -1))
-                return
-            if isinstance(value, (tuple, list)):
-                for item in value:
-                    visit(item)
-                return
-            if isinstance(value, Mapping):
-                for item in value.values():
-                    visit(item)
-                return
-            if isinstance(value, torch.Tensor):
-                if id(value) in self.free:
-                    return
-                dim = layout.batch_dim if value.dim() > layout.batch_dim else 0
-                if value.dim() > dim and value.shape[dim] == layout.rows:
-                    found.append((value, dim))
-                elif _bag_offsets_with_last(value, layout.rows):
-                    found.append((value, -1))  # one offset per bag, plus the end: not an axis of rows
-
-        visit(list(self.args))
-        visit(self.kwargs)
+        # (a module-level walk: a nested recursive function would be a reference cycle holding the
+        # batch's tensors until the garbage collector ran)
+        _visit_batch_tensors(list(self.args), layout, self.free, found)
+        _visit_batch_tensors(self.kwargs, layout, self.free, found)
         return found
 
     def split(self, layout: BatchLayout) -> list[ModelInputs]:
