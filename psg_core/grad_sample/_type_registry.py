@@ -54,6 +54,9 @@ class LayerTypeRegistry(Generic[_E]):
         self._deferred: dict[str, Callable[[type[nn.Module]], _E]] = {}
         #: types resolved from a dotted name (left out of iteration, see __iter__).
         self._resolved: set[type[nn.Module]] = set()
+        #: ``len(sys.modules)`` when the deferred names were last tried with none mid-import:
+        #: a lookup tries them again only once more modules are loaded (-1: try at the next).
+        self._tried_at = -1
 
     # --------------------------------------------------------------------------- registration
     def check_keys(self, layer_types: Sequence[Any]) -> None:
@@ -91,6 +94,7 @@ class LayerTypeRegistry(Generic[_E]):
                     self._resolved.discard(resolved)
                     del self._entries[resolved]
                 self._deferred[key] = make_entry
+                self._tried_at = -1  # its module may be loaded already
             else:
                 self._deferred.pop(_dotted_name(key), None)
                 self._resolved.discard(key)
@@ -124,12 +128,15 @@ class LayerTypeRegistry(Generic[_E]):
     # --------------------------------------------------------------------------- lookup
     def _resolve_deferred(self) -> None:
         """Turns the dotted names whose module is loaded into type entries."""
+        loaded = len(sys.modules)
+        mid_import = False
         for name, make_entry in list(self._deferred.items()):
             module_name, _, class_name = name.rpartition(".")
             module = sys.modules.get(module_name)
             layer_type = getattr(module, class_name, None) if module is not None else None
             if layer_type is None:
-                continue  # not imported yet (or mid-import): try again at the next lookup
+                mid_import = mid_import or module is not None
+                continue  # not imported yet (or mid-import): try again at a later lookup
             if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
                 raise ConfigError(f"{self._decorator}: {name!r} is a {type(layer_type).__name__}, not an "
                                   "nn.Module subclass")
@@ -137,10 +144,11 @@ class LayerTypeRegistry(Generic[_E]):
             if layer_type not in self._entries:
                 self._entries[layer_type] = make_entry(layer_type)
                 self._resolved.add(layer_type)
+        self._tried_at = -1 if mid_import else loaded
 
     def lookup(self, layer: nn.Module | type[nn.Module]) -> _E | None:
         """The entry for ``layer`` (instance or type): its own type first, then its bases."""
-        if self._deferred:
+        if self._deferred and len(sys.modules) != self._tried_at:
             self._resolve_deferred()
         layer_type = layer if isinstance(layer, type) else type(layer)
         for klass in layer_type.__mro__:
