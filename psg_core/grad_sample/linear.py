@@ -67,6 +67,18 @@ def _flat(activation: torch.Tensor, backprop: torch.Tensor) -> tuple[torch.Tenso
     return a2, backprop.reshape(-1, backprop.shape[-1])  # (rows*T, d_out)
 
 
+def _one_group_factors(layer: _AffineLayer, activation: torch.Tensor, backprop: torch.Tensor,
+                       K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
+    """Ghost factors of an affine layer: one group, ``(N, 1, K*T, d_in)`` and ``(N, 1, K*T, d_out)``
+    views of the input and output gradient (one reshape each), and the bias's per-sample gradient."""
+    n_samples = backprop.shape[0] // K
+    rows_per_sample = K * math.prod(backprop.shape[1:-1])  # explicit: N may be 0
+    x = activation.reshape(n_samples, 1, rows_per_sample, activation.shape[-1])  # (N, 1, K*T, d_in)
+    g = backprop.reshape(n_samples, 1, rows_per_sample, backprop.shape[-1])  # (N, 1, K*T, d_out)
+    bias: dict[torch.Tensor, torch.Tensor] = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}
+    return GhostFactors.dot(x, g), bias  # one group
+
+
 # ------------------------------------------------------------------------------------ nn.Linear
 # psg's RNNLinear (the DP recurrent layers' ih/hh) overrides forward only to reuse an output the
 # recurrence computed already: the same function, so the same sampler and ghost norm.
@@ -105,12 +117,7 @@ def linear_ghost_factors(layer: nn.Linear, activation: torch.Tensor, backprop: t
     >>> factors.left.shape, factors.right.shape, len(others)
     (torch.Size([2, 1, 10, 3]), torch.Size([2, 1, 10, 2]), 1)
     """
-    n_samples = backprop.shape[0] // K
-    rows_per_sample = K * math.prod(backprop.shape[1:-1])  # explicit: N may be 0
-    x = activation.reshape(n_samples, 1, rows_per_sample, activation.shape[-1])  # (N, 1, K*T, d_in)
-    g = backprop.reshape(n_samples, 1, rows_per_sample, backprop.shape[-1])  # (N, 1, K*T, d_out)
-    bias: dict[torch.Tensor, torch.Tensor] = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}
-    return GhostFactors.dot(x, g), bias  # one group
+    return _one_group_factors(layer, activation, backprop, K)
 
 
 # ------------------------------------------------------------------------- transformers' Conv1D
@@ -144,9 +151,4 @@ def _conv1d_weight_sum(layer: _AffineLayer, activation: torch.Tensor, backprop: 
 def conv1d_ghost_factors(layer: _AffineLayer, activation: torch.Tensor, backprop: torch.Tensor,
                          K: int) -> tuple[GhostFactors, dict[torch.Tensor, torch.Tensor]]:
     """The factors of ``nn.Linear``: a transposed weight has the same norm."""
-    n_samples = backprop.shape[0] // K
-    rows_per_sample = K * math.prod(backprop.shape[1:-1])  # explicit: N may be 0
-    x = activation.reshape(n_samples, 1, rows_per_sample, activation.shape[-1])  # (N, 1, K*T, d_in)
-    g = backprop.reshape(n_samples, 1, rows_per_sample, backprop.shape[-1])  # (N, 1, K*T, d_out)
-    bias: dict[torch.Tensor, torch.Tensor] = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}
-    return GhostFactors.dot(x, g), bias  # one group
+    return _one_group_factors(layer, activation, backprop, K)
