@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -266,14 +266,19 @@ def test_embedding_bag_scale_grad_by_freq_is_rejected() -> None:
        mode=st.sampled_from(["sum", "mean", "max"]), padding=st.booleans(),
        include_last_offset=st.booleans(), seed=st.integers(0, 1000),
        reduction=st.sampled_from(REDUCTIONS))
+@example(n=2, K=1, vocab=3, dim=1, mode="sum", padding=False, include_last_offset=False, seed=443,
+         reduction="mean")  # a near-zero residual (see the float64 note below)
 def test_embedding_bag_shapes(n: int, K: int, vocab: int, dim: int, mode: str, padding: bool,
                               include_last_offset: bool, seed: int, reduction: str, device: torch.device) -> None:
     torch.manual_seed(seed)
     bag = nn.EmbeddingBag(vocab, dim, mode=mode, include_last_offset=include_last_offset,
                           padding_idx=0 if padding else None)
-    model = _BagHead(bag)
+    # float64: a sample whose output nearly meets its target gets a gradient 100x smaller than
+    # another's, from a difference that float32 rounds at 1e-3 of its size (seed 443, n 2, dim 1
+    # failed the scaled float32 tolerance so); the shapes and the bookkeeping are what is tested
+    model = _BagHead(bag).double()
     tokens, lengths = _random_bags(n * K, vocab, seed=seed)
-    targets = torch.randn(n * K, 2)
+    targets = torch.randn(n * K, 2, dtype=torch.float64)
     samples = _bag_samples(tokens, lengths, None, targets, K, include_last_offset)
     grads = check_against_oracle(model, (tokens, _offsets(lengths, include_last_offset)), targets,
                                  K=K, loss_reduction=reduction, samples=samples, device=device)
