@@ -137,11 +137,9 @@ def _bag_of_token(inputs: torch.Tensor, offsets: torch.Tensor | None, include_la
     if not include_last_offset:  # torch starts the first bag at 0: a token's bag counts the later starts
         return inputs, torch.searchsorted(offsets[1:], position, right=True), bags  # (M,)
     bag = torch.searchsorted(offsets[:bags], position, right=True) - 1  # (M,)
-    if include_last_offset:
-        # torch documents the extra last offset as the input's length; tokens past it are left out
-        # (torch itself treats them inconsistently, depending on padding_idx).
-        bag = torch.where(position < offsets[bags], bag, -1)
-    return inputs, bag, bags
+    # torch documents the extra last offset as the input's length; tokens past it are left out
+    # (torch itself treats them inconsistently, depending on padding_idx).
+    return inputs, torch.where(position < offsets[bags], bag, -1), bags
 
 
 def _max_grad_sample(layer: nn.EmbeddingBag, tokens: torch.Tensor, bag: torch.Tensor,
@@ -235,16 +233,17 @@ def _bag_weights(layer: nn.EmbeddingBag, args: Sequence[Any], kwargs: dict[str, 
     need their number on the host (a device sync).
     """
     inputs, offsets, per_sample_weights = _bag_call(list(args), kwargs)
-    if layer.padding_idx is None and not (layer.include_last_offset and _flat_input(inputs).dim() == 1) \
+    flat = _flat_input(inputs)
+    if layer.padding_idx is None and not (layer.include_last_offset and flat.dim() == 1) \
             and layer.mode in ("sum", "mean"):
         # Every token counts (torch starts the first bag at offset 0): no mask to apply.
-        tokens, bag, bags = _bag_of_token(_flat_input(inputs), offsets, False)  # (M,) each
+        tokens, bag, bags = _bag_of_token(flat, offsets, False)  # (M,) each
         count = tokens.shape[0]
         if layer.mode == "sum":
             weight = (as_dtype(per_sample_weights.reshape(-1), dtype) if per_sample_weights is not None
                       else torch.ones(count, dtype=dtype, device=tokens.device))
-        elif inputs.dim() == 2:  # fixed-length bags
-            weight = torch.full((count,), 1.0 / max(1, inputs.shape[1]), dtype=dtype, device=tokens.device)
+        elif flat.dim() == 2:  # fixed-length bags
+            weight = torch.full((count,), 1.0 / max(1, flat.shape[1]), dtype=dtype, device=tokens.device)
         else:  # an empty bag's size is 0, but no token reads it
             ones = torch.ones(count, dtype=dtype, device=tokens.device)
             weight = torch.zeros(bags, dtype=dtype, device=tokens.device).index_add_(0, bag, ones).reciprocal()[bag]
