@@ -61,6 +61,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from psg_core import native
 from psg_core.backends.base import (AbstractGradSampleModule, backward_to_edges, on_output_grads,
                                     trainable_parameters)
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, separate_outputs
@@ -488,6 +489,14 @@ def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: tor
     table layout, :attr:`GhostNormEntry.sums_from_factors`): each entry's gradient
     row, scaled by its sample's factor (zero for a dropped sample: its rows may hold inf), added
     into the entry's table row. The ``(V, d)`` sum, in the weight's dtype."""
+    if factors.kind is FactorKind.KEYED and factors.source is not None and factors.weight is not None \
+            and factors.right.device.type == "cpu":
+        # psg's native kernel: one pass over the entries, a dropped sample's (factor 0) left out
+        dtype = factors.right.dtype
+        total = native.keyed_table_sum(factors.left, factors.source, as_dtype(factors.weight, dtype), factors.right,
+                                       as_dtype(sample_factors, dtype), weight.shape[0])
+        if total is not None:
+            return as_dtype(total, weight.dtype)
     if factors.kind is FactorKind.KEYED and factors.source is not None and factors.weight is not None \
             and dropped is None:
         # Weighted rows of the samples' own rows (EmbeddingBag: each token's bag gradient): each

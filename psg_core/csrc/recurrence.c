@@ -1,5 +1,5 @@
 /* psg's native CPU kernels: a recurrent direction's whole time loop (LSTM, GRU, RNN), forward and
- * backward.
+ * backward; and an EmbeddingBag's ghost norms and clipped sum (table.h).
  *
  * psg's DP recurrent layers run their time loop step by step: per step one matrix product with
  * the hidden weight and the cell's pointwise ops. From Python each step costs a product call
@@ -64,6 +64,7 @@ typedef float psg_vfu __attribute__((vector_size(VEC_BYTES), aligned(4)));
 #define TANH tanhf
 #define NAME(x) psg_f32_##x
 #include "sequence.h"
+#include "table.h"
 #undef REAL
 #undef LANES
 #undef VEC
@@ -82,6 +83,7 @@ typedef double psg_vdu __attribute__((vector_size(VEC_BYTES), aligned(8)));
 #define TANH tanh
 #define NAME(x) psg_f64_##x
 #include "sequence.h"
+#include "table.h"
 
 /* The library's interface version: psg_core.native refuses a library built from another source. */
-int psg_native_version(void) { return 6; }
+int psg_native_version(void) { return 7; }

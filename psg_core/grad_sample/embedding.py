@@ -25,7 +25,8 @@ from torch import nn
 
 from psg_core.errors import UnsupportedModuleError
 from psg_core.grad_sample._utils import wants_grad
-from psg_core.grad_sample.ghost_norm import GhostFactors, WeightLayout, register_ghost_norm
+from psg_core import native
+from psg_core.grad_sample.ghost_norm import FactorKind, GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 from psg_core.precision import as_dtype
 
@@ -262,6 +263,26 @@ def _bag_weights(layer: nn.EmbeddingBag, args: Sequence[Any], kwargs: dict[str, 
     return torch.where(counted, tokens, 0), bag_index, weight, bags
 
 
+def _native_bag_entries(layer: nn.EmbeddingBag, args: Sequence[Any], kwargs: dict[str, Any], backprop: torch.Tensor,
+                        K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`_bag_weights`' entries (as KEYED factors hold them) from psg's native kernel, where
+    it applies (a CPU; see :func:`psg_core.native.bag_entries`), else None."""
+    if backprop.device.type != "cpu" or layer.mode not in ("sum", "mean"):
+        return None
+    inputs, offsets, per_sample_weights = _bag_call(list(args), kwargs)
+    if not isinstance(inputs, torch.Tensor) or inputs.is_nested or inputs.dim() not in (1, 2) \
+            or (inputs.dim() == 1 and offsets is None):
+        return None
+    flat = inputs.reshape(-1)
+    if per_sample_weights is not None:
+        per_sample_weights = as_dtype(per_sample_weights.reshape(-1), backprop.dtype)
+    return native.bag_entries(flat, offsets if inputs.dim() == 1 else None, bags=inputs.shape[0],
+                              include_last_offset=layer.include_last_offset and inputs.dim() == 1,
+                              mean=layer.mode == "mean", padding_idx=layer.padding_idx,
+                              per_sample_weights=per_sample_weights, K=K, table_rows=layer.num_embeddings,
+                              dtype=backprop.dtype)
+
+
 # The ghost norm of EmbeddingBag (modes sum and mean): sample n's gradient scatters its tokens'
 # weighted bag gradients into table rows; summing the entries of each (sample, row) pair gives
 # the norm from (M, d) numbers instead of the (N, V, d) gradient. Mode max keeps the materialised
@@ -285,6 +306,11 @@ def embedding_bag_ghost_factors(layer: nn.EmbeddingBag, call: Any, backprop: tor
     [12.0, 3.0]
     """
     _reject_batch_mixing(layer, "embedding_bag_ghost_factors")
+    entries = _native_bag_entries(layer, call.args, call.kwargs, backprop, K)
+    if entries is not None:
+        left, source, weight = entries
+        return GhostFactors(FactorKind.KEYED, left, backprop, backprop.shape[0] // K,
+                            source, weight, layer.num_embeddings), {}
     tokens, bag_index, weight, bags = _bag_weights(layer, call.args, call.kwargs, backprop.dtype)
     sample = bag_index if K == 1 else bag_index // K  # (M,)
     return GhostFactors.keyed(sample, tokens, backprop, bags // K, source=bag_index, weight=weight,

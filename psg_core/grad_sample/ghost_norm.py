@@ -40,6 +40,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
+from psg_core import native
 from psg_core.errors import ConfigError
 from psg_core.grad_sample._type_registry import LayerKey, LayerTypeRegistry
 from psg_core.precision import as_dtype
@@ -158,8 +159,11 @@ class GhostFactors:
         right = as_dtype(self.right, dtype)
         if self.kind is FactorKind.KEYED:
             if self.source is not None and self.weight is not None:
-                return _weighted_keyed_sq_norms(self.left, self.source, as_dtype(self.weight, dtype), right,
-                                                self.samples, self.table_rows)
+                weight = as_dtype(self.weight, dtype)
+                norms = native.keyed_sq_norms(self.left, self.source, weight, right, self.samples) \
+                    if right.device.type == "cpu" else None
+                return norms if norms is not None else _weighted_keyed_sq_norms(
+                    self.left, self.source, weight, right, self.samples, self.table_rows)
             return _keyed_sq_norms(self.left[0], self.left[1], right, self.samples)
         if self.kind is FactorKind.DOT and right.shape[-2] == 1:
             # one row per sample and group (a Linear on (N, d) inputs): the products of the rows'

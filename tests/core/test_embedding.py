@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import psg_core
+from psg_core import native
 from psg_core.errors import BatchLayoutError, UnsupportedModuleError
 from tests.oracle import Batch, check_against_oracle, hooks_grad_samples, mse_loss
 
@@ -179,10 +180,12 @@ def test_embedding_bag_per_sample_weights(loss_reduction: str, K: int, by_keywor
 @pytest.mark.parametrize("config", [dict(mode="sum"), dict(mode="mean"), dict(mode="sum", padding_idx=0),
                                     dict(mode="mean", include_last_offset=True), dict(mode="sum", weights=True)])
 @pytest.mark.parametrize("flat", [True, False])
-def test_embedding_bag_ghost_norms_and_clipped_sums(K: int, config: dict[str, Any], flat: bool) -> None:
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_embedding_bag_ghost_norms_and_clipped_sums(K: int, config: dict[str, Any], flat: bool, kernels: str) -> None:
     """The ghost norm from the tokens' weights and their bags' gradients (never the (M, d) rows):
     per-sample norms and clipped sums equal the hooks backend's, tokens repeating within and
-    across bags, empty bags included (K up to 3: the (M, K) weights and (N, K, K) Grams; K=5: the (M, d) runs)."""
+    across bags, empty bags included (K up to 3: the (M, K) weights and (N, K, K) Grams; K=5: the (M, d) runs);
+    through psg's native kernels (where they build) and through torch ops."""
     torch.manual_seed(8 + K)
     config = dict(config)
     weighted = config.pop("weights", False)
@@ -202,8 +205,9 @@ def test_embedding_bag_ghost_norms_and_clipped_sums(K: int, config: dict[str, An
         inputs = inputs + (weight if flat else weight.view(tokens.shape),)
     targets = torch.randn(4 * K, 2)
     loss = nn.MSELoss(reduction="none")
-    results = {mode: psg_core.dp_gradient(model, inputs, targets, loss_fn=loss, config=psg_core.DPConfig(
-        mode=mode, augmentation_multiplicity=K, max_grad_norm=0.05)) for mode in ("hooks", "ghost")}
+    with native.native_kernels(kernels):
+        results = {mode: psg_core.dp_gradient(model, inputs, targets, loss_fn=loss, config=psg_core.DPConfig(
+            mode=mode, augmentation_multiplicity=K, max_grad_norm=0.05)) for mode in ("hooks", "ghost")}
     torch.testing.assert_close(results["ghost"].per_sample_norms, results["hooks"].per_sample_norms,
                                rtol=1e-5, atol=1e-6)
     assert results["ghost"].num_clipped == results["hooks"].num_clipped > 0
