@@ -395,8 +395,9 @@ class _GhostBookkeeping:
                 self._add_sq_norm(param, shared_sq_norms(shared, param.shape, self.norm_dtype))
             grad_sample = self._materialised.get(param)
             if grad_sample is not None:
-                flat = as_dtype(grad_sample.reshape(self.num_samples, -1), self.norm_dtype)  # (N, numel)
-                self._add_sq_norm(param, (flat * flat).sum(1))
+                flat = grad_sample if grad_sample.dim() == 2 else grad_sample.reshape(self.num_samples, -1)
+                flat = as_dtype(flat, self.norm_dtype)  # (N, numel)
+                self._add_sq_norm(param, torch.linalg.vecdot(flat, flat))
 
     def backward(self, total_loss: torch.Tensor) -> None:
         """The one backward pass: ``total_loss`` through the hooked outputs only (no parameter

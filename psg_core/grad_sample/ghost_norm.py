@@ -169,7 +169,7 @@ class GhostFactors:
             # one row per sample and group (a Linear on (N, d) inputs): the products of the rows'
             # squared norms, summed over the groups
             left = as_dtype(self.left, dtype)
-            products = (left * left).sum(-1) * (right * right).sum(-1)  # (N, G, 1)
+            products = torch.linalg.vecdot(left, left) * torch.linalg.vecdot(right, right)  # (N, G, 1)
             return products.view(products.shape[0]) if products.shape[1] == 1 else products.sum((1, 2))
         # (N, [G,] T, T); a one-row Gram is a squared norm: computing it costs less than looking it up
         gram_right = _gram(right) if grams is None or right.shape[-2] == 1 else grams.get(right, _gram)

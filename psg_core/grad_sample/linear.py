@@ -75,7 +75,10 @@ def _one_group_factors(layer: _AffineLayer, activation: torch.Tensor, backprop: 
     rows_per_sample = K * math.prod(backprop.shape[1:-1])  # explicit: N may be 0
     x = activation.reshape(n_samples, 1, rows_per_sample, activation.shape[-1])  # (N, 1, K*T, d_in)
     g = backprop.reshape(n_samples, 1, rows_per_sample, backprop.shape[-1])  # (N, 1, K*T, d_out)
-    bias: dict[torch.Tensor, torch.Tensor] = {layer.bias: g.sum((1, 2))} if wants_grad(layer.bias) else {}
+    bias: dict[torch.Tensor, torch.Tensor] = {}
+    if wants_grad(layer.bias):
+        # one row per sample (a Linear on (N, d) inputs): the bias's per-sample gradient is that row
+        bias[layer.bias] = backprop if rows_per_sample == 1 and backprop.dim() == 2 else g.sum((1, 2))
     return GhostFactors.dot(x, g), bias  # one group
 
 
