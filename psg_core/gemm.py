@@ -169,6 +169,14 @@ def _rule_prefers_onednn() -> bool:
     return bool(vendor) and vendor != "GenuineIntel" and capability.startswith("AVX512") and onednn_available()
 
 
+def onednn_outpaces_mkl() -> bool:
+    """Whether this host runs MKL's AVX2 kernels while oneDNN runs AVX-512 (a CPU that is not
+    Intel's, with AVX-512, and oneDNN present): there torch's CPU products (``mm``, ``bmm``) use
+    half the host's vector width and oneDNN's kernels (its products, convolutions) all of it.
+    Asked by the ``rule`` here and by the convolutions' (:mod:`psg_core.grad_sample.conv_strategy`)."""
+    return _rule_prefers_onednn()
+
+
 # ------------------------------------------------------------------------------ applicability
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 

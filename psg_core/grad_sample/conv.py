@@ -512,8 +512,8 @@ def conv_per_sample_strategy(layer: _ConvLayer | _ConvTransposeLayer, activation
     """``grouped_conv`` or ``unfold`` for this call: forced, by rule, or measured once per
     signature (see :mod:`psg_core.grad_sample.conv_strategy`).
 
-    >>> conv = nn.Conv2d(3, 8, 3)
-    >>> conv_per_sample_strategy(conv, torch.randn(4, 3, 8, 8), torch.randn(4, 8, 6, 6), 1)  # CPU rule
+    >>> conv = nn.Conv2d(64, 64, 3)  # wide, with few positions
+    >>> conv_per_sample_strategy(conv, torch.randn(4, 64, 4, 4), torch.randn(4, 64, 2, 2), 1)  # CPU rule
     <ConvStrategy.UNFOLD: 'unfold'>
     """
     device = backprop.device

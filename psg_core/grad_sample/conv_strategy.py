@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from psg_core._settings import ProcessSetting, time_candidates
+from psg_core.gemm import onednn_outpaces_mkl
 
 __all__ = ["ConvStrategy", "PER_SAMPLE_STRATEGIES", "ENVIRONMENT_VARIABLE", "set_conv_strategy",
            "get_conv_strategy", "conv_strategy", "current_conv_strategy", "clear_conv_strategy_cache",
@@ -187,7 +188,7 @@ def admissible(footprints: Mapping[ConvStrategy, int], baseline: int) -> list[Co
 
 # ------------------------------------------------------------------------------ rules
 def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, patch: int,
-                    positions: int, fits: bool) -> ConvStrategy:
+                    positions: int, fits: bool, onednn_ahead: bool | None = None) -> ConvStrategy:
     """The fixed rule between ``grouped_conv`` and ``unfold`` for materialised gradients.
 
     Args:
@@ -198,6 +199,8 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
         patch: I, the unfolded patch length per group (``C_in / G * prod(kernel)``).
         positions: T, positions per sample (``K * L``).
         fits: whether unfolding stays within :func:`admissible`'s memory bound.
+        onednn_ahead: whether the host's oneDNN (the grouped kernel's) runs AVX-512 while MKL
+            (unfold's ``bmm``) runs AVX2 (:func:`psg_core.gemm.onednn_outpaces_mkl`, asked when None).
 
     CPU (171 shapes of 3x3 Conv2d timed with one thread on a 2-core Xeon, torch 2.13, N 16 and
     64, K 1 and 4): the grouped kernel wins by 1.2-4x wherever its per-group weight ``O * I``
@@ -206,7 +209,13 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     ``512 * T`` the two are even) and by up to 1.7x on a first layer with few input channels
     (``I <= 32``), where the grouped kernel's tiny channel groups are slow. The rule picks the
     faster one on 157 of the 171 shapes, loses at most 1.55x on the others and 1.3% on average
-    (geometric mean). Grouped and depthwise convolutions keep the grouped kernel. CUDA (used only
+    (geometric mean). On a CPU where oneDNN runs AVX-512 and MKL AVX2 (an AMD EPYC, Zen 5) the
+    grouped kernel has twice the vector width: measured there (one thread, N 16 and 64, K 1 and 4,
+    median of 12 cold calls) it wins on the first layer too (3 -> 96 channels at 32x32: 1.7 vs
+    2.8 ms) and up to ``O * I`` about ``2048 * T`` (96 -> 96 at 32x32: 20 vs 55 ms; 192 at 16x16:
+    29 vs 31 ms, K 4: 77 vs 154 ms), while unfold still wins on wide layers with few positions
+    (128 at 8x8: 5.0 vs 12.4 ms; 512 at 2x2: 78 vs 204 ms): there the rule is ``O * I >= 2048 * T``
+    alone. Grouped and depthwise convolutions keep the grouped kernel. CUDA (used only
     when measuring is off): unfold + bmm whenever it fits and G = 1, since cuDNN's grouped weight
     gradient with ``N * G`` groups falls back to a slow generic kernel (issue 23's H100 profile
     of the CIFAR CNN).
@@ -217,11 +226,18 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     >>> rule_per_sample(device=torch.device("cpu"), groups=1, out_per_group=32, patch=288,
     ...                 positions=1024, fits=True)
     <ConvStrategy.GROUPED_CONV: 'grouped_conv'>
+    >>> [rule_per_sample(device=torch.device("cpu"), groups=1, out_per_group=96, patch=27, positions=1024,
+    ...                  fits=True, onednn_ahead=ahead).value for ahead in (False, True)]  # a first layer
+    ['unfold', 'grouped_conv']
     """
     if groups != 1 or not fits:
         return ConvStrategy.GROUPED_CONV
     if device.type == "cuda":
         return ConvStrategy.UNFOLD
+    if onednn_ahead is None:
+        onednn_ahead = onednn_outpaces_mkl()
+    if onednn_ahead:
+        return ConvStrategy.UNFOLD if out_per_group * patch >= 2048 * positions else ConvStrategy.GROUPED_CONV
     if patch <= 32 or out_per_group * patch >= 1024 * positions:
         return ConvStrategy.UNFOLD
     return ConvStrategy.GROUPED_CONV

@@ -157,3 +157,25 @@ def test_trailing_norm_shapes(n: int, K: int, extra: list[int], normalized: list
     grads = check_against_oracle(model, torch.randn(shape), torch.randn(shape), K=K,
                                  loss_reduction=reduction, device=device)
     assert grads["weight"].shape == (n, *normalized)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(6, 8, 5, 5), (6, 4, 7), (6, 6), (6, 4, 2, 3, 2)])
+def test_group_norm_kernel_path_equals_the_normalised_product(shape: tuple[int, ...], K: int,
+                                                             dtype: torch.dtype) -> None:
+    """GroupNorm's per-sample gradients from torch's GroupNorm weight-gradient kernel (no
+    activation-sized temporaries) equal sum g * x_hat and sum g, rows offset far from 0 included;
+    a half-precision or non-contiguous call takes the product path."""
+    from psg_core.grad_sample.norms import _channel_affine_grads, _group_norm_by_kernel
+    gen = torch.Generator().manual_seed(K)
+    layer = nn.GroupNorm(2, shape[1]).to(dtype)
+    x = torch.randn(shape, generator=gen, dtype=dtype) * 3 + 20
+    g = torch.randn(shape, generator=gen, dtype=dtype)
+    got = _group_norm_by_kernel(layer, x, g, K)
+    assert got is not None
+    expected = _channel_affine_grads(layer.weight, layer.bias, torch.nn.functional.group_norm(x, 2, eps=layer.eps), g, K)
+    for param, grad in expected.items():
+        torch.testing.assert_close(got[param], grad, rtol=1e-4 if dtype is torch.float32 else 1e-10, atol=1e-4)
+    assert _group_norm_by_kernel(layer, x.half(), g.half(), K) is None
+    assert _group_norm_by_kernel(layer, x.transpose(0, 1).contiguous().transpose(0, 1), g, K) is None
