@@ -210,12 +210,14 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     (``I <= 32``), where the grouped kernel's tiny channel groups are slow. The rule picks the
     faster one on 157 of the 171 shapes, loses at most 1.55x on the others and 1.3% on average
     (geometric mean). On a CPU where oneDNN runs AVX-512 and MKL AVX2 (an AMD EPYC, Zen 5) the
-    grouped kernel has twice the vector width: measured there (one thread, N 16 and 64, K 1 and 4,
-    median of 12 cold calls) it wins on the first layer too (3 -> 96 channels at 32x32: 1.7 vs
-    2.8 ms) and up to ``O * I`` about ``2048 * T`` (96 -> 96 at 32x32: 20 vs 55 ms; 192 at 16x16:
-    29 vs 31 ms, K 4: 77 vs 154 ms), while unfold still wins on wide layers with few positions
-    (128 at 8x8: 5.0 vs 12.4 ms; 512 at 2x2: 78 vs 204 ms): there the rule is ``O * I >= 2048 * T``
-    alone. Grouped and depthwise convolutions keep the grouped kernel. CUDA (used only
+    grouped kernel has twice the vector width: measured there (one thread, N 16 and 64, K 1, 2
+    and 4, 3x3 kernels, median of 12 cold calls) it wins on first layers too (3 -> 96 channels at
+    32x32: 1.7 vs 2.8 ms), and its edge grows with the positions it sums over: unfold wins from
+    ``O * I`` about ``1024 * T`` up to T 128 (64 -> 128 at 8x8, N 64: 9.1 vs 21.5 ms; 128 at
+    8x8, K 2: 10.8 vs 13.3 ms) but only from about ``2048 * T`` at T 256 (192 at 16x16: grouped
+    29 vs 31 ms at N 16, 154 vs 185 at N 64; 256 at 8x8, K 4: even). There the rule is
+    ``O * I >= 1024 * T * max(1, T / 128)`` alone. Grouped and depthwise convolutions keep the
+    grouped kernel. CUDA (used only
     when measuring is off): unfold + bmm whenever it fits and G = 1, since cuDNN's grouped weight
     gradient with ``N * G`` groups falls back to a slow generic kernel (issue 23's H100 profile
     of the CIFAR CNN).
@@ -237,7 +239,8 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     if onednn_ahead is None:
         onednn_ahead = onednn_outpaces_mkl()
     if onednn_ahead:
-        return ConvStrategy.UNFOLD if out_per_group * patch >= 2048 * positions else ConvStrategy.GROUPED_CONV
+        wide = out_per_group * patch >= 1024 * positions * max(1.0, positions / 128)
+        return ConvStrategy.UNFOLD if wide else ConvStrategy.GROUPED_CONV
     if patch <= 32 or out_per_group * patch >= 1024 * positions:
         return ConvStrategy.UNFOLD
     return ConvStrategy.GROUPED_CONV

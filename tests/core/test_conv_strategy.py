@@ -179,15 +179,16 @@ def test_per_sample_refuses_gram_and_forced_gram_follows_the_rule() -> None:
 
 @pytest.mark.parametrize("onednn_ahead", [False, True])
 def test_rule_on_cpu(onednn_ahead: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU rule: unfold for wide layers with few positions (from O*I >= 1024 T, or 2048 T
-    where oneDNN runs AVX-512 and MKL AVX2) and, unless oneDNN is ahead, for few input channels;
-    the grouped kernel elsewhere and for grouped convolutions."""
+    """The CPU rule: unfold for wide layers with few positions (from O*I >= 1024 T, or
+    1024 T max(1, T/128) where oneDNN runs AVX-512 and MKL AVX2) and, unless oneDNN is ahead, for
+    few input channels; the grouped kernel elsewhere and for grouped convolutions."""
     monkeypatch.setattr(strategy_module, "onednn_outpaces_mkl", lambda: onednn_ahead)
     first = ConvStrategy.GROUPED_CONV if onednn_ahead else ConvStrategy.UNFOLD
     between = ConvStrategy.GROUPED_CONV if onednn_ahead else ConvStrategy.UNFOLD  # O*I = 1296 T
     cases = [(nn.Conv2d(128, 128, 3, padding=1), 8, ConvStrategy.UNFOLD),
              (nn.Conv2d(3, 16, 3, padding=1), 32, first),
              (nn.Conv2d(192, 192, 3, padding=1), 16, between),
+             (nn.Conv2d(64, 128, 3, padding=1), 8, ConvStrategy.UNFOLD),  # O*I = 1152 T at T 64
              (nn.Conv2d(32, 32, 3, padding=1), 32, ConvStrategy.GROUPED_CONV),
              (nn.Conv2d(64, 64, 3, padding=1, groups=64), 4, ConvStrategy.GROUPED_CONV)]
     for conv, side, expected in cases:
