@@ -61,7 +61,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from psg_core import native
+import psg_core.native as native
 from psg_core.backends.base import (AbstractGradSampleModule, backward_to_edges, on_output_grads,
                                     trainable_parameters)
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, separate_outputs

@@ -40,7 +40,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from psg_core import native
+import psg_core.native as native
 from psg_core.errors import ConfigError
 from psg_core.grad_sample._type_registry import LayerKey, LayerTypeRegistry
 from psg_core.precision import as_dtype
