@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import psg_core.native as native
 from psg_core.errors import UnsupportedModuleError
 from psg_core.grad_sample._utils import wants_grad
-import psg_core.native as native
 from psg_core.grad_sample.ghost_norm import FactorKind, GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 from psg_core.precision import as_dtype
