@@ -186,7 +186,7 @@ def plain_cpu_tensor(t: torch.Tensor, grad_mode: bool) -> bool:
     read: not recorded by autograd (``grad_mode``: whether grad mode is on) and not wrapped by a
     ``torch.func`` transform. psg's own kernels (oneDNN's products here, psg_core.native's loops)
     take only those."""
-    return (type(t) in _PLAIN and t.device.type == "cpu" and not (grad_mode and t.requires_grad)
+    return (type(t) in _PLAIN and t.is_cpu and not (grad_mode and t.requires_grad)
             and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
