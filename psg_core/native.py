@@ -1,8 +1,8 @@
 """psg's native CPU kernels, in C: a recurrent direction's whole time loop (LSTM, GRU, Elman RNN),
 forward and backward; and an EmbeddingBag's ghost clipping (its entries, per-sample norms and
 clipped sum: :func:`bag_entries`, :func:`keyed_sq_norms`, :func:`keyed_table_sum`), which in
-torch ops takes about 40 small ops a step (a 20k x 64 bag model's ghost step: 1.60x non-private
-training -> 1.50x, one thread, on a 2-core AMD EPYC).
+torch ops takes about 40 small ops a step (the benchmark's 20k x 64 bag model's ghost step: 1.55x
+non-private training -> 1.44x, one thread, on a 2-core AMD EPYC).
 
 The DP recurrent layers compute their time loop themselves (see :mod:`psg_core.layers._recurrence`):
 per step one product with the hidden weight and the cell's pointwise ops. Run from Python, each
