@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from psg_core import native
@@ -164,3 +166,38 @@ def test_off_means_torch_ops() -> None:
     with native.native_kernels("off"):
         assert native.keyed_sq_norms(torch.tensor([[0], [0]]), torch.tensor([0]), torch.ones(1),
                                      torch.ones(1, 2), 1) is None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=8), K=st.sampled_from([1, 2, 3]),
+       mode=st.sampled_from(["sum", "mean"]), padding=st.sampled_from([None, 0, 3]),
+       include_last=st.booleans(), weighted=st.booleans(), dim=st.sampled_from([1, 3, 8]),
+       seed=st.integers(0, 10_000))
+def test_the_kernels_equal_the_torch_ops_on_random_bags(lengths: list[int], K: int, mode: str, padding: int | None,
+                                                       include_last: bool, weighted: bool, dim: int,
+                                                       seed: int) -> None:
+    """Random bag layouts (empty bags, repeated tokens, padding, a tail past include_last's last
+    offset): entries, norms and clipped sums through the kernels equal the torch ops'."""
+    lengths = lengths + [1] * (-len(lengths) % K)  # K bags per sample
+    gen = torch.Generator().manual_seed(seed)
+    layer = nn.EmbeddingBag(5, dim, mode=mode, padding_idx=padding, include_last_offset=include_last)
+    count = sum(lengths)
+    tokens = torch.randint(0, 5, (count + (1 if include_last else 0),), generator=gen)
+    offsets = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()))
+    offsets = offsets if include_last else offsets[:-1]
+    weights = torch.rand(tokens.shape[0], generator=gen) if weighted and mode == "sum" else None
+    call = SimpleNamespace(args=(tokens, offsets, weights), kwargs={})
+    backprop = torch.randn(len(lengths), dim, generator=gen, dtype=torch.float64)
+    factors, _ = embedding_bag_ghost_factors(layer, call, backprop, K)
+    with native.native_kernels("off"):
+        reference, _ = embedding_bag_ghost_factors(layer, call, backprop, K)
+    assert factors.left.tolist() == reference.left.tolist()
+    assert factors.source is not None and reference.source is not None
+    assert factors.source.tolist() == reference.source.tolist()
+    torch.testing.assert_close(factors.weight, reference.weight)
+    torch.testing.assert_close(factors.sq_norms(torch.float64), reference.sq_norms(torch.float64))
+    clip = torch.rand(len(lengths) // K, generator=gen, dtype=torch.float64)
+    table = nn.Parameter(torch.zeros(5, dim, dtype=torch.float64))
+    with native.native_kernels("off"):
+        expected = _table_sum(reference, clip, None, table)
+    torch.testing.assert_close(_table_sum(factors, clip, None, table), expected)
