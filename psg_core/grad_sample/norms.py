@@ -137,8 +137,8 @@ def _group_norm_by_kernel(layer: nn.GroupNorm, x: torch.Tensor, backprops: torch
         rstd = (var + layer.eps).rsqrt()
         _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
             backprops.view(1, rows * channels, positions), x.view(1, rows * channels, positions),
-            mean.view(1, -1), rstd.view(1, -1), x.new_ones(1).expand(rows * channels), 1, rows * channels, positions, rows * groups,
-            [False, True, True])  # (N*K*C,) each
+            mean.view(1, -1), rstd.view(1, -1), x.new_ones(rows * channels),  # (gamma: read for dx only)
+            1, rows * channels, positions, rows * groups, [False, True, True])  # (N*K*C,) each
     n_samples = rows // K
     out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(layer.weight):
