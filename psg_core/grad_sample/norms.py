@@ -4,7 +4,8 @@ Each layer computes ``y = x_hat * weight + bias`` where ``x_hat`` is its input n
 statistics of that row alone, so ``weight`` gets ``sum g * x_hat`` and ``bias`` gets ``sum g``,
 summed over the K copies and every axis that is not a feature axis. ``x_hat`` is recomputed from
 the stored activation with torch's own functional op and the layer's ``eps``, so it is the
-normalisation the forward pass used.
+normalisation the forward pass used; GroupNorm's sums come from torch's own GroupNorm
+weight-gradient kernel instead (no ``x_hat`` buffer, see :func:`_group_norm_by_kernel`).
 
 GroupNorm and InstanceNorm take ``(N*K, C, *)`` inputs whatever the model's layout (torch fixes
 their batch at dim 0); LayerNorm and RMSNorm follow the model's ``batch_first``.
