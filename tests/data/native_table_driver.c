@@ -1,0 +1,81 @@
+/* Drives psg's EmbeddingBag kernels (psg_core/csrc/table.h) on random bag layouts, valid and not
+ * (empty bags, padding, tokens outside the table, offsets past the input, entries outside their
+ * sample's rows, inf rows, one and two threads), for tests/core/test_native_sanitized.py, which
+ * builds it with AddressSanitizer and UBSan: any out-of-bounds access, leak or undefined
+ * behaviour aborts the run. Exits 1 where a kernel refused numbers it should have taken. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <math.h>
+int psg_f32_bag_entries(long M, long bags, const long *offsets, long n_offsets, int include_last, int mean,
+                        long padding, const long *tokens, const float *psw, long K, long V, long *sample,
+                        long *token_out, long *source, float *weight);
+int psg_f64_keyed_sq_norms(long M, long N, long K, long d, const long *sample, const long *token,
+                           const long *source, const double *weight, const double *rows, long row_stride, int threads,
+                           double *out);
+int psg_f32_keyed_sq_norms(long M, long N, long K, long d, const long *sample, const long *token,
+                           const long *source, const float *weight, const float *rows, long row_stride, int threads,
+                           float *out);
+int psg_f32_keyed_table_sum(long M, long N, long d, long V, long n_rows, const long *sample, const long *token,
+                            const long *source, const float *weight, const float *factor, const float *rows,
+                            long row_stride, float *out);
+static long rnd(long n) { return n > 0 ? rand() % n : 0; }
+int main(void) {
+  srand(7);
+  long fails = 0, runs = 0;
+  for (int it = 0; it < 20000; ++it) {
+    long K = 1 + rnd(4), N = rnd(6), bags = N * K, V = 1 + rnd(7), d = 1 + rnd(9);
+    int flat = rnd(2), include_last = flat ? rnd(2) : 0, mean = rnd(2);
+    long padding = rnd(3) == 0 ? -1 : rnd(V);
+    long L = 1 + rnd(5);
+    long n_off = include_last ? bags + 1 : bags;
+    long *offsets = malloc(sizeof(long) * (n_off + 1));
+    long M = 0;
+    if (flat) {
+      offsets[0] = 0;
+      for (long b = 1; b < n_off; ++b) offsets[b] = offsets[b - 1] + rnd(4);
+      M = (n_off ? offsets[n_off - 1] : 0) + rnd(3);
+      if (rnd(10) == 0 && n_off > 1) offsets[1] = M + 5; /* invalid: past the input */
+    } else {
+      M = bags * L;
+    }
+    long *tokens = malloc(sizeof(long) * (M + 1));
+    for (long m = 0; m < M; ++m) tokens[m] = rnd(10) == 0 ? V : rnd(V); /* sometimes out of range */
+    float *psw = rnd(2) ? malloc(sizeof(float) * (M + 1)) : NULL;
+    if (psw) for (long m = 0; m < M; ++m) psw[m] = (float)rand() / RAND_MAX;
+    long *ids = malloc(sizeof(long) * (3 * M + 1));
+    float *w = malloc(sizeof(float) * (M + 1));
+    int st = psg_f32_bag_entries(M, flat ? 0 : bags, flat ? offsets : NULL, n_off, include_last, mean, padding, tokens,
+                                 psw, K, V, ids, ids + M, ids + 2 * M, w);
+    runs++;
+    if (st == 0 && N > 0) {
+      float *rows = malloc(sizeof(float) * (bags * d + 1));
+      for (long i = 0; i < bags * d; ++i) rows[i] = rnd(50) == 0 ? INFINITY : (float)rand() / RAND_MAX - 0.5f;
+      float *out = malloc(sizeof(float) * N);
+      int s2 = psg_f32_keyed_sq_norms(M, N, K, d, ids, ids + M, ids + 2 * M, w, rows, d, 1, out);
+      if (s2 != 0) fails++;
+      float *fac = malloc(sizeof(float) * N);
+      for (long n = 0; n < N; ++n) fac[n] = isfinite(out[n]) ? 0.5f : 0.0f;
+      float *table = calloc(V * d, sizeof(float));
+      int s3 = psg_f32_keyed_table_sum(M, N, d, V, bags, ids, ids + M, ids + 2 * M, w, fac, rows, d, table);
+      if (s3 != 0) fails++;
+      free(rows); free(out); free(fac); free(table);
+    }
+    free(offsets); free(tokens); free(psw); free(ids); free(w);
+  }
+  /* keyed_sq_norms refusals with random (invalid) entries, f64 */
+  for (int it = 0; it < 5000; ++it) {
+    long K = 1 + rnd(3), N = 1 + rnd(4), d = 1 + rnd(5), M = rnd(12);
+    long *sample = malloc(sizeof(long) * (M + 1)), *token = malloc(sizeof(long) * (M + 1)), *source = malloc(sizeof(long) * (M + 1));
+    double *weight = malloc(sizeof(double) * (M + 1));
+    for (long m = 0; m < M; ++m) {
+      sample[m] = rnd(N + 1) - (rnd(20) == 0); token[m] = rnd(6); source[m] = sample[m] * K + rnd(K + 1) - (rnd(20) == 0);
+      weight[m] = rnd(4) ? (double)rand() / RAND_MAX : 0.0;
+    }
+    double *rows = malloc(sizeof(double) * N * K * d), *out = malloc(sizeof(double) * N);
+    for (long i = 0; i < N * K * d; ++i) rows[i] = 1.0;
+    psg_f64_keyed_sq_norms(M, N, K, d, sample, token, source, weight, rows, d, 2, out);
+    free(sample); free(token); free(source); free(weight); free(rows); free(out);
+  }
+  printf("runs %ld unexpected failures %ld\n", runs, fails);
+  return fails ? 1 : 0;
+}
