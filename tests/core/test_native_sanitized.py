@@ -43,5 +43,9 @@ def test_table_kernels_under_sanitizers(tmp_path: Path) -> None:
     done = run(1)
     if "LeakSanitizer has encountered a fatal error" in done.stderr:
         done = run(0)  # a sandbox that forbids the leak checker's ptrace: the rest still checked
+    found = any(marker in done.stderr for marker in ("ERROR: AddressSanitizer", "runtime error:",
+                                                      "ERROR: LeakSanitizer"))
+    if done.returncode != 0 and not found and "runs " not in done.stdout:
+        pytest.skip(f"the sanitizer runtime did not start here: {done.stderr.strip()[-300:]}")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "unexpected failures 0" in done.stdout
