@@ -395,11 +395,10 @@ class _GhostBookkeeping:
                 self._add_sq_norm(param, shared_sq_norms(shared, param.shape, self.norm_dtype))
             grad_sample = self._materialised.get(param)
             if grad_sample is not None:
-                flat = grad_sample if grad_sample.dim() == 2 else grad_sample.reshape(self.num_samples, -1)
-                flat = as_dtype(flat, self.norm_dtype)  # (N, numel)
-                # a reduction: no (N, numel) temporary, whose fresh pages would cost more than
-                # the arithmetic (a CNN's materialised conv weights: 37 MB a step)
-                self._add_sq_norm(param, torch.linalg.vector_norm(flat, dim=1).square())
+                flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)
+                # a reduction in the norms' dtype: no (N, numel) product or cast, whose fresh pages
+                # would cost more than the arithmetic (a CNN's materialised conv weights: 37 MB a step)
+                self._add_sq_norm(param, torch.linalg.vector_norm(flat, dim=1, dtype=self.norm_dtype).square())
 
     def backward(self, total_loss: torch.Tensor) -> None:
         """The one backward pass: ``total_loss`` through the hooked outputs only (no parameter
@@ -492,25 +491,26 @@ def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: tor
     table layout, :attr:`GhostNormEntry.sums_from_factors`): each entry's gradient
     row, scaled by its sample's factor (zero for a dropped sample: its rows may hold inf), added
     into the entry's table row. The ``(V, d)`` sum, in the weight's dtype."""
-    if factors.kind is FactorKind.KEYED and factors.source is not None and factors.weight is not None \
-            and factors.right.device.type == "cpu":
-        # psg's native kernel: one pass over the entries, a dropped sample's (factor 0) left out
-        dtype = factors.right.dtype
-        total = native.keyed_table_sum(factors.left, factors.source, as_dtype(factors.weight, dtype), factors.right,
-                                       as_dtype(sample_factors, dtype), weight.shape[0])
-        if total is not None:
-            return as_dtype(total, weight.dtype)
-    if factors.kind is FactorKind.KEYED and factors.source is not None and factors.weight is not None \
-            and dropped is None:
+    if factors.kind is FactorKind.KEYED and factors.source is not None and factors.weight is not None:
         # Weighted rows of the samples' own rows (EmbeddingBag: each token's bag gradient): each
-        # entry's scale folds its weight and its sample's factor, one (M, d) buffer in all. Every
-        # sample's norm is finite here, so a row holding inf or NaN has weight 0 in all of its
-        # sample's entries (an empty bag's): it adds nothing, and must not add 0 * inf.
-        right = torch.nan_to_num(factors.right, nan=0.0, posinf=0.0, neginf=0.0)  # (N*K, d)
-        scale = as_dtype(factors.weight, right.dtype) * as_dtype(sample_factors, right.dtype)[factors.left[0]]  # (M,)
-        scaled = right.index_select(0, factors.source).mul_(scale[:, None])  # (M, d)
-        total = right.new_zeros(weight.shape).index_add_(0, factors.left[1], scaled)  # (V, d)
-        return as_dtype(total, weight.dtype)
+        # entry's scale folds its weight and its sample's factor.
+        dtype = factors.right.dtype
+        entry_weight, sample_factors = as_dtype(factors.weight, dtype), as_dtype(sample_factors, dtype)
+        if factors.right.device.type == "cpu":
+            # psg's native kernel: one pass over the entries, a dropped sample's (factor 0) left out
+            total = native.keyed_table_sum(factors.left, factors.source, entry_weight, factors.right,
+                                           sample_factors, weight.shape[0])
+            if total is not None:
+                return as_dtype(total, weight.dtype)
+        if dropped is None:
+            # One (M, d) buffer in all. Every sample's norm is finite here, so a row holding inf
+            # or NaN has weight 0 in all of its sample's entries (an empty bag's): it adds
+            # nothing, and must not add 0 * inf.
+            right = torch.nan_to_num(factors.right, nan=0.0, posinf=0.0, neginf=0.0)  # (N*K, d)
+            scale = entry_weight * sample_factors[factors.left[0]]  # (M,)
+            scaled = right.index_select(0, factors.source).mul_(scale[:, None])  # (M, d)
+            total = right.new_zeros(weight.shape).index_add_(0, factors.left[1], scaled)  # (V, d)
+            return as_dtype(total, weight.dtype)
     if factors.kind is FactorKind.KEYED:
         samples, rows, right = factors.left[0], factors.left[1], factors.entries()  # (M,), (M,), (M, d)
     else:

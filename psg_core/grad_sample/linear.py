@@ -52,8 +52,11 @@ def _rows(activation: torch.Tensor, backprop: torch.Tensor, K: int) -> tuple[tor
 
 
 def _bias(layer: _AffineLayer, g: torch.Tensor) -> dict[torch.Tensor, torch.Tensor]:
-    """``{bias: (N, d_out)}`` from ``(N, K*T, d_out)`` output gradients, if the bias trains."""
-    return {layer.bias: g.sum(1)} if wants_grad(layer.bias) else {}
+    """``{bias: (N, d_out)}`` from ``(N, K*T, d_out)`` output gradients, if the bias trains (one row
+    per sample, a Linear on ``(N, d)`` inputs: that row, a view, no sum)."""
+    if not wants_grad(layer.bias):
+        return {}
+    return {layer.bias: g.select(1, 0) if g.shape[1] == 1 else g.sum(1)}
 
 
 def _positions(layer: nn.Module, x: torch.Tensor, output: Any, batch_dim: int) -> int | None:
@@ -75,11 +78,7 @@ def _one_group_factors(layer: _AffineLayer, activation: torch.Tensor, backprop: 
     rows_per_sample = K * math.prod(backprop.shape[1:-1])  # explicit: N may be 0
     x = activation.reshape(n_samples, 1, rows_per_sample, activation.shape[-1])  # (N, 1, K*T, d_in)
     g = backprop.reshape(n_samples, 1, rows_per_sample, backprop.shape[-1])  # (N, 1, K*T, d_out)
-    bias: dict[torch.Tensor, torch.Tensor] = {}
-    if wants_grad(layer.bias):
-        # one row per sample (a Linear on (N, d) inputs): the bias's per-sample gradient is that row
-        bias[layer.bias] = backprop if rows_per_sample == 1 and backprop.dim() == 2 else g.sum((1, 2))
-    return GhostFactors.dot(x, g), bias  # one group
+    return GhostFactors.dot(x, g), _bias(layer, g.select(1, 0))  # one group
 
 
 # ------------------------------------------------------------------------------------ nn.Linear
