@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from psg_core._layout import STATE_BATCH_AXIS
 from psg_core.errors import UnsupportedModuleError
-from psg_core.support import modules_of, own_parameters, trainable_parameters
+from psg_core.support import built_on_experts_interface, is_unit, modules_of, own_parameters, trainable_parameters
 
 __all__ = ["rowwise", "rowwise_module", "is_rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN",
            "MIXED", "GROUPED", "PERMUTED"]
@@ -94,8 +94,11 @@ def rowwise_module(cls: type[nn.Module]) -> type[nn.Module]:
     same row of their inputs alone, however they get there: the routed experts of a mixture of
     experts sort, gather and scatter the rows of all samples by expert, which the tracker would
     take for mixing. Their calls run untracked and their outputs get their inputs' batch axis.
-    Their parameters must be frozen in hooks, ghost and ew (no per-sample gradient is computed
-    for them); the rest of the model trains as usual. Returns ``cls`` (usable as a decorator).
+    Their own trainable parameters (the experts' weights) get per-sample gradients from the
+    per-layer ``torch.func`` fallback in hooks and ghost, run on each sample's rows alone; one of
+    their submodules may own trainable parameters only where the class is also a
+    :func:`~psg_core.support.unit_module` (its subtree computed as one call). Returns ``cls``
+    (usable as a decorator).
 
     Hugging Face's routed experts (every class built on transformers' experts interface: Mixtral,
     Qwen2/3-MoE, OLMoE, DeepSeek, ...) are row-wise already.
@@ -117,9 +120,7 @@ def is_rowwise(layer: nn.Module) -> bool:
     cls = type(layer)
     known = _ROWWISE.get(cls)
     if known is None:
-        code = getattr(getattr(cls, "forward", None), "__code__", None)
-        known = _ROWWISE[cls] = code is not None and code.co_filename.replace("\\", "/").endswith(
-            "transformers/integrations/moe.py") and code.co_name == "forward"
+        known = _ROWWISE[cls] = built_on_experts_interface(cls)
     return known
 
 
@@ -425,6 +426,10 @@ class BatchTracker(TorchFunctionMode):
             label = f"'{path or '<root>'}' ({type(layer).__qualname__})"
             self._handles.append(layer.register_forward_pre_hook(self._push(layer, label), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+            if is_rowwise(layer):
+                # Ahead of every hook (the backends' were registered before the tracker's): a
+                # backend capturing the call must find its outputs holding the batch.
+                self._handles.append(layer.register_forward_hook(self._rowwise_outputs, prepend=True))
         stack = getattr(_TLS, "stack", None)
         if stack is None:
             stack = _TLS.stack = []
@@ -593,13 +598,16 @@ class BatchTracker(TorchFunctionMode):
                 f"per-sample gradients: module {label} is declared row-wise, but it is also given a tensor "
                 "computed from trainable parameters without the batch")
         with _NO_SUBCLASS():
-            trainable = [name for name, p in layer.named_parameters() if p.requires_grad]
-        if trainable:
+            inner = [f"{path}.{name}" for path, sub in layer.named_children()
+                     for name, p in sub.named_parameters() if p.requires_grad]
+        if inner and not is_unit(layer):
+            # Its own parameters are computed on its call (the torch.func fallback); its
+            # submodules' calls run untracked, so nothing would compute theirs.
             raise UnsupportedModuleError(
-                f"per-sample gradients: module {label} routes each row to its own experts (a mixture of "
-                f"experts), and psg computes no per-sample gradients for its parameters ({', '.join(trainable[:3])}"
-                f"{', ...' if len(trainable) > 3 else ''}): freeze them (train adapters on the other layers, "
-                "e.g. LoRA on attention) or use mode='functorch'")
+                f"per-sample gradients: module {label} is row-wise and its submodules own trainable "
+                f"parameters ({', '.join(inner[:3])}{', ...' if len(inner) > 3 else ''}), which psg cannot "
+                "follow inside its untracked call: declare its class a unit too (psg_core.unit_module), "
+                "freeze them, or use mode='functorch'")
         return int(merged.pop())
 
     def pop_frame(self) -> None:
@@ -607,15 +615,21 @@ class BatchTracker(TorchFunctionMode):
         if self._frames:
             self._frames.pop()
 
+    def _rowwise_outputs(self, layer: nn.Module, _args: Any, output: Any) -> None:
+        """A row-wise call's outputs hold the batch as its inputs did (run before the backends'
+        hooks and :meth:`_pop`)."""
+        frame = self._frames[-1] if self._frames else None
+        if frame is not None and frame.module is layer and frame.rowwise is not None:
+            for t in _tensors(output, []):
+                if t.dim():
+                    self._batched[t] = (0, frame.rowwise)
+
     def _pop(self, _layer: nn.Module, _args: Any, output: Any) -> None:
         if not self._frames:
             return
         frame = self._frames.pop()
         if frame.rowwise is not None:
             self._suspended = False
-            for t in _tensors(output, []):
-                if t.dim():
-                    self._batched[t] = (0, frame.rowwise)
 
     # ------------------------------------------------------------------------------ the mode
     def _origin_of(self, tensor: torch.Tensor) -> frozenset[int]:

@@ -26,7 +26,8 @@ from psg_core.errors import UnsupportedModuleError
 
 __all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
            "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters",
-           "unit_module", "is_unit", "hooked_modules", "modules_of", "one_walk", "trainable_parameters"]
+           "unit_module", "is_unit", "hooked_modules", "modules_of", "one_walk", "trainable_parameters",
+           "built_on_experts_interface", "EXPERTS_INTERFACE"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -158,6 +159,19 @@ def _reject(module: nn.Module, checks: Sequence[_Check], *, where: str) -> None:
     for error in first:
         if error is not None:
             raise error
+
+
+# ------------------------------------------------------------------------------ routed experts
+#: The module of transformers' experts interface (Mixtral, Qwen-MoE, OLMoE, DeepSeek experts, ...).
+EXPERTS_INTERFACE = "transformers.integrations.moe"
+
+
+def built_on_experts_interface(cls: type) -> bool:
+    """Whether ``cls`` is a routed-experts class built on transformers' experts interface: its
+    ``forward`` is the interface's dispatcher (transformers is never imported here)."""
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    return code is not None and code.co_name == "forward" and code.co_filename.replace("\\", "/").endswith(
+        EXPERTS_INTERFACE.replace(".", "/") + ".py")
 
 
 # ------------------------------------------------------------------------------ units

@@ -22,10 +22,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.errors import PsgError, UnsupportedModuleError
+from psg_core.grad_sample.experts import routed_experts_grad_sample
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
-from psg_core.provenance import GROUPED, MIXED, PERMUTED, UNKNOWN, arg_versions, active_tracker
+from psg_core.provenance import GROUPED, MIXED, PERMUTED, UNKNOWN, active_tracker, arg_versions, is_rowwise
 from psg_core.support import parametrized
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call", "separate_outputs"]
@@ -371,6 +372,11 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
             f"a {cache} object, which holds state for the whole batch that one sample's run cannot use; "
             "train with the cache off (use_cache=False)")
     with suspend if suspend is not None else contextlib.nullcontext():
+        if is_rowwise(call.layer) and call.input_dims:
+            routed = routed_experts_grad_sample(call.layer, call.args, call.kwargs, grads, K, call.rows,
+                                                call.input_dims)
+            if routed is not None:
+                return routed
         try:
             return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
                                                call.batch_dim, call.rows, call.output_dims or None,

@@ -223,6 +223,8 @@ class _ExpandedWeightsMode(TorchFunctionMode):
             if padding_idx is not None and padding_idx < 0:
                 padding_idx += expanded[0].shape[0]
         batch = active_tracker()
+        #: where the tracker followed the batch in the op's input (None: not known)
+        followed = None
         if batch is not None:
             operands = [t for t in tree_flatten((args, kwargs))[0]
                         if isinstance(t, torch.Tensor) and not isinstance(t, ExpandedWeight)]
@@ -235,10 +237,32 @@ class _ExpandedWeightsMode(TorchFunctionMode):
                 # rows mix samples.
                 batch.check_rows(args[0], f"module {self._tracker.current or '<root>'} "
                                           f"({getattr(func, '__name__', func)})")
+                axis = batch.batch_dim(args[0])
+                followed = axis if axis is not None and axis >= 0 else None
         for ew in expanded:
             self._check_renorm(func, ew, renorm)
             self.uses.setdefault(id(ew), []).append(padding_idx)
         self.modules.setdefault(self._tracker.current or "<root>", None)
+        # The axis torch's kernels take for the batch: the layout's, or 0 for a layer that fixes it.
+        reads = 0 if self._batch_first or (func is F.linear and getattr(
+            type(self._tracker.current_module), ALWAYS_BATCH_FIRST, False)) else 1
+        if func is F.linear and followed is not None and followed == args[0].dim() - 1:
+            followed = None  # the batch on the features the layer sums: its output mixes samples (refused there)
+        if followed is not None and followed != reads:
+            # The model moved the batch (XLNet computes on (T, N, d)): a linear layer can be told
+            # where it is; the other kernels read axis 0 only.
+            if func is not F.linear or followed > 1 or args[0].dim() < 3:
+                raise self._refuse(func, f"on an input whose batch is on axis {followed}, where torch's "
+                                   f"ExpandedWeights read axis {reads} as the batch")
+            reads = followed
+        if reads != (0 if self._batch_first else 1):
+            for ew in expanded:
+                ew.set_batch_first(reads == 0)  # read once, in the op's forward
+            try:
+                return func(*args, **kwargs)
+            finally:
+                for ew in expanded:
+                    ew.set_batch_first(self._batch_first)
         if self._batch_first:
             if func is F.instance_norm:
                 call = dict(zip(_INSTANCE_NORM_ARGS, args), **kwargs)
@@ -248,14 +272,6 @@ class _ExpandedWeightsMode(TorchFunctionMode):
                         call["input"], call["running_mean"], call["running_var"], float(call.get("eps", 1e-5)),
                         call.get("weight"), call.get("bias"))
             return func(*args, **kwargs)
-        if func is F.linear and getattr(type(self._tracker.current_module), ALWAYS_BATCH_FIRST, False):
-            for ew in expanded:
-                ew.set_batch_first(True)  # read once, in the op's forward
-            try:
-                return func(*args, **kwargs)
-            finally:
-                for ew in expanded:
-                    ew.set_batch_first(False)
         if func in self._BATCH_FIRST_ONLY:
             raise self._refuse(func, "with batch_first=False; torch's ExpandedWeights only honours a batch "
                                "on dimension 1 for linear layers (or use batch-first inputs)")

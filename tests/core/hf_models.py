@@ -88,6 +88,54 @@ def _deberta() -> nn.Module:
     return transformers.DebertaForSequenceClassification(cfg)
 
 
+_ENCODER = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=20, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_DECODER = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=32, max_position_embeddings=20, bos_token_id=EOS, eos_token_id=EOS)
+
+
+def _hf(config: str, model: str, **options: object) -> Callable[[], nn.Module]:
+    """A builder of ``transformers.<model>`` from ``transformers.<config>(**options)``."""
+    return lambda: getattr(transformers, model)(getattr(transformers, config)(**options, **_COMMON))
+
+
+#: More families, each with its own position scheme or layout: RoBERTa's positions from the
+#: padding mask (offset by the pad id), DistilBERT's and ALBERT's factorised or separate
+#: embeddings, ELECTRA's embedding projection, XLNet's two-stream relative attention over a
+#: time-major layout, Mistral/Qwen2/Gemma2/Phi/GPT-NeoX/Falcon's rotary variants (partial rotary,
+#: soft-capping, parallel blocks), GPT-Neo's local attention windows, MPT's ALiBi, mBART's
+#: pre-norm encoder-decoder.
+_MORE: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
+    "roberta": (_hf("RobertaConfig", "RobertaForSequenceClassification", **_ENCODER), ["query", "value"]),
+    "distilbert": (lambda: transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
+        dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=20, dropout=0.0,
+        attention_dropout=0.0, seq_classif_dropout=0.0, **_COMMON)), ["q_lin", "v_lin"]),
+    "albert": (_hf("AlbertConfig", "AlbertForSequenceClassification", embedding_size=8, classifier_dropout_prob=0.0,
+                   **_ENCODER), ["query", "value"]),
+    "electra": (_hf("ElectraConfig", "ElectraForSequenceClassification", embedding_size=8, **_ENCODER),
+                ["query", "value"]),
+    "xlnet": (lambda: transformers.XLNetForSequenceClassification(transformers.XLNetConfig(
+        d_model=16, n_layer=2, n_head=2, d_inner=32, dropout=0.0, **_COMMON)), ["layer_1"]),
+    "mistral": (_hf("MistralConfig", "MistralForSequenceClassification", **_DECODER), ["q_proj", "v_proj"]),
+    "qwen2": (_hf("Qwen2Config", "Qwen2ForSequenceClassification", **_DECODER), ["q_proj", "v_proj"]),
+    "gemma2": (_hf("Gemma2Config", "Gemma2ForSequenceClassification", head_dim=8, **_DECODER), ["q_proj", "v_proj"]),
+    "phi": (_hf("PhiConfig", "PhiForSequenceClassification", **_DECODER), ["q_proj", "v_proj"]),
+    "gpt_neox": (_hf("GPTNeoXConfig", "GPTNeoXForSequenceClassification", rotary_pct=0.5,
+                     **{k: v for k, v in _DECODER.items() if k != "num_key_value_heads"}), ["query_key_value"]),
+    "falcon": (_hf("FalconConfig", "FalconForSequenceClassification", hidden_size=16, num_hidden_layers=2,
+                   num_attention_heads=2, bos_token_id=EOS, eos_token_id=EOS), ["query_key_value"]),
+    "gpt_neo": (_hf("GPTNeoConfig", "GPTNeoForSequenceClassification", hidden_size=16, num_layers=2, num_heads=2,
+                    attention_types=[[["global", "local"], 1]], window_size=4, max_position_embeddings=20,
+                    bos_token_id=EOS, eos_token_id=EOS), ["q_proj", "v_proj"]),
+    "mpt": (_hf("MptConfig", "MptForSequenceClassification", d_model=16, n_layers=2, n_heads=2, max_seq_len=20),
+            ["Wqkv"]),
+    "mbart": (_hf("MBartConfig", "MBartForSequenceClassification", d_model=16, encoder_layers=1, decoder_layers=1,
+                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                  max_position_embeddings=20, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                  bos_token_id=EOS, eos_token_id=EOS, decoder_start_token_id=EOS, forced_eos_token_id=None),
+              ["q_proj", "v_proj"]),
+}
+
 #: family -> (builder, LoRA target modules)
 FAMILIES: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
     "gpt2": (_gpt2, ["c_attn"]),
@@ -100,6 +148,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
     "deberta": (_deberta, ["in_proj"]),
     "deberta_v3": (lambda: _deberta_v2(share_att_key=True), ["query_proj", "value_proj"]),
     "deberta_v2": (lambda: _deberta_v2(share_att_key=False), ["query_proj", "value_proj"]),
+    **_MORE,
 }
 
 

@@ -305,3 +305,36 @@ def test_a_compiled_submodule_is_refused() -> None:
     x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
     with pytest.raises(UnsupportedModuleError, match="torch.compile"):
         per_sample_gradients(model, x, y, loss_fn=_ce, mode="ew")
+
+
+# ---------------------------------------------------------------- a model that moves the batch
+class TimeMajorInside(nn.Module):
+    """Batch-first at its boundary, time-major inside (as XLNet computes on ``(T, N, d)``): the
+    linear layers see the batch on axis 1, which ExpandedWeights read as axis 0 unless told; a
+    convolution over the moved batch cannot be told."""
+
+    def __init__(self, conv: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.mid = nn.Linear(4, 4)
+        self.conv = nn.Conv1d(4, 4, 1) if conv else None
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, T, 3)
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # (T, N*K, 4)
+        h = torch.tanh(self.mid(h))
+        if self.conv is not None:
+            h = self.conv(h.permute(1, 2, 0)).permute(2, 0, 1)  # batch on axis 0 of the conv's input
+            h = self.conv(h.transpose(1, 2)).transpose(1, 2)  # (T, C, N*K): the batch on axis 2
+        return self.out(h.mean(0))
+
+
+@pytest.mark.parametrize("path", ["per_sample_gradients", "wrapper"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_linear_layer_on_a_moved_batch_is_told_where_it_is(K: int, path: str) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(N * K, 5, 3), torch.randint(0, 3, (N * K,))
+    _check(TimeMajorInside(conv=False), x, y, _ce, K, path)
+    with pytest.raises(UnsupportedModuleError, match=r"module 'conv' \(Conv1d\) calls conv1d on an input whose batch "
+                                                     r"is on axis 2, where torch's ExpandedWeights read axis 0"):
+        _ew(TimeMajorInside(conv=True), x, y, _ce, K, path)

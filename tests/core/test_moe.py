@@ -5,8 +5,10 @@ puts them back: every output row comes from the same input row alone, but the so
 and the per-expert offsets look like mixing to the batch tracker. Hugging Face's experts (every
 class built on transformers' experts interface) and classes declared with
 :func:`psg_core.rowwise_module` run untracked, their outputs keeping their inputs' rows. With the
-experts frozen (LoRA on attention, or everything but the experts trained) every mode gives the
-oracle's per-sample gradients; trainable experts are refused with the remedy.
+experts frozen (LoRA on attention, or everything but the experts trained) or trained too, every
+mode gives the oracle's per-sample gradients: trainable experts get theirs from one grouped call
+on per-sample copies of the experts (psg_core.grad_sample.experts), any other row-wise module's
+from the per-layer torch.func fallback run one sample at a time.
 """
 
 from __future__ import annotations
@@ -71,9 +73,13 @@ def _experts(model: nn.Module) -> list[nn.Module]:
 
 @functools.cache
 def _model(family: str, implementation: str, variant: str) -> nn.Module:
-    """``variant``: "lora" (adapters on q_proj and v_proj) or "frozen_experts" (everything else trains)."""
+    """``variant``: "lora" (adapters on q_proj and v_proj), "frozen_experts" (everything else trains)
+    or "full" (everything trains, the experts too)."""
     torch.manual_seed(0)
     model = BUILDERS[family](implementation).eval()
+    if variant == "full":
+        assert all(p.requires_grad for e in _experts(model) for p in e.parameters())
+        return model
     if variant == "lora":
         config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
         model = peft.get_peft_model(model, config).eval()
@@ -125,9 +131,10 @@ def _check(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], wh
                                    msg=lambda m, name=name: f"{where} {name}: {m}")
 
 
+VARIANTS = ["lora", "frozen_experts", "full"]
 CASES = [(mode, family, implementation, variant, K)
          for family in sorted(BUILDERS) for implementation in IMPLEMENTATIONS
-         for variant in ("lora", "frozen_experts") for K in (1, 2) for mode in ("hooks", "functorch")
+         for variant in VARIANTS for K in (1, 2) for mode in ("hooks", "functorch")
          # functorch runs each sample alone, whatever the experts do: one case per family
          if mode == "hooks" or (implementation, variant, K) == ("eager", "lora", 2)]
 
@@ -142,7 +149,7 @@ def test_per_sample_gradients_match_the_oracle(mode: str, family: str, implement
 
 
 @pytest.mark.parametrize("K", [1, 2])
-@pytest.mark.parametrize("variant", ["lora", "frozen_experts"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_ghost_norms_and_clipped_sum_match_the_oracle(family: str, implementation: str, variant: str, K: int) -> None:
@@ -157,9 +164,10 @@ def test_ghost_norms_and_clipped_sum_match_the_oracle(family: str, implementatio
     _check(result.grads, {n: g.double() for n, g in reference.grads.items()}, f"{family}/{implementation}/ghost")
 
 
+@pytest.mark.parametrize("variant", ["frozen_experts", "full"])
 @pytest.mark.parametrize("family", sorted(BUILDERS))
-def test_grad_sample_module_matches_the_oracle(family: str) -> None:
-    model = _model(family, "grouped_mm", "frozen_experts")
+def test_grad_sample_module_matches_the_oracle(family: str, variant: str) -> None:
+    model = _model(family, "grouped_mm", variant)
     inputs, labels = _batch(2 * N)
     wrapped = psg_core.GradSampleModule(model, augmentation_multiplicity=2, strict=False)
     try:
@@ -169,17 +177,101 @@ def test_grad_sample_module_matches_the_oracle(family: str) -> None:
         wrapped.remove_hooks()
         for p in model.parameters():
             p.grad, p.grad_sample = None, None
-    _check(grads, _oracle(family, "grouped_mm", "frozen_experts", 2), f"{family}/GradSampleModule")
+    _check(grads, _oracle(family, "grouped_mm", variant, 2), f"{family}/{variant}/GradSampleModule")
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost"])
-def test_trainable_experts_are_refused_with_the_remedy(mode: str) -> None:
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_trainable_experts_take_one_grouped_call(implementation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hugging Face's experts get their per-sample gradients from per-sample copies of the experts
+    in one grouped call (checked once against the module's own output), never N runs of the
+    torch.func fallback."""
+    from psg_core.grad_sample import experts as routed
+    from psg_core.grad_sample import functorch_fallback
+
+    def no_fallback(layer: nn.Module, *args: object, **kwargs: object) -> object:
+        raise AssertionError(f"torch.func fallback run for {type(layer).__name__}")
+
+    monkeypatch.setattr(functorch_fallback, "functorch_layer_grad_sample", no_fallback)
+    monkeypatch.setattr("psg_core.backends.capture.functorch_layer_grad_sample", no_fallback)
+    monkeypatch.setattr(routed, "_CHECKED", {})
+    model = _model("mixtral", implementation, "full")
+    for n, p in model.named_parameters():
+        p.requires_grad_("experts" in n)  # only the experts: every other layer would need the fallback
+    try:
+        inputs, labels = _batch(2 * N)
+        grads = per_sample_gradients(model, inputs, labels, loss_fn=_loss, augmentation_multiplicity=2)
+    finally:
+        model.requires_grad_(True)
+    expected = _oracle("mixtral", implementation, "full", 2)
+    _check(grads, {n: g for n, g in expected.items() if n in grads}, f"mixtral/{implementation}/experts only")
+    assert list(routed._CHECKED.values()) == [True]
+
+
+@pytest.mark.parametrize("width", [4, 3])
+def test_experts_whose_forward_is_not_the_grouped_one_run_per_sample(width: int, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    """An experts class whose own forward computes something the grouped forward does not (here a
+    per-expert output scale): the copies' outputs differ from the module's, so their gradients are
+    not used, and the per-sample runs of the torch.func fallback give the oracle's. Rows of 12
+    bytes, which the grouped kernel refuses (it wants 16-byte strides), go the same way."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    from psg_core.grad_sample import experts as routed
+
+    @use_experts_implementation
+    class ScaledExperts(nn.Module):
+        def __init__(self, config: object) -> None:
+            super().__init__()
+            self.num_experts, hidden, inner = 4, width, 4
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 2 * inner, hidden) * 0.5)
+            self.down_proj = nn.Parameter(torch.randn(4, hidden, inner) * 0.5)
+            self.scale = nn.Parameter(torch.rand(4) + 0.5)
+            self.act_fn = torch.nn.functional.silu
+
+        def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(x)
+            for k in range(index.shape[1]):
+                gate, up = torch.einsum("rih,rh->ri", self.gate_up_proj[index[:, k]], x).chunk(2, dim=-1)
+                h = torch.einsum("rhi,ri->rh", self.down_proj[index[:, k]], self.act_fn(gate) * up)
+                out = out + h * (weights[:, k] * self.scale[index[:, k]])[:, None]
+            return out
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(width, 4)
+            self.experts = ScaledExperts(transformers.PretrainedConfig())
+            self.experts.config._experts_implementation = "eager"
+            self.head = nn.Linear(width, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, T, width)
+            tokens = x.reshape(-1, width)
+            weights, index = torch.softmax(self.router(tokens), -1).topk(2, dim=-1)
+            mixed = self.experts(tokens, index, weights)
+            return self.head(mixed.view(x.shape).mean(1))
+
+    monkeypatch.setattr(routed, "_CHECKED", {})
     torch.manual_seed(0)
-    model = _mixtral("grouped_mm").eval()
-    inputs, labels = _batch(4)
-    with pytest.raises(UnsupportedModuleError, match=r"'model\.layers\.0\.mlp\.experts' \(MixtralExperts\) routes "
-                                                     r"each row.*gate_up_proj.*freeze them"):
-        dp_gradient(model, inputs, labels, loss_fn=_loss, config=DPConfig(mode=mode))
+    model, K = Block(), 2
+    x, y = torch.randn(N * K, 5, width), torch.randint(0, 2, (N * K,))
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
+    for mode in ("hooks", "ghost"):
+        if mode == "hooks":
+            grads = per_sample_gradients(model, x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"),
+                                         augmentation_multiplicity=K)
+            for name, ref in expected.items():
+                assert_close_scaled(grads[name], ref, name=name)
+        else:
+            reference = psg_core.clip_and_sum({n: g.float() for n, g in expected.items()}, max_grad_norm=0.01)
+            result = dp_gradient(model, x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"),
+                                 config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.01))
+            assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms")
+            for name, ref in reference.grads.items():
+                assert_close_scaled(result.grads[name], ref, name=name)
+    # The scale is stacked by expert like the weights: the copies ran and differed (width 4), or the
+    # grouped kernel refused them (width 3).
+    assert list(routed._CHECKED.values()) == ([False] if width == 4 else [])
 
 
 # ----------------------------------------------------------------------------- declared by the user
@@ -255,3 +347,47 @@ def test_a_row_wise_module_given_other_rows_is_refused() -> None:
     x, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4,))
     with pytest.raises(UnsupportedModuleError, match="declared row-wise.*do not all hold the batch's rows on axis 0"):
         per_sample_gradients(Misfed(Declared()), x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_row_wise_module_with_trainable_parameters(mode: str) -> None:
+    """Its own parameters: the torch.func fallback on each sample's rows gives the oracle's. A
+    submodule's parameters, which its untracked call hides: refused, unless the class is a unit
+    too (its subtree then computed as one call)."""
+
+    @psg_core.rowwise_module
+    class Trainable(SortedRows):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale.requires_grad_(True)
+
+    class WithInner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            order = x[:, 0].argsort()
+            back = torch.empty_like(order)
+            back[order] = torch.arange(order.shape[0])
+            return (self.inner(x[order]) * weights[order])[back]
+
+    hidden = psg_core.rowwise_module(type("Hidden", (WithInner,), {}))
+    unit = psg_core.unit_module(psg_core.rowwise_module(type("Unit", (WithInner,), {})))
+    K = 2
+    x, y = torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,))
+    loss = nn.CrossEntropyLoss(reduction="none")
+    with pytest.raises(UnsupportedModuleError, match=r"row-wise and its submodules own trainable parameters "
+                                                     r"\(inner\.weight, inner\.bias\).*psg_core\.unit_module"):
+        dp_gradient(Router(hidden()), x, y, loss_fn=loss, config=DPConfig(mode=mode, augmentation_multiplicity=K))
+    for rows in (Trainable, unit):
+        torch.manual_seed(0)
+        model = Router(rows())
+        samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+        expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
+        reference = psg_core.clip_and_sum({n: g.float() for n, g in expected.items()}, max_grad_norm=0.01)
+        result = dp_gradient(model, x, y, loss_fn=loss,
+                             config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.01))
+        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms")
+        for name, ref in reference.grads.items():
+            assert_close_scaled(result.grads[name], ref, name=f"{rows.__name__} {name}")
