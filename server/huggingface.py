@@ -7,11 +7,15 @@ Each task is one registry entry; its ``model_kwargs_json`` is a transformers con
 =============================  ================================================  =====================================
 entry                          transformers class (its Auto mapping)             model types
 =============================  ================================================  =====================================
-hf_causal_lm                   AutoModelForCausalLM                              gpt2, llama, mamba, mistral, qwen2
-hf_sequence_classification     AutoModelForSequenceClassification                bert, deberta, deberta-v2, distilbert,
-                                                                                 gpt2, llama, roberta
-hf_token_classification        AutoModelForTokenClassification                   bert, deberta, deberta-v2, distilbert,
-                                                                                 roberta
+hf_causal_lm                   AutoModelForCausalLM                              falcon, gemma, gpt2, gpt_neox, llama,
+                                                                                 mamba, mistral, mixtral, phi, qwen2,
+                                                                                 qwen3, qwen3_moe
+hf_sequence_classification     AutoModelForSequenceClassification                albert, bert, deberta, deberta-v2,
+                                                                                 distilbert, electra, gemma2, gpt2,
+                                                                                 llama, mistral, mixtral, qwen2,
+                                                                                 roberta, xlnet
+hf_token_classification        AutoModelForTokenClassification                   albert, bert, deberta, deberta-v2,
+                                                                                 distilbert, electra, roberta
 hf_seq2seq_lm                  AutoModelForSeq2SeqLM                             t5
 hf_image_classification        AutoModelForImageClassification                   vit
 hf_audio_classification        AutoModelForAudioClassification                   wav2vec2, hubert, wavlm
@@ -91,15 +95,17 @@ class HuggingFaceTask:
 
 TASKS: dict[str, HuggingFaceTask] = {task.name: task for task in (
     HuggingFaceTask("hf_causal_lm", "AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-                    ("gpt2", "llama", "mamba", "mistral", "qwen2"), "tokens", per_token=True),
+                    ("falcon", "gemma", "gpt2", "gpt_neox", "llama", "mamba", "mistral", "mixtral", "phi", "qwen2",
+                     "qwen3", "qwen3_moe"), "tokens", per_token=True),
     HuggingFaceTask("hf_sequence_classification", "AutoModelForSequenceClassification",
                     "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-                    ("bert", "deberta", "deberta-v2", "distilbert", "gpt2", "llama", "roberta"), "tokens",
+                    ("albert", "bert", "deberta", "deberta-v2", "distilbert", "electra", "gemma2", "gpt2", "llama",
+                     "mistral", "mixtral", "qwen2", "roberta", "xlnet"), "tokens",
                     per_token=False,
-                    needs_pad_token=("gpt2", "llama")),
+                    needs_pad_token=("gemma2", "gpt2", "llama", "mistral", "mixtral", "qwen2")),
     HuggingFaceTask("hf_token_classification", "AutoModelForTokenClassification",
-                    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", ("bert", "deberta", "deberta-v2", "distilbert",
-                                                                     "roberta"), "tokens",
+                    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", ("albert", "bert", "deberta", "deberta-v2",
+                                                                     "distilbert", "electra", "roberta"), "tokens",
                     per_token=True),
     HuggingFaceTask("hf_seq2seq_lm", "AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
                     ("t5",), "seq2seq", per_token=True),

@@ -23,6 +23,7 @@ from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from psg_wire.v1.tensor_pb2 import TensorHeader
 from tests.server.hf_harness import (BERT, BERT_LORA, DEBERTA_LORA, DEBERTA_V3, GPT2, GPT2_LORA, MAMBA, MAMBA_LORA,
+                                    MIXTRAL,
                                     WAV2VEC2, WAV2VEC2_LORA, WAVLM, WAVLM_LORA, hf_model, token_batch,
                                     trainable_bytes)
 from tests.server.service_harness import client_for, local_dp, serve
@@ -116,6 +117,23 @@ def test_mamba_causal_lm_equals_local_dp_gradient(client: GradientClient, lora: 
         result = session.compute_gradients(inputs, labels)
     assert_equals_local(result, model, inputs, labels, config, "causal_lm", 4)
     assert result.fraction_clipped == 1
+
+
+@pytest.mark.parametrize("mode, K", [("hooks", 1), ("ghost", 2)])
+def test_mixtral_causal_lm_with_trainable_experts_equals_local_dp_gradient(client: GradientClient, mode: str,
+                                                                           K: int) -> None:
+    """A mixture of experts fully fine-tuned: the routed experts' per-sample gradients come from one
+    grouped call on per-sample copies of the experts, in the workers as in process."""
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.05)
+    model = hf_model(MIXTRAL, "MixtralForCausalLM", seed=K)
+    assert any(name.endswith("experts.gate_up_proj") for name, _ in model.named_parameters())
+    inputs, labels = token_batch(4 * K, seed=K)
+    with client.create_session("hf_causal_lm", model_kwargs=MIXTRAL, loss="causal_lm", expected_batch_size=4,
+                               config=config) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients(inputs, labels)
+    assert_equals_local(result, model, inputs, labels, config, "causal_lm", 4)
+    assert 0 < result.fraction_clipped <= 1
 
 
 @pytest.mark.parametrize("mode, K", [("hooks", 1), ("ghost", 2)])

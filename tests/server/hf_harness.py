@@ -35,6 +35,11 @@ MAMBA: dict[str, Any] = {"model_type": "mamba", "vocab_size": VOCAB, "hidden_siz
                          "num_hidden_layers": 2, "expand": 2, "conv_kernel": 3, "time_step_rank": 2,
                          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
 MAMBA_LORA = LoraAdapter(rank=2, target_modules=("in_proj", "x_proj"))
+#: Mixtral for causal LM: a router and 4 routed experts per layer (2 per token), every one trained.
+MIXTRAL: dict[str, Any] = {"model_type": "mixtral", "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
+                           "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,
+                           "max_position_embeddings": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
 #: The audio encoders' shared tiny layout: two conv feature layers (a 20-sample receptive field),
 #: a weight-normed positional convolution, 2 transformer layers, no dropout, no SpecAugment masking.
 _AUDIO: dict[str, Any] = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,

@@ -41,7 +41,43 @@ EXTRA = {
                                                        "max_relative_positions": 8, "pos_att_type": ["p2c", "c2p"],
                                                        "type_vocab_size": 0}),
 }
+#: One tiny config per further allow-listed model type (their per-sample gradients are checked
+#: against the oracle in tests/core/test_hf_models.py).
+_DECODER: dict[str, Any] = {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                            "num_key_value_heads": 1, "intermediate_size": 32, "max_position_embeddings": 16,
+                            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+_ENCODER: dict[str, Any] = {**BERT, "num_hidden_layers": 1}
+_MOE = {"num_experts_per_tok": 2}
+for _task, _types in {
+    "hf_causal_lm": {
+        "falcon": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": VOCAB},
+        "gemma": {**_DECODER, "head_dim": 8}, "gpt_neox": {**_DECODER, "rotary_pct": 0.5}, "mistral": _DECODER,
+        "llama": _DECODER, "qwen2": _DECODER,
+        "mixtral": {**_DECODER, "num_local_experts": 4, **_MOE}, "phi": _DECODER, "qwen3": {**_DECODER, "head_dim": 8},
+        "qwen3_moe": {**_DECODER, "head_dim": 8, "num_experts": 4, "moe_intermediate_size": 8, **_MOE}},
+    "hf_sequence_classification": {
+        "albert": {**_ENCODER, "embedding_size": 8}, "electra": {**_ENCODER, "embedding_size": 8},
+        "gemma2": {**_DECODER, "head_dim": 8, "num_labels": 3}, "mistral": {**_DECODER, "num_labels": 3},
+        "mixtral": {**_DECODER, "num_local_experts": 4, **_MOE, "num_labels": 3},
+        "qwen2": {**_DECODER, "num_labels": 3}, "llama": {**_DECODER, "num_labels": 3},
+        "gpt2": {**GPT2, "num_labels": 3}, "roberta": _ENCODER,
+        "distilbert": {**BERT, "model_type": "distilbert", "dim": 16, "n_layers": 1, "n_heads": 2, "hidden_dim": 32},
+        "deberta": {**_ENCODER, "relative_attention": True, "max_relative_positions": 8,
+                    "pos_att_type": ["p2c", "c2p"], "type_vocab_size": 0},
+        "xlnet": {"vocab_size": VOCAB, "d_model": 16, "n_layer": 1, "n_head": 2, "d_inner": 32, "num_labels": 3}},
+    "hf_token_classification": {"albert": {**_ENCODER, "embedding_size": 8},
+                                "electra": {**_ENCODER, "embedding_size": 8}, "bert": _ENCODER,
+                                "roberta": _ENCODER, "deberta-v2": {**DEBERTA_V3, "num_hidden_layers": 1}},
+}.items():
+    for _type, _config in _types.items():
+        EXTRA[f"{_type}_{_task.removeprefix('hf_')}"] = (_task, {**_config, "model_type": _type})
 CASES = {**{name: (name, config) for name, config in TINY.items()}, **EXTRA}
+
+
+def test_every_allowed_model_type_is_built_by_a_case() -> None:
+    built = {(task, config["model_type"]) for task, config in CASES.values()}
+    allowed = {(name, model_type) for name, task in TASKS.items() for model_type in task.model_types}
+    assert allowed - built == set()
 assert set(TINY) == set(TASKS)
 
 
@@ -99,7 +135,7 @@ def test_signatures_name_the_keyword_inputs(registry: ModelRegistry) -> None:
 
 @pytest.mark.parametrize("config, error, message", [
     ({"n_layer": 1}, InvalidRequestError, 'with its "model_type"'),
-    ({"model_type": "bloom"}, ModelNotFoundError, "builds no model_type 'bloom'; allowed: gpt2, llama"),
+    ({"model_type": "bloom"}, ModelNotFoundError, "builds no model_type 'bloom'; allowed: falcon, gemma, gpt2"),
     ({**GPT2, "n_layer": "two"}, InvalidRequestError, "transformers refuses the gpt2 config"),
     ({**GPT2, "auto_map": {"AutoModel": "evil.Model"}}, InvalidRequestError, "\\['auto_map'\\] are refused"),
     ({**GPT2, "quantization_config": {}}, InvalidRequestError, "are refused"),
