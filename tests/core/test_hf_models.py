@@ -219,3 +219,82 @@ def test_language_models_match_the_oracle(which: str, mode: str, K: int, device:
         return
     grads = per_sample_gradients(model, inputs, labels, loss_fn=loss_fn, mode=mode, augmentation_multiplicity=K)
     _check(grads, oracle, f"{which}/{mode}/K={K}")
+
+
+# ----------------------------------------------------------------------------- vision
+def _image(config: str, model: str, **options: object) -> Callable[[], torch.nn.Module]:
+    return lambda: getattr(hf.transformers, model)(getattr(hf.transformers, config)(num_labels=hf.NUM_LABELS,
+                                                                                     **options))
+
+
+_VIT = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+#: Image classifiers, each with its own way of meeting the batch: ViT's and DeiT's class (and
+#: distillation) tokens expanded over the batch, BEiT's relative-position bias table and layer
+#: scale, DINOv2's interpolated position table and layer scale, Swin's shifted windows (the batch
+#: merged with the windows, a relative-position table per window), ConvNeXt's depthwise
+#: convolutions and channels-last LayerNorm with layer scale. LoRA on the attention projections.
+VISION_MODELS: dict[str, tuple[Callable[[], torch.nn.Module], list[str]]] = {
+    "vit": (_image("ViTConfig", "ViTForImageClassification", **_VIT), ["q_proj", "v_proj"]),
+    "deit": (_image("DeiTConfig", "DeiTForImageClassificationWithTeacher", **_VIT), ["q_proj", "v_proj"]),
+    "beit": (_image("BeitConfig", "BeitForImageClassification", use_relative_position_bias=True,
+                    layer_scale_init_value=0.1, use_mean_pooling=True, **_VIT), ["q_proj", "v_proj"]),
+    "dinov2": (_image("Dinov2Config", "Dinov2ForImageClassification", image_size=16, patch_size=4, hidden_size=16,
+                      num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, layerscale_value=0.1),
+               ["q_proj", "v_proj"]),
+    "swin": (_image("SwinConfig", "SwinForImageClassification", image_size=16, patch_size=2, embed_dim=8,
+                    depths=[2, 1], num_heads=[2, 2], window_size=4), ["q_proj", "v_proj"]),
+    "convnext": (_image("ConvNextConfig", "ConvNextForImageClassification", num_channels=3, hidden_sizes=[8, 16],
+                        depths=[1, 1], num_stages=2, layer_scale_init_value=0.1), ["pwconv1", "pwconv2"]),
+}
+
+
+def _vision_case(which: str, lora: bool, K: int, device: torch.device
+                 ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    import copy
+
+    torch.manual_seed(0)
+    build, targets = VISION_MODELS[which]
+    model = build().eval()
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets,
+                                                           lora_dropout=0.0)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    generator = torch.Generator().manual_seed(1)
+    pixels = torch.randn(N * K, 3, 16, 16, generator=generator)
+    labels = torch.randint(0, hf.NUM_LABELS, (N * K,), generator=generator)
+    ref = copy.deepcopy(model).double()
+    params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    expected: dict[str, list[torch.Tensor]] = {n: [] for n in params}
+    for n in range(N):
+        rows = slice(n * K, (n + 1) * K)
+        loss = hf.loss_fn(ref(pixel_values=pixels[rows].double()), labels[rows]).mean()
+        for name, g in zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
+            expected[name].append(torch.zeros_like(params[name]) if g is None else g)
+    oracle = {n: torch.stack(gs) for n, gs in expected.items()}
+    return model.to(device), pixels.to(device), labels.to(device), oracle
+
+
+# vmap runs torch's fused CPU attention kernel without a batching rule (a loop, and a warning)
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("which", sorted(VISION_MODELS))
+def test_image_classifiers_match_the_oracle(which: str, mode: str, variant: str, K: int,
+                                            device: torch.device) -> None:
+    model, pixels, labels, oracle = _vision_case(which, variant == "lora", K, device)
+    inputs = {"pixel_values": pixels}
+    if mode == "ghost":
+        reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
+        result = dp_gradient(model, inputs, labels, loss_fn=hf.loss_fn,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
+        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms", rtol=RTOL, atol=ATOL)
+        _check(result.grads, reference.grads, f"{which}/{variant}/ghost/K={K}")
+        return
+    grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode=mode, augmentation_multiplicity=K)
+    _check(grads, oracle, f"{which}/{variant}/{mode}/K={K}")

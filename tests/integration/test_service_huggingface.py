@@ -23,7 +23,7 @@ from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from psg_wire.v1.tensor_pb2 import TensorHeader
 from tests.server.hf_harness import (BERT, BERT_LORA, DEBERTA_LORA, DEBERTA_V3, GPT2, GPT2_LORA, MAMBA, MAMBA_LORA,
-                                    MIXTRAL,
+                                    IMAGE_MODELS, MIXTRAL,
                                     WAV2VEC2, WAV2VEC2_LORA, WAVLM, WAVLM_LORA, hf_model, token_batch,
                                     trainable_bytes)
 from tests.server.service_harness import client_for, local_dp, serve
@@ -134,6 +134,32 @@ def test_mixtral_causal_lm_with_trainable_experts_equals_local_dp_gradient(clien
         result = session.compute_gradients(inputs, labels)
     assert_equals_local(result, model, inputs, labels, config, "causal_lm", 4)
     assert 0 < result.fraction_clipped <= 1
+
+
+# BEiT's layer scale lives in its layer: the torch.func fallback runs the layer's attention under vmap,
+# which loops over torch's fused CPU attention kernel (no batching rule) and warns
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("family, mode, K", [("beit", "hooks", 1), ("dinov2", "ghost", 2), ("swin", "ghost", 1),
+                                             ("convnext", "hooks", 2)])
+def test_image_classifiers_equal_local_dp_gradient(client: GradientClient, family: str, mode: str, K: int) -> None:
+    """Vision transformers and a ConvNeXt fully fine-tuned through the service: relative-position
+    bias tables, layer scale, Swin's windows (the batch merged with them), depthwise convolutions."""
+    import transformers
+
+    kwargs = IMAGE_MODELS[family]
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.05)
+    fields = {k: v for k, v in kwargs.items() if k != "model_type"}
+    torch.manual_seed(K)
+    model = transformers.AutoModelForImageClassification.from_config(
+        transformers.CONFIG_MAPPING[kwargs["model_type"]](**fields))
+    generator = torch.Generator().manual_seed(K)
+    pixels = torch.randn(4 * K, 3, 8, 8, generator=generator)
+    labels = torch.randint(0, 3, (4 * K,), generator=generator)
+    with client.create_session("hf_image_classification", model_kwargs=kwargs, loss="cross_entropy",
+                               expected_batch_size=4, config=config) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients({"pixel_values": pixels}, labels)
+    assert_equals_local(result, model, {"pixel_values": pixels}, labels, config, "cross_entropy", 4)
 
 
 @pytest.mark.parametrize("mode, K", [("hooks", 1), ("ghost", 2)])

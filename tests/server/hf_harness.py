@@ -35,6 +35,21 @@ MAMBA: dict[str, Any] = {"model_type": "mamba", "vocab_size": VOCAB, "hidden_siz
                          "num_hidden_layers": 2, "expand": 2, "conv_kernel": 3, "time_step_rank": 2,
                          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
 MAMBA_LORA = LoraAdapter(rank=2, target_modules=("in_proj", "x_proj"))
+#: Image classifiers (8x8 RGB, 3 labels, no dropout or stochastic depth): ViT's layout with BEiT's
+#: relative-position bias and layer scale, DINOv2's layer scale, Swin's shifted windows, ConvNeXt.
+_IMAGE: dict[str, Any] = {"image_size": 8, "num_channels": 3, "num_labels": 3}
+_VIT_LAYOUT: dict[str, Any] = {**_IMAGE, "patch_size": 4, "hidden_size": 16, "num_hidden_layers": 2,
+                               "num_attention_heads": 2, "hidden_dropout_prob": 0.0,
+                               "attention_probs_dropout_prob": 0.0}
+IMAGE_MODELS: dict[str, dict[str, Any]] = {
+    "beit": {**_VIT_LAYOUT, "model_type": "beit", "intermediate_size": 32, "use_relative_position_bias": True,
+             "layer_scale_init_value": 0.1, "use_mean_pooling": True, "drop_path_rate": 0.0},
+    "dinov2": {**_VIT_LAYOUT, "model_type": "dinov2", "mlp_ratio": 2, "layerscale_value": 0.1, "drop_path_rate": 0.0},
+    "swin": {**_IMAGE, "model_type": "swin", "patch_size": 2, "embed_dim": 8, "depths": [2, 1], "num_heads": [2, 2],
+             "window_size": 2, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "drop_path_rate": 0.0},
+    "convnext": {**_IMAGE, "model_type": "convnext", "hidden_sizes": [8, 16], "depths": [1, 1], "num_stages": 2,
+                 "layer_scale_init_value": 0.1, "drop_path_rate": 0.0},
+}
 #: Mixtral for causal LM: a router and 4 routed experts per layer (2 per token), every one trained.
 MIXTRAL: dict[str, Any] = {"model_type": "mixtral", "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
                            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,
