@@ -39,7 +39,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -163,6 +163,9 @@ _POINTWISE = {
     "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__pow__", "__rpow__", "__matmul__",
     "add_", "sub_", "mul_", "div_", "masked_fill_",
 }
+#: Where a layer without a grad sampler may meet the batch with its own parameters as meeting
+#: points (see ``meets_own`` of :class:`BatchTracker`): elementwise, broadcasting.
+_OWN_MEETS = (_POINTWISE - {"__matmul__"}) | {"layer_norm"}
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm"}
 # Products where a batch-free operand may meet the batch (see BatchTracker._meet_product).
 _PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm"}
@@ -241,6 +244,16 @@ class _Frame:
     #: a row-wise module's call (see :func:`rowwise_module`), run untracked: the entries per batch
     #: row of its inputs' axis 0, which its outputs get.
     rowwise: int | None = None
+    #: the layer has no grad sampler of its own (see ``meets_own`` of :class:`BatchTracker`): where
+    #: its own parameters meet the batch in broadcasting pointwise ops, they are meeting points,
+    #: held in ``pending`` until the call ends.
+    meet_own: bool = False
+    pending: list[tuple[MeetingPoint, torch.Tensor]] = field(default_factory=list)
+    #: one of its own parameters met the batch otherwise (a product, a child's op): the layer's
+    #: call is differentiated whole (the torch.func fallback), its pending meetings dropped.
+    opaque: bool = False
+    #: the call ended with its own parameters' per-sample gradients all from meeting points.
+    resolved: bool = False
 
 
 @dataclass
@@ -374,6 +387,12 @@ class BatchTracker(TorchFunctionMode):
         on_meeting: called with each :class:`MeetingPoint` and the expanded view the op receives,
             as the forward pass finds them; the backend hooks the gradient of the view and calls
             ``point.per_sample_grads`` with it.
+        meets_own: which layers have no grad sampler of their own (the backend's torch.func
+            fallback would differentiate their whole call per sample). Where such a layer's own
+            parameters meet the batch only in broadcasting pointwise ops (a layer scale
+            ``gamma * x``, an RMSNorm's ``weight * x_hat``, a bias added), those ops are meeting
+            points and the call needs no fallback (:meth:`met_own`); any other use keeps the
+            fallback for the whole call.
 
     >>> from psg_core.layout import ModelInputs
     >>> emb = nn.Embedding(10, 4)
@@ -386,8 +405,12 @@ class BatchTracker(TorchFunctionMode):
     """
 
     def __init__(self, module: nn.Module, *, num_samples: int, augmentation_multiplicity: int,
-                 on_meeting: Callable[[MeetingPoint, torch.Tensor], None], root_by_caller: bool = False) -> None:
+                 on_meeting: Callable[[MeetingPoint, torch.Tensor], None], root_by_caller: bool = False,
+                 meets_own: Callable[[nn.Module], bool] | None = None) -> None:
         super().__init__()
+        self._meets_own = meets_own
+        #: the layers ``meets_own`` picked (hooked to resolve their calls' meetings)
+        self._own_meeters: set[nn.Module] = set()
         # The root module's call is already under way (the tracker starts in its forward
         # pre-hook): the caller pushes and pops its frame, and no hook is added to it, since
         # torch iterates the root's hooks while the tracker would remove them.
@@ -430,6 +453,10 @@ class BatchTracker(TorchFunctionMode):
                 # Ahead of every hook (the backends' were registered before the tracker's): a
                 # backend capturing the call must find its outputs holding the batch.
                 self._handles.append(layer.register_forward_hook(self._rowwise_outputs, prepend=True))
+            elif self._meets_own is not None and _own_params(layer) and self._meets_own(layer):
+                # Ahead of the backends' hooks too: they ask met_own() when capturing the call.
+                self._own_meeters.add(layer)
+                self._handles.append(layer.register_forward_hook(self._resolve_own, prepend=True))
         stack = getattr(_TLS, "stack", None)
         if stack is None:
             stack = _TLS.stack = []
@@ -443,6 +470,7 @@ class BatchTracker(TorchFunctionMode):
             handle.remove()
         self._handles.clear()
         self._frames.clear()
+        self._own_meeters.clear()
         self._suspended = False
 
     def release(self) -> None:
@@ -572,8 +600,10 @@ class BatchTracker(TorchFunctionMode):
         if row_wise is None:
             row_wise = is_rowwise(layer)
         rowwise = self._rowwise_call(layer, label, args, kwargs) if row_wise and not self._suspended else None
+        meet_own = covered is not None and layer in self._own_meeters
         # (the calls of layers with parameters are captured: only they need the versions)
-        self._frames.append(_Frame(layer, label, covered, arg_versions(args) if own_params else (), rowwise))
+        self._frames.append(_Frame(layer, label, covered, arg_versions(args) if own_params else (), rowwise,
+                                   meet_own=meet_own))
         if rowwise is not None:
             self._suspended = True
 
@@ -623,6 +653,27 @@ class BatchTracker(TorchFunctionMode):
             for t in _tensors(output, []):
                 if t.dim():
                     self._batched[t] = (0, frame.rowwise)
+
+    def _resolve_own(self, layer: nn.Module, _args: Any, _output: Any) -> None:
+        """At the end of a call of a layer without a grad sampler: its pending meeting points go to
+        the backend when its own parameters met the batch in nothing else (run before the
+        backends' hooks, which then skip the call, and before :meth:`_pop`)."""
+        frame = self._frames[-1] if self._frames else None
+        if frame is None or frame.module is not layer or not frame.meet_own:
+            return
+        pending, frame.pending = frame.pending, []
+        if frame.opaque or not pending:
+            return
+        for point, view in pending:
+            self.meetings.append(point)
+            self._on_meeting(point, view)
+        frame.resolved = True
+
+    def met_own(self, layer: nn.Module) -> bool:
+        """Whether the call of ``layer`` now ending got its own parameters' per-sample gradients
+        from meeting points (see ``meets_own``): the backend leaves the call alone."""
+        frame = self._frames[-1] if self._frames else None
+        return frame is not None and frame.module is layer and frame.resolved
 
     def _pop(self, _layer: nn.Module, _args: Any, output: Any) -> None:
         if not self._frames:
@@ -718,15 +769,28 @@ class BatchTracker(TorchFunctionMode):
               free: list[torch.Tensor], batched: list[torch.Tensor]
               ) -> tuple[tuple[Any, ...], dict[str, Any]] | _Computed:
         frame = self._frames[-1] if self._frames else None
+        # The layer's own parameters as met points (a layer without a sampler, in pointwise ops)
+        meet_own = frame is not None and frame.meet_own and not frame.opaque
+        if meet_own and name not in _OWN_MEETS:
+            meet_own = False
         if frame is not None and frame.own is not None and all(id(t) in frame.own for t in free):
-            return args, kwargs  # the layer's own parameters as they are (the common case, below)
+            if not meet_own:
+                if frame.meet_own:
+                    frame.opaque = True  # its own parameters in a product: the whole call per sample
+                return args, kwargs  # the layer's own parameters as they are (the common case, below)
         sources: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
+        own: set[int] = set()  # the sources that are the layer's own (pending meetings)
         where = frame.path if frame is not None else "<root>"
         for t in free:
             origin = self._origin_of(t)
             if not origin:
                 continue  # depends on no trainable parameter (an input that requires grad)
             if frame is not None and frame.own is not None and origin <= frame.own:
+                if meet_own:
+                    sources[id(t)] = (t, origin)
+                    own.add(id(t))
+                elif frame.meet_own:
+                    frame.opaque = True
                 continue  # the layer's own parameters: its grad sampler's business
             if frame is not None and frame.own is not None and origin & frame.own:
                 raise UnsupportedModuleError(
@@ -739,12 +803,20 @@ class BatchTracker(TorchFunctionMode):
             owner = next((f for f in reversed(self._frames[:-1]) if f.own is not None and origin & f.own), None)
             if owner is not None:
                 if origin <= cast(frozenset, owner.own):
+                    if owner.meet_own:
+                        owner.opaque = True  # used by a child: the owner's call is differentiated whole
                     continue
                 raise UnsupportedModuleError(
                     f"per-sample gradients: in module {where}, a tensor computed from the parameters "
                     f"of the enclosing module {owner.path} and from other trainable parameters without the "
                     "batch meets the batch; psg cannot split that gradient per sample")
             sources[id(t)] = (t, origin)
+        if own and len(own) < len(sources):
+            # The layer's own parameters and other parameters' tensors in one op: the own ones as
+            # the layer's (the whole call per sample), the others met as usual.
+            cast(_Frame, frame).opaque = True
+            sources = {i: v for i, v in sources.items() if i not in own}
+            own = set()
         if not sources:
             return args, kwargs
         if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor) \
@@ -754,6 +826,9 @@ class BatchTracker(TorchFunctionMode):
         if name in _POINTWISE:
             shape = torch.broadcast_shapes(*(t.shape for t in batched + [s for s, _ in sources.values()]))
             out_bd, merged = self._broadcast_axis(batched, len(shape))
+            if out_bd is None and own:
+                cast(_Frame, frame).opaque = True  # the layer's own: its whole call per sample
+                return args, kwargs
             if out_bd is None:
                 raise self._cannot(name, where, "the batch axis of its batched operand is unknown")
         elif name == "scaled_dot_product_attention" and _only_mask(args, kwargs, sources):
@@ -774,6 +849,8 @@ class BatchTracker(TorchFunctionMode):
             return self._meet_product(name, args, sources, x, where), kwargs
         elif name == "linear" and len(batched) == 1 and args and args[0] is batched[0]:
             return self._meet_linear(args, kwargs, sources, batched[0], where)
+        elif name == "layer_norm" and len(batched) == 1 and args and args[0] is batched[0]:
+            return self._meet_layer_norm(args, kwargs, batched[0])
         elif name == "einsum" and not kwargs and len(batched) == 1:
             return self._meet_einsum(args, sources, batched[0], where), kwargs
         elif name in _CAT:
@@ -792,7 +869,7 @@ class BatchTracker(TorchFunctionMode):
                 return value
             source, origin = sources[id(value)]
             return self._meeting_view(source, shape if shape is not None else tuple(source.shape), out_bd, merged,
-                                      origin, where)
+                                      origin, where, pending=cast(_Frame, frame).pending if own else None)
 
         return tree_map(expand, args), tree_map(expand, kwargs)
 
@@ -867,6 +944,25 @@ class BatchTracker(TorchFunctionMode):
                 out = torch.add(*cast(tuple, met)[0])
             else:
                 out = out + bias
+        return _Computed(out)
+
+    def _meet_layer_norm(self, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor) -> _Computed:
+        """``F.layer_norm(x, shape, w, b)`` with ``w`` or ``b`` computed from parameters without the
+        batch (a LayerNorm subclass without a grad sampler: ConvNeXt's channels-first one) computed
+        as ``layer_norm(x, shape) * w + b``, the affine ops met as pointwise ones."""
+        call = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), args), **kwargs)
+        out = torch.nn.functional.layer_norm(x, call["normalized_shape"], None, None, call.get("eps", 1e-5))
+        state = self._batched[x]
+        self._batched[out] = state
+        for op, name, operand in ((torch.mul, "mul", call.get("weight")), (torch.add, "add", call.get("bias"))):
+            if operand is None:
+                continue
+            if isinstance(operand, torch.Tensor) and operand.requires_grad:
+                met = self._meet(op, name, (out, operand), {}, [operand], [out])
+                out = met.value if isinstance(met, _Computed) else op(*met[0], **met[1])
+            else:
+                out = op(out, operand)
+            self._batched[out] = state
         return _Computed(out)
 
     def _meet_einsum(self, args: tuple[Any, ...], sources: dict[int, tuple[torch.Tensor, frozenset[int]]],
@@ -948,7 +1044,8 @@ class BatchTracker(TorchFunctionMode):
         return base, tiles
 
     def _meeting_view(self, source: torch.Tensor, target: Sequence[int], batch_dim: int, merged: int,
-                      origin: frozenset[int], where: str) -> torch.Tensor:
+                      origin: frozenset[int], where: str,
+                      pending: list[tuple[MeetingPoint, torch.Tensor]] | None = None) -> torch.Tensor:
         """``source`` (batch-free, computed from the parameters ``origin``) expanded to ``target``,
         whose ``batch_dim`` holds the batch's rows (``merged`` entries each): registered as a meeting
         point, whose gradient hook the backend installs on the returned view."""
@@ -958,6 +1055,9 @@ class BatchTracker(TorchFunctionMode):
                              broadcast=padded[batch_dim] == 1 and target[batch_dim] != 1,
                              params=[self._params[i] for i in sorted(origin)], where=where, merged=merged)
         self._batched[expanded] = (batch_dim, merged)
+        if pending is not None:
+            pending.append((point, expanded))  # the layer's own: decided when its call ends
+            return expanded
         self.meetings.append(point)
         self._on_meeting(point, expanded)
         return expanded

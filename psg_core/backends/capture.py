@@ -27,9 +27,9 @@ from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import GROUPED, MIXED, PERMUTED, UNKNOWN, active_tracker, arg_versions, is_rowwise
-from psg_core.support import parametrized
+from psg_core.support import is_unit, parametrized
 
-__all__ = ["LayerCall", "call_grad_samples", "capture_call", "separate_outputs"]
+__all__ = ["LayerCall", "call_grad_samples", "capture_call", "runs_in_fallback", "separate_outputs"]
 
 
 def _detached(value: Any) -> Any:
@@ -143,6 +143,8 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     entry = GRAD_SAMPLERS.lookup(layer)
     if entry is not None and _computed_weight(layer):
         entry = None  # the torch.func fallback differentiates the parameters it is computed from
+    if entry is None and tracker is not None and tracker.met_own(layer):
+        return None  # its own parameters met the batch in pointwise ops only: meeting points give theirs
     if entry is None and (first is None or (tracker is not None and not tracker.is_batched(first))):
         # The torch.func fallback takes keyword inputs too (a model owning a parameter, called with
         # input_values=...): its rows are those of the first batched one.
@@ -208,6 +210,19 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if any(target is not t for target, t in zip(targets, outputs)):
         call.output_shapes = tuple(None if target is t else t.shape for target, t in zip(targets, outputs))
     return call, targets
+
+
+def runs_in_fallback(layer: nn.Module) -> bool:
+    """Whether the hooks and ghost backends would compute ``layer``'s own per-sample gradients with
+    the per-layer ``torch.func`` fallback (no grad sampler, not a unit, no weight computed from
+    other parameters): the batch tracker's ``meets_own``, which spares such a layer the fallback
+    where its parameters meet the batch in pointwise ops only (a layer scale, an RMSNorm's weight).
+
+    >>> runs_in_fallback(nn.Linear(2, 2)), runs_in_fallback(nn.Module())
+    (False, True)
+    """
+    return GRAD_SAMPLERS.lookup(layer) is None and not is_unit(layer) and not _computed_weight(layer) \
+        and not is_rowwise(layer)
 
 
 def separate_outputs(output: Any) -> Any:

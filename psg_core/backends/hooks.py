@@ -17,7 +17,7 @@ from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, b
                                     earliest_edges, get_grad_sample, on_output_grads, set_grad_sample,
                                     trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
-from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, separate_outputs
+from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
 from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
 from psg_core.grad_sample.registry import GRAD_SAMPLERS
 from psg_core.layout import BatchLayout, ModelInputs
@@ -164,7 +164,7 @@ class GradSampleModule(AbstractGradSampleModule):
         return BatchTracker(self._module, num_samples=layout.num_samples,
                             augmentation_multiplicity=layout.augmentation_multiplicity,
                             on_meeting=lambda point, view: self._on_meeting(point, view, layout, forward_id),
-                            root_by_caller=implicit)
+                            root_by_caller=implicit, meets_own=None if self.force_functorch else runs_in_fallback)
 
     def _new_pass(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self._forward_id += 1

@@ -1,0 +1,151 @@
+"""A layer without a grad sampler whose own parameters meet the batch in pointwise ops only.
+
+A layer scale (``gamma * branch(x)``, BEiT, ConvNeXt, CaiT), an RMSNorm's ``weight * x_hat``, a bias
+added to a child's output: the layer owns those parameters, has no grad sampler, and the per-layer
+torch.func fallback would run its whole call again per sample (the attention and MLP under it)
+just for them. Instead the batch tracker makes those ops meeting points, whose per-sample
+gradients come from the gradient at the expanded parameter: the call is never re-run. Where one
+of the layer's own parameters meets the batch in anything else (a product, a child's op), the
+layer's pending meetings are dropped and the fallback differentiates the whole call as before.
+Either way the result is the oracle's, in hooks, ghost and GradSampleModule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import psg_core
+from psg_core import DPConfig, dp_gradient, per_sample_gradients
+from psg_core.grad_sample import functorch_fallback
+from tests.oracle import assert_close_scaled, microbatch_oracle
+
+N = 3
+
+
+class LayerScale(nn.Module):
+    """``x + gamma * mlp(x)`` and an RMSNorm-style ``weight * x / rms(x)``: own parameters in
+    pointwise ops only, the Linear children hooked as usual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+        self.weight = nn.Parameter(torch.rand(4) + 0.5)
+        self.shift = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.gamma * self.mlp(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (1.0 + self.weight) * h + self.shift  # (Gemma's norm: the weight through an op first)
+
+
+class Opaque(LayerScale):
+    """The same, and ``gamma`` also in a product: the whole call is differentiated per sample."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + x @ torch.diag(self.gamma)
+
+
+class PassedDown(LayerScale):
+    """``gamma`` handed to a child op's module: the child's op is not the layer's own, so the
+    layer's call is differentiated whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(super().forward(x), self.gamma)
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+        return x * gamma
+
+
+class Model(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.block = block
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, T, 3)
+        return self.out(self.block(torch.tanh(self.inp(x))).mean(1))
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "gsm"])
+@pytest.mark.parametrize("block, fallback", [(LayerScale, False), (Opaque, True), (PassedDown, True)])
+def test_own_parameters_in_pointwise_ops_need_no_fallback(block: type[nn.Module], fallback: bool, mode: str, K: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    original = functorch_fallback.functorch_layer_grad_sample
+
+    def counting(layer: nn.Module, *args: object, **kwargs: object) -> object:
+        calls.append(type(layer).__name__)
+        return original(layer, *args, **kwargs)
+
+    monkeypatch.setattr("psg_core.backends.capture.functorch_layer_grad_sample", counting)
+    torch.manual_seed(0)
+    model = Model(block())
+    x, y = torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,))
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = microbatch_oracle(model, samples, lambda out, t: _loss(out, t).mean())
+    if mode == "ghost":
+        reference = psg_core.clip_and_sum({n: g.float() for n, g in expected.items()}, max_grad_norm=0.01)
+        result = dp_gradient(model, x, y, loss_fn=_loss,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.01))
+        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms")
+        got, expected = result.grads, reference.grads
+    elif mode == "gsm":
+        wrapped = psg_core.GradSampleModule(model, strict=False, augmentation_multiplicity=K)
+        try:
+            _loss(wrapped(x), y).mean().backward()
+            got = {name: p.grad_sample for name, p in model.named_parameters()}
+            batch = {name: p.grad for name, p in model.named_parameters()}
+        finally:
+            wrapped.remove_hooks()
+            for p in model.parameters():
+                p.grad, p.grad_sample = None, None
+        for name, value in expected.items():  # the ordinary gradient is untouched by the meetings
+            assert_close_scaled(batch[name], value.mean(0), name=f"{name}.grad")
+    else:
+        got = per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode, augmentation_multiplicity=K)
+    for name, value in expected.items():
+        assert_close_scaled(got[name], value, name=name)
+    assert calls == ([block.__name__] if fallback else []), calls
+
+
+def test_llama_fully_fine_tuned_runs_no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's RMSNorm weights meet the batch in ``weight * hidden``: no layer of a fully trained
+    Llama needs the torch.func fallback any more."""
+    transformers = pytest.importorskip("transformers")
+
+    def refuse(layer: nn.Module, *args: object, **kwargs: object) -> object:
+        raise AssertionError(f"fallback run for {type(layer).__name__}")
+
+    monkeypatch.setattr("psg_core.backends.capture.functorch_layer_grad_sample", refuse)
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=32, max_position_embeddings=16,
+                                   num_labels=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(cfg).eval()
+    ids = torch.randint(2, 40, (4, 6))
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[0, -2:] = 0
+    inputs, labels = {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 2, (4,))
+    grads = per_sample_gradients(model, inputs, labels,
+                                 loss_fn=lambda o, t: F.cross_entropy(o.logits, t, reduction="none"))
+    functorch = per_sample_gradients(model, inputs, labels, mode="functorch",
+                                     loss_fn=lambda o, t: F.cross_entropy(o.logits, t, reduction="none"))
+    for name, value in functorch.items():
+        assert_close_scaled(grads[name], value, name=name)
+    assert any(name.endswith("input_layernorm.weight") for name in grads)
