@@ -176,10 +176,30 @@ def _parse(task: HuggingFaceTask, given: dict[str, Any]) -> dict[str, Any]:
         layers = getattr(config, key, None)
         if isinstance(layers, int) and layers > _MAX_LAYERS:
             raise InvalidRequestError(f"{_where(task)}: {key}={layers} is more than {_MAX_LAYERS} layers")
+    _check_shapes(task, config)
     if model_type in task.needs_pad_token and config.pad_token_id is None:
         raise InvalidRequestError(f"{_where(task)}: a {model_type} classifier finds each row's last token by "
                                   "the padding token; set pad_token_id")
     return dict(given)
+
+
+def _check_shapes(task: HuggingFaceTask, config: Any) -> None:
+    """Relations transformers' configs accept but the models cannot run with (each would fail the
+    first step inside the forward pass): a router choosing more experts than there are, query heads
+    that key/value heads do not divide."""
+    def number(*keys: str) -> int | None:
+        return next((value for key in keys if isinstance(value := getattr(config, key, None), int)
+                     and not isinstance(value, bool)), None)
+
+    experts = number("num_local_experts", "num_experts", "n_routed_experts")
+    chosen = number("num_experts_per_tok")
+    if experts is not None and chosen is not None and not 0 < chosen <= experts:
+        raise InvalidRequestError(f"{_where(task)}: num_experts_per_tok={chosen} must be between 1 and the "
+                                  f"number of experts, {experts}")
+    heads, shared = number("num_attention_heads"), number("num_key_value_heads")
+    if heads is not None and shared is not None and (shared < 1 or heads % shared):
+        raise InvalidRequestError(f"{_where(task)}: num_key_value_heads={shared} must divide "
+                                  f"num_attention_heads={heads}")
 
 
 def _as_json(value: Any) -> Any:

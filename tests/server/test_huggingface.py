@@ -135,6 +135,20 @@ def test_signatures_name_the_keyword_inputs(registry: ModelRegistry) -> None:
     assert seq2seq.targets_like == "decoder_input_ids"
 
 
+@pytest.mark.parametrize("config, message", [
+    ({**_DECODER, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 8},
+     "num_experts_per_tok=8 must be between 1 and the number of experts, 4"),
+    ({**_DECODER, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 0, "head_dim": 8},
+     "num_experts_per_tok=0 must be between 1"),
+    ({**_DECODER, "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 3},
+     "num_key_value_heads=3 must divide num_attention_heads=4"),
+])
+def test_configs_whose_models_cannot_run(registry: ModelRegistry, config: dict[str, Any], message: str) -> None:
+    """Accepted by transformers, but the first step would fail inside the forward pass."""
+    with pytest.raises(InvalidRequestError, match=message):
+        parse(registry, "hf_causal_lm", config)
+
+
 @pytest.mark.parametrize("config, error, message", [
     ({"n_layer": 1}, InvalidRequestError, 'with its "model_type"'),
     ({"model_type": "bloom"}, ModelNotFoundError, "builds no model_type 'bloom'; allowed: falcon, gemma, gpt2"),
