@@ -94,9 +94,11 @@ def rowwise_module(cls: type[nn.Module]) -> type[nn.Module]:
     same row of their inputs alone, however they get there: the routed experts of a mixture of
     experts sort, gather and scatter the rows of all samples by expert, which the tracker would
     take for mixing. Their calls run untracked and their outputs get their inputs' batch axis.
-    Their own trainable parameters (the experts' weights) get per-sample gradients from the
-    per-layer ``torch.func`` fallback in hooks and ghost, run on each sample's rows alone; one of
-    their submodules may own trainable parameters only where the class is also a
+    Their own trainable parameters (the experts' weights) get per-sample gradients in hooks and
+    ghost from one grouped call on per-sample copies of the experts (Hugging Face's experts, see
+    :mod:`psg_core.grad_sample.experts`), else from the per-layer ``torch.func`` fallback run on
+    each sample's rows alone; one of their submodules may own trainable parameters only where the
+    class is also a
     :func:`~psg_core.support.unit_module` (its subtree computed as one call). Returns ``cls``
     (usable as a decorator).
 
