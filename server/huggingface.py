@@ -16,7 +16,7 @@ hf_sequence_classification     AutoModelForSequenceClassification               
                                                                                  roberta, xlnet
 hf_token_classification        AutoModelForTokenClassification                   albert, bert, deberta, deberta-v2,
                                                                                  distilbert, electra, roberta
-hf_seq2seq_lm                  AutoModelForSeq2SeqLM                             t5
+hf_seq2seq_lm                  AutoModelForSeq2SeqLM                             bart, mbart, t5
 hf_image_classification        AutoModelForImageClassification                   beit, convnext, dinov2, swin, vit
 hf_audio_classification        AutoModelForAudioClassification                   wav2vec2, hubert, wavlm
 =============================  ================================================  =====================================
@@ -108,7 +108,7 @@ TASKS: dict[str, HuggingFaceTask] = {task.name: task for task in (
                                                                      "distilbert", "electra", "roberta"), "tokens",
                     per_token=True),
     HuggingFaceTask("hf_seq2seq_lm", "AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-                    ("t5",), "seq2seq", per_token=True),
+                    ("bart", "mbart", "t5"), "seq2seq", per_token=True),
     HuggingFaceTask("hf_image_classification", "AutoModelForImageClassification",
                     "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", ("beit", "convnext", "dinov2", "swin", "vit"),
                     "image", per_token=False),

@@ -298,3 +298,66 @@ def test_image_classifiers_match_the_oracle(which: str, mode: str, variant: str,
         return
     grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode=mode, augmentation_multiplicity=K)
     _check(grads, oracle, f"{which}/{variant}/{mode}/K={K}")
+
+
+# ----------------------------------------------------------------------------- sequence to sequence
+def _seq2seq(config: str, model: str, **options: object) -> Callable[[], torch.nn.Module]:
+    return lambda: getattr(hf.transformers, model)(getattr(hf.transformers, config)(
+        vocab_size=hf.VOCAB, pad_token_id=hf.PAD, eos_token_id=hf.EOS, decoder_start_token_id=hf.PAD, **options))
+
+
+_BART = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+             encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=20, dropout=0.0, attention_dropout=0.0,
+             activation_dropout=0.0, bos_token_id=hf.EOS, forced_eos_token_id=None)
+#: Encoder-decoder language models (the service's hf_seq2seq_lm): T5's relative-position buckets in
+#: encoder, decoder and cross attention, BART's and mBART's learned positions, all with the LM head
+#: tied to the shared token table (and BART's final_logits_bias buffer).
+SEQ2SEQ_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "t5": _seq2seq("T5Config", "T5ForConditionalGeneration", d_model=16, d_kv=8, d_ff=32, num_layers=2,
+                   num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0),
+    "bart": _seq2seq("BartConfig", "BartForConditionalGeneration", **_BART),
+    "mbart": _seq2seq("MBartConfig", "MBartForConditionalGeneration", **_BART),
+}
+
+
+def _token_loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's mean cross entropy over its labelled decoder tokens (the service's token loss)."""
+    logits = outputs.logits  # type: ignore[attr-defined]  # (rows, T, V)
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
+                                                  reduction="none")
+    return per_token.sum(1) / (labels != -100).sum(1).clamp(min=1)
+
+
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("which", sorted(SEQ2SEQ_MODELS))
+def test_seq2seq_language_models_match_the_oracle(which: str, mode: str, K: int, device: torch.device) -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = SEQ2SEQ_MODELS[which]().eval()
+    inputs = hf.batch("t5", N * K)[0]
+    generator = torch.Generator().manual_seed(2)
+    labels = torch.randint(2, hf.VOCAB, (N * K, 4), generator=generator)
+    labels[0, -1] = -100  # a padded target position
+    decoder = torch.cat([torch.full((N * K, 1), hf.PAD), labels[:, :-1].clamp(min=0)], dim=1)  # shifted right
+    inputs = {**inputs, "decoder_input_ids": decoder}
+    ref = copy.deepcopy(model).double()
+    params = {n: p for n, p in ref.named_parameters()}
+    expected: dict[str, list[torch.Tensor]] = {n: [] for n in params}
+    for n in range(N):
+        rows = slice(n * K, (n + 1) * K)
+        loss = _token_loss(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows]).mean()
+        for name, g in zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
+            expected[name].append(torch.zeros_like(params[name]) if g is None else g)
+    oracle = {n: torch.stack(gs) for n, gs in expected.items()}
+    model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
+    if mode == "ghost":
+        reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
+        result = dp_gradient(model, inputs, labels, loss_fn=_token_loss,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
+        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms", rtol=RTOL, atol=ATOL)
+        _check(result.grads, reference.grads, f"{which}/ghost/K={K}")
+        return
+    grads = per_sample_gradients(model, inputs, labels, loss_fn=_token_loss, mode=mode, augmentation_multiplicity=K)
+    _check(grads, oracle, f"{which}/{mode}/K={K}")

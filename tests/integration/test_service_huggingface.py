@@ -23,7 +23,7 @@ from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from psg_wire.v1.tensor_pb2 import TensorHeader
 from tests.server.hf_harness import (BERT, BERT_LORA, DEBERTA_LORA, DEBERTA_V3, GPT2, GPT2_LORA, MAMBA, MAMBA_LORA,
-                                    IMAGE_MODELS, MIXTRAL,
+                                    BART, IMAGE_MODELS, MIXTRAL, T5,
                                     WAV2VEC2, WAV2VEC2_LORA, WAVLM, WAVLM_LORA, hf_model, token_batch,
                                     trainable_bytes)
 from tests.server.service_harness import client_for, local_dp, serve
@@ -117,6 +117,27 @@ def test_mamba_causal_lm_equals_local_dp_gradient(client: GradientClient, lora: 
         result = session.compute_gradients(inputs, labels)
     assert_equals_local(result, model, inputs, labels, config, "causal_lm", 4)
     assert result.fraction_clipped == 1
+
+
+@pytest.mark.parametrize("family, mode, K", [("t5", "hooks", 1), ("t5", "ghost", 2), ("bart", "hooks", 2),
+                                             ("bart", "ghost", 1)])
+def test_seq2seq_lm_equals_local_dp_gradient(client: GradientClient, family: str, mode: str, K: int) -> None:
+    """Encoder-decoder LMs: the decoder's inputs and the token targets beside the encoder's, the LM
+    head tied to the shared table; each row's loss averaged over its labelled decoder tokens."""
+    kwargs, model_class = {"t5": (T5, "T5ForConditionalGeneration"), "bart": (BART, "BartForConditionalGeneration")}[family]
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.05)
+    model = hf_model(kwargs, model_class, seed=K)
+    inputs, _ = token_batch(4 * K, seed=K)
+    generator = torch.Generator().manual_seed(K)
+    labels = torch.randint(2, 32, (4 * K, 4), generator=generator)
+    labels[0, -1] = -100  # an unlabelled target position
+    decoder = torch.cat([torch.zeros(4 * K, 1, dtype=torch.long), labels[:, :-1].clamp(min=0)], dim=1)
+    batch = {**inputs, "decoder_input_ids": decoder}
+    with client.create_session("hf_seq2seq_lm", model_kwargs=kwargs, loss="token_cross_entropy",
+                               expected_batch_size=4, config=config) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients(batch, labels)
+    assert_equals_local(result, model, batch, labels, config, "token_cross_entropy", 4)
 
 
 @pytest.mark.parametrize("mode, K", [("hooks", 1), ("ghost", 2)])

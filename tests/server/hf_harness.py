@@ -50,6 +50,15 @@ IMAGE_MODELS: dict[str, dict[str, Any]] = {
     "convnext": {**_IMAGE, "model_type": "convnext", "hidden_sizes": [8, 16], "depths": [1, 1], "num_stages": 2,
                  "layer_scale_init_value": 0.1, "drop_path_rate": 0.0},
 }
+#: Encoder-decoder LMs: T5's relative-position buckets, BART's learned positions (no dropout).
+T5: dict[str, Any] = {"model_type": "t5", "vocab_size": VOCAB, "d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 1,
+                      "num_heads": 2, "relative_attention_num_buckets": 8, "dropout_rate": 0.0,
+                      "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
+BART: dict[str, Any] = {"model_type": "bart", "vocab_size": VOCAB, "d_model": 16, "encoder_layers": 1,
+                        "decoder_layers": 1, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+                        "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 16, "dropout": 0.0,
+                        "attention_dropout": 0.0, "activation_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1,
+                        "eos_token_id": 1, "decoder_start_token_id": 0, "forced_eos_token_id": None}
 #: Mixtral for causal LM: a router and 4 routed experts per layer (2 per token), every one trained.
 MIXTRAL: dict[str, Any] = {"model_type": "mixtral", "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
                            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,

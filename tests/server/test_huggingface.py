@@ -13,7 +13,8 @@ from psg_server.huggingface import TASKS
 from psg_server.losses import IGNORE_INDEX, get_loss
 from psg_server.models import ModelRegistry, default_registry
 from psg_wire.adapters import LoraAdapter
-from tests.server.hf_harness import (BERT, DEBERTA_V3, GPT2, GPT2_LORA, IMAGE_MODELS, MAMBA, VOCAB, WAV2VEC2, WAVLM,
+from tests.server.hf_harness import (BART, BERT, DEBERTA_V3, GPT2, GPT2_LORA, IMAGE_MODELS, MAMBA, VOCAB, WAV2VEC2,
+                                    WAVLM,
                                     hf_model,
                                     token_batch)
 
@@ -67,6 +68,7 @@ for _task, _types in {
                     "pos_att_type": ["p2c", "c2p"], "type_vocab_size": 0},
         "xlnet": {"vocab_size": VOCAB, "d_model": 16, "n_layer": 1, "n_head": 2, "d_inner": 32, "num_labels": 3}},
     "hf_image_classification": IMAGE_MODELS,
+    "hf_seq2seq_lm": {"bart": BART, "mbart": {**BART, "model_type": "mbart"}},
     "hf_token_classification": {"albert": {**_ENCODER, "embedding_size": 8},
                                 "electra": {**_ENCODER, "embedding_size": 8}, "bert": _ENCODER,
                                 "roberta": _ENCODER, "deberta-v2": {**DEBERTA_V3, "num_hidden_layers": 1}},
