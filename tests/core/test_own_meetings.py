@@ -149,3 +149,38 @@ def test_llama_fully_fine_tuned_runs_no_fallback(monkeypatch: pytest.MonkeyPatch
     for name, value in functorch.items():
         assert_close_scaled(grads[name], value, name=name)
     assert any(name.endswith("input_layernorm.weight") for name in grads)
+
+
+class Twice(nn.Module):
+    """One layer-scaled block called twice in a forward pass, on rows merged with time between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(3, 4), LayerScale(), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, T, 3)
+        h = self.block(torch.tanh(self.inp(x)))
+        h = self.block(h.reshape(-1, 4)).reshape(x.shape[0], x.shape[1], 4)  # (N*K*T, 4) rows
+        return self.out(h.mean(1))
+
+
+@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_layer_called_twice_adds_both_calls(mode: str, K: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(layer: nn.Module, *args: object, **kwargs: object) -> object:
+        raise AssertionError(f"fallback run for {type(layer).__name__}")
+
+    monkeypatch.setattr("psg_core.backends.capture.functorch_layer_grad_sample", refuse)
+    torch.manual_seed(0)
+    model = Twice()
+    x, y = torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,))
+    expected = microbatch_oracle(model, [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)],
+                                 lambda out, t: _loss(out, t).mean())
+    if mode == "hooks":
+        got = per_sample_gradients(model, x, y, loss_fn=_loss, augmentation_multiplicity=K)
+    else:
+        got = dp_gradient(model, x, y, loss_fn=_loss,
+                          config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=1e9)).grads
+        expected = {name: g.sum(0) for name, g in expected.items()}
+    for name, value in expected.items():
+        assert_close_scaled(got[name], value, name=name)
