@@ -22,11 +22,12 @@ does not keep (the tests fail on it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +129,8 @@ def _probe(mode: str, example: Example) -> str:
             y = _targets(model, args)
             expected = _reference(model, args[0], y)
             tolerance = {} if example.autocast is None else {"atol": AUTOCAST_TOLERANCE, "rtol": 0.0}
-            with torch.autocast("cpu", dtype=example.autocast or torch.bfloat16, enabled=example.autocast is not None):
+            with torch.autocast("cpu", dtype=example.autocast or torch.bfloat16, enabled=example.autocast is not None), \
+                    _counting_fallbacks() as fallbacks:
                 result = _run(mode, model, args, y)
             if mode == GradSampleMode.GHOST.value:
                 norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)  # (N,)
@@ -146,7 +148,28 @@ def _probe(mode: str, example: Example) -> str:
     if not ok:
         return "❌ wrong result"
     slow = any("batching rule" in str(w.message) for w in caught)
-    return "✅" + _how(mode, model) + (" (slow: vmap fallback)" if slow else "")
+    return "✅" + _how(mode, model, bool(fallbacks)) + (" (slow: vmap fallback)" if slow else "")
+
+
+@contextlib.contextmanager
+def _counting_fallbacks() -> Iterator[list[str]]:
+    """Lists the layers the hooks and ghost backends ran under the per-layer torch.func fallback
+    in the block (a layer without a grad sampler whose parameters meet the batch in pointwise ops
+    only gets its per-sample gradients from meeting points instead)."""
+    from psg_core.backends import capture
+
+    ran: list[str] = []
+    original = capture.functorch_layer_grad_sample
+
+    def counting(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        ran.append(type(layer).__qualname__)
+        return original(layer, *args, **kwargs)
+
+    capture.functorch_layer_grad_sample = counting  # type: ignore[assignment]
+    try:
+        yield ran
+    finally:
+        capture.functorch_layer_grad_sample = original
 
 
 def refusal_holds(refusal: Refusal) -> str | None:
@@ -170,15 +193,17 @@ def refusal_holds(refusal: Refusal) -> str | None:
     return "not raised"
 
 
-def _how(mode: str, model: nn.Module) -> str:
+def _how(mode: str, model: nn.Module, fallback_ran: bool) -> str:
     layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-    if mode == "hooks" and any(GRAD_SAMPLERS.lookup(m) is None for m in layers):
-        return " torch.func fallback (strict=False)"
+    unsampled = any(GRAD_SAMPLERS.lookup(m) is None for m in layers)
+    if mode == "hooks" and unsampled:
+        return (" torch.func fallback" if fallback_ran else " meeting points") + " (strict=False)"
     if mode == "ghost":
         if all(isinstance(m, ghost_norm_layers()) for m in layers):
             return " ghost norm"
-        return " materialised" if all(GRAD_SAMPLERS.lookup(m) is not None for m in layers) \
-            else " torch.func fallback"
+        if not unsampled:
+            return " materialised"
+        return " torch.func fallback" if fallback_ran else " meeting points"
     return ""
 
 
