@@ -19,7 +19,7 @@ __all__ = ["SUITE_MODULES", "load_suites"]
 
 #: Modules that register a suite when imported, in the order their sections appear.
 SUITE_MODULES: tuple[str, ...] = ("benchmarks.training", "benchmarks.backends", "benchmarks.service",
-                                  "benchmarks.ray_scaling", "benchmarks.gpt2")
+                                  "benchmarks.ray_scaling", "benchmarks.gpt2", "benchmarks.families")
 
 
 def load_suites() -> dict[str, Suite]:

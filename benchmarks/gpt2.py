@@ -69,8 +69,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.harness import (RunOptions, Suite, TargetCheck, Timing, measure_step_memory, register_suite,
-                                run_isolated, time_interleaved)
+from benchmarks.harness import (RunOptions, Suite, TargetCheck, error_text, measure_step_memory, register_suite,
+                                relative_distance, run_isolated, time_interleaved)
 from benchmarks.models import opacus_available
 
 __all__ = ["CONFIGURATIONS", "GPT2_SUITE", "LORA_RANK", "METHODS", "SERVICE_PATHS", "SIZES", "GPT2Size",
@@ -342,23 +342,6 @@ def prepare_step(size: GPT2Size, configuration: str, method: str, device: str, *
     return _PREPARE[method](model, {k: v.to(device) for k, v in inputs.items()}, labels.to(device))
 
 
-def _relative_distance(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    """The largest ``||got - expected|| / ||expected||`` over the parameters (inf when a name is missing)."""
-    if set(got) != set(expected):
-        return float("inf")
-    return max(float((got[name].double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
-               for name, ref in expected.items())
-
-
-def _error_text(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())[:400]
-
-
-def _timing_fields(timing: Timing) -> dict[str, Any]:
-    return {"median_ms": timing.median * 1e3, "min_ms": timing.minimum * 1e3, "max_ms": timing.maximum * 1e3,
-            "times_ms": [s * 1e3 for s in timing.seconds]}
-
-
 def _row_header(options: RunOptions, configuration: str, method: str) -> dict[str, Any]:
     size = SIZES[options.size]
     return {"part": "in-process", "configuration": configuration, "method": method, "batch": size.batch,
@@ -384,7 +367,7 @@ def _agreement(steps: dict[str, Step]) -> dict[str, float]:
     for method, step in steps.items():
         computed = step.clipped_sum()
         if computed is not None:
-            distances[method] = _relative_distance(computed, reference)
+            distances[method] = relative_distance(computed, reference)
     return distances
 
 
@@ -408,7 +391,7 @@ def run_configuration(payload: dict[str, Any]) -> dict[str, Any]:
             steps[method] = _warmed_step(size, configuration, method, options)
         except Exception as err:  # noqa: BLE001 - a refusal is the row's note, the run goes on
             logger.warning("gpt2 suite: %s / %s did not run: %s", configuration, method, err)
-            rows[method]["error"] = _error_text(err)
+            rows[method]["error"] = error_text(err)
             continue
         rows[method]["parameters"] = sum(p.numel() for p in _trainable(steps[method].model).values())
         if steps[method].note:
@@ -418,7 +401,7 @@ def run_configuration(payload: dict[str, Any]) -> dict[str, Any]:
     if steps:
         timings = time_interleaved(dict(steps), warmup=0, repeats=options.repeats, device=options.device)
         for method, timing in timings.items():
-            rows[method].update(_timing_fields(timing))
+            rows[method].update(timing.fields())
     if payload.get("memory"):
         measured = list(steps)
         steps.clear()  # each method's memory is measured with nothing else alive
@@ -432,7 +415,7 @@ def _measure_memory(options: RunOptions, configuration: str, method: str, *, iso
     was built (see :class:`benchmarks.harness.MemoryProbe`); ``memory_error`` when it fails."""
     return measure_step_memory(lambda: prepare_step(SIZES[options.size], configuration, method, options.device),
                                options.device, warmup=options.warmup, isolated=isolated,
-                               describe_error=_error_text)
+                               describe_error=error_text)
 
 
 def _prime_runtime(options: RunOptions, configuration: str, method: str) -> None:
@@ -458,7 +441,7 @@ def run_method_in_child(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         _prime_runtime(options, configuration, method)
     except Exception as err:  # noqa: BLE001 - the method does not run here at all
-        return {"peak_memory_mib": None, "memory_error": _error_text(err)}
+        return {"peak_memory_mib": None, "memory_error": error_text(err)}
     return _measure_memory(options, configuration, method, isolated=True)
 
 
@@ -536,7 +519,7 @@ class _ServiceCase:
     def check(self, step: Callable[[], dict[str, torch.Tensor]]) -> None:
         """The service gradient is the in-process one (no noise): the two rows do the same work."""
         local, remote = self.local_step(), step()
-        distance = _relative_distance({k: v.cpu() for k, v in remote.items()}, {k: v.cpu() for k, v in local.items()})
+        distance = relative_distance({k: v.cpu() for k, v in remote.items()}, {k: v.cpu() for k, v in local.items()})
         if distance > _SERVICE_TOLERANCE:
             raise AssertionError(f"gpt2 suite: the {self.configuration} service gradient is {distance:.3g} off the "
                                  "in-process one in relative norm")
@@ -574,7 +557,7 @@ def measure_service(payload: dict[str, Any]) -> dict[str, Any]:
         row = {"part": "service", "configuration": configuration, "path": path, "mode": SERVICE_MODE,
                "parameters": case.parameters, "trainable_bytes": case.trainable_bytes, "batch": case.batch,
                "length": size.length, "device": device, "threads": torch.get_num_threads(), "warmup": warmup,
-               "in_process_ms": 1e3 * local, **_timing_fields(timing)}
+               "in_process_ms": 1e3 * local, **timing.fields()}
         if path != "in-process":
             row.update(bytes_up=case.trainable_bytes + case.batch_bytes, bytes_down=case.trainable_bytes,
                        executor="inprocess", overhead_ms=1e3 * (timing.median - local))
@@ -589,7 +572,7 @@ def _run_service(options: RunOptions) -> list[dict[str, Any]]:
         result = (run_isolated("benchmarks.gpt2:measure_service", payload, timeout_s=options.timeout_s)
                   if options.isolate else measure_service(payload))
     except Exception as err:  # noqa: BLE001 - a failed measurement must not end the run
-        result = {"error": _error_text(err)}
+        result = {"error": error_text(err)}
     if "error" in result:
         return [{"part": "service", "configuration": configuration, "path": path, "error": result["error"]}
                 for configuration, path in SERVICE_PATHS]

@@ -47,7 +47,8 @@ from typing import Any
 import torch
 
 __all__ = ["RunOptions", "Timing", "MemoryProbe", "measure_step_memory", "TargetCheck", "Suite", "SUITES", "register_suite",
-           "time_steps", "time_interleaved", "memory_method", "run_isolated", "load_callable"]
+           "time_steps", "time_interleaved", "memory_method", "run_isolated", "load_callable", "relative_distance",
+           "error_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,25 @@ class Timing:
     @property
     def maximum(self) -> float:
         return max(self.seconds)
+
+    def fields(self) -> dict[str, Any]:
+        """A row's timing fields, in milliseconds: median, minimum, maximum and every step."""
+        return {"median_ms": self.median * 1e3, "min_ms": self.minimum * 1e3, "max_ms": self.maximum * 1e3,
+                "times_ms": [s * 1e3 for s in self.seconds]}
+
+
+def relative_distance(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """The largest ``||got - expected|| / ||expected||`` over the parameters (inf when a name is
+    missing): how far apart two methods' clipped sums are."""
+    if set(got) != set(expected):
+        return float("inf")
+    return max(float((got[name].double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+               for name, ref in expected.items())
+
+
+def error_text(err: BaseException) -> str:
+    """An error as a row's note: its type and message on one line, at most 400 characters."""
+    return " ".join(f"{type(err).__name__}: {err}".split())[:400]
 
 
 def _synchronize(device: str) -> None:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, Timing, measure_step_memory,
+from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, measure_step_memory,
                                 register_suite, run_isolated, time_interleaved, time_steps)
 from benchmarks.models import MODELS, Variant, opacus_available
 
@@ -303,11 +303,6 @@ def _error(case: Case, err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _timing_fields(timing: Timing) -> dict[str, Any]:
-    return {"median_ms": timing.median * 1e3, "min_ms": timing.minimum * 1e3,
-            "max_ms": timing.maximum * 1e3, "times_ms": [s * 1e3 for s in timing.seconds]}
-
-
 def run_case(payload: dict[str, Any], *, isolated: bool = True) -> dict[str, Any]:
     """Runs one :class:`Case` (given as its JSON dict) alone and returns its measurements.
 
@@ -338,7 +333,7 @@ def run_case(payload: dict[str, Any], *, isolated: bool = True) -> dict[str, Any
         per_sample = step.per_sample_bytes()
         if case.repeats:
             timing = time_steps(step, warmup=0, repeats=case.repeats, device=case.device)
-            result.update(_timing_fields(timing))
+            result.update(timing.fields())
     except Exception as err:  # noqa: BLE001 - recorded in the table, the run goes on
         result["error"] = _error(case, err)
         return result
@@ -386,7 +381,7 @@ def run_group(payload: dict[str, Any]) -> dict[str, Any]:
         timings = time_interleaved(dict(steps), warmup=0, repeats=first.repeats, device=first.device)
         for name, timing in timings.items():
             per_sample = steps[name].per_sample_bytes()
-            rows[name].update(_timing_fields(timing),
+            rows[name].update(timing.fields(),
                               per_sample_grad_mib=None if per_sample is None else per_sample / _MIB)
     if payload.get("memory"):
         measured = [case for case in cases if case.method in steps]
