@@ -46,10 +46,8 @@ def run_mode(payload: dict[str, Any]) -> dict[str, Any]:
     from psg_core.config import DPConfig
     from psg_core.dp import dp_gradient
 
-    options = RunOptions.from_json(payload["options"])
+    options = RunOptions.in_child(payload)
     mode, K = payload["mode"], int(payload["K"])
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
     probe = MemoryProbe(options.device, isolated=options.isolate)
     spec = MODELS[_MODEL]
     model = spec.build(Variant.PSG, options.size).to(options.device)

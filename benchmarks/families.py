@@ -36,19 +36,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.gpt2 import Step
+from benchmarks.gpt2 import GPT2Size, Step, make_batch
 from benchmarks.harness import (RunOptions, Suite, error_text, register_suite, relative_distance, run_isolated,
                                 time_interleaved)
 from benchmarks.models import opacus_available
 
-__all__ = ["FAMILIES", "FAMILIES_SUITE", "METHODS", "SIZES", "FamilySize", "build", "prepare_step", "run_family",
+__all__ = ["FAMILIES", "FAMILIES_SUITE", "METHODS", "SIZES", "build", "prepare_step", "run_family",
            "run_suite", "render"]
 
 logger = logging.getLogger(__name__)
@@ -60,42 +59,37 @@ MAX_GRAD_NORM = 1.0
 #: something else.
 _AGREEMENT = 1e-3
 _PAD, _EOS = 0, 1
+#: the image classifiers' labels (a config field every transformers config takes)
+_CLASSES: dict[str, Any] = {"num_labels": 10}
 
 
-@dataclass(frozen=True)
-class FamilySize:
-    """The models' width and depth and the batch at one scale."""
-
-    #: hidden width of the transformers (the first ConvNeXt stage's is a quarter of it).
-    width: int
-    layers: int
-    #: tokens per sequence / pixels per image side.
-    length: int
-    image: int
-    #: N: sequences / images per batch.
-    batch: int
-    vocab: int
-
-
-SIZES: dict[str, FamilySize] = {
-    "full": FamilySize(width=128, layers=4, length=64, image=32, batch=16, vocab=4000),
-    "quick": FamilySize(width=64, layers=2, length=32, image=32, batch=8, vocab=1000),
-    "tiny": FamilySize(width=16, layers=1, length=6, image=16, batch=2, vocab=40),
+#: The gpt2 suite's scales, narrower: the width of the transformers (the first ConvNeXt stage's is a
+#: quarter of it), their layers and heads, the vocabulary, T tokens per sequence and N sequences or
+#: images per batch; images are 32 x 32 pixels where T >= 32, else 16 x 16.
+SIZES: dict[str, GPT2Size] = {
+    "full": GPT2Size(layers=4, width=128, heads=4, vocab=4000, length=64, batch=16),
+    "quick": GPT2Size(layers=2, width=64, heads=4, vocab=1000, length=32, batch=8),
+    "tiny": GPT2Size(layers=1, width=16, heads=4, vocab=40, length=6, batch=2),
 }
 SIZES["gpu"] = SIZES["gpu16"] = SIZES["full"]
 
 
-def _causal(size: FamilySize, config: str, model: str, **options: Any) -> nn.Module:
+def _image_side(size: GPT2Size) -> int:
+    return 32 if size.length >= 32 else 16
+
+
+def _causal(size: GPT2Size, config: str, model: str, **options: Any) -> nn.Module:
     import transformers
 
     cfg = getattr(transformers, config)(vocab_size=size.vocab, hidden_size=size.width, num_hidden_layers=size.layers,
-                                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * size.width,
+                                        num_attention_heads=size.heads, num_key_value_heads=size.heads // 2,
+                                        intermediate_size=2 * size.width,
                                         max_position_embeddings=size.length, pad_token_id=_PAD, bos_token_id=_EOS,
                                         eos_token_id=_EOS, **options)
     return getattr(transformers, model)(cfg)  # type: ignore[no-any-return]
 
 
-def build(family: str, size: FamilySize, *, seed: int = 0) -> nn.Module:
+def build(family: str, size: GPT2Size, *, seed: int = 0) -> nn.Module:
     """The family's model with random weights (the same ``seed``, the same weights), in train mode
     with no dropout, every parameter trainable."""
     import transformers
@@ -107,29 +101,27 @@ def build(family: str, size: FamilySize, *, seed: int = 0) -> nn.Module:
         model = _causal(size, "MixtralConfig", "MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2)
     elif family == "beit":
         model = transformers.BeitForImageClassification(transformers.BeitConfig(
-            image_size=size.image, patch_size=4, hidden_size=size.width, num_hidden_layers=size.layers,
-            num_attention_heads=4, intermediate_size=2 * size.width, use_relative_position_bias=True,
-            layer_scale_init_value=0.1, use_mean_pooling=True, num_labels=10, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+            image_size=_image_side(size), patch_size=4, hidden_size=size.width, num_hidden_layers=size.layers,
+            num_attention_heads=size.heads, intermediate_size=2 * size.width, use_relative_position_bias=True,
+            layer_scale_init_value=0.1, use_mean_pooling=True, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, drop_path_rate=0.0, **_CLASSES))
     elif family == "convnext":
         widths = [max(8, size.width // 4) * 2 ** i for i in range(3)]
         model = transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
             num_channels=3, hidden_sizes=widths, depths=[max(1, size.layers // 2)] * 3, num_stages=3,
-            image_size=size.image, layer_scale_init_value=0.1, drop_path_rate=0.0, num_labels=10))
+            image_size=_image_side(size), layer_scale_init_value=0.1, drop_path_rate=0.0, **_CLASSES))
     else:
         raise ValueError(f"families suite: unknown family {family!r}; expected one of {list(FAMILIES)}")
     return model.train()
 
 
-def _batch(family: str, size: FamilySize, *, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _batch(family: str, size: GPT2Size, *, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     if family in ("beit", "convnext"):
-        pixels = torch.randn(size.batch, 3, size.image, size.image, generator=generator)
+        side = _image_side(size)
+        pixels = torch.randn(size.batch, 3, side, side, generator=generator)
         return {"pixel_values": pixels}, torch.randint(0, 10, (size.batch,), generator=generator)
-    from benchmarks.gpt2 import GPT2Size, make_batch
-
-    return make_batch(GPT2Size(layers=1, width=size.width, heads=1, vocab=size.vocab, length=size.length,
-                               batch=size.batch), seed=seed)
+    return make_batch(size, seed=seed)
 
 
 def _loss(family: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
@@ -145,7 +137,7 @@ def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def prepare_step(family: str, method: str, size: FamilySize, device: str) -> Step:
+def prepare_step(family: str, method: str, size: GPT2Size, device: str) -> Step:
     """``method``'s step on the family's model and batch, on ``device``.
 
     Raises:
@@ -189,7 +181,7 @@ def prepare_step(family: str, method: str, size: FamilySize, device: str) -> Ste
         loss_fn(wrapped(**inputs), labels).mean().backward()
         optimizer.clip_and_accumulate()
 
-    return Step(opacus, lambda: {n: p.summed_grad for n, p in params.items()
+    return Step(opacus, lambda: {n: getattr(p, "summed_grad") for n, p in params.items()
                                  if getattr(p, "summed_grad", None) is not None}, model)
 
 
@@ -199,10 +191,8 @@ def run_family(payload: dict[str, Any]) -> dict[str, Any]:
     Args:
         payload: ``{"options": RunOptions.to_json(), "family": str}``.
     """
-    options = RunOptions.from_json(payload["options"])
+    options = RunOptions.in_child(payload)
     family = payload["family"]
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
     size = SIZES[options.size]
     rows: dict[str, dict[str, Any]] = {}
     steps: dict[str, Step] = {}

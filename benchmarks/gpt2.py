@@ -378,10 +378,8 @@ def run_configuration(payload: dict[str, Any]) -> dict[str, Any]:
         payload: ``{"options": RunOptions.to_json(), "configuration": str, "memory": bool}``; with
             ``memory`` (CUDA), each method's peak memory is measured here after the timing.
     """
-    options = RunOptions.from_json(payload["options"])
+    options = RunOptions.in_child(payload)
     configuration = payload["configuration"]
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
     size = SIZES[options.size]
     rows: dict[str, dict[str, Any]] = {}
     steps: dict[str, Step] = {}
@@ -434,10 +432,8 @@ def run_method_in_child(payload: dict[str, Any]) -> dict[str, Any]:
     Args:
         payload: ``{"options": RunOptions.to_json(), "configuration": str, "method": str}``.
     """
-    options = RunOptions.from_json(payload["options"])
+    options = RunOptions.in_child(payload)
     configuration, method = payload["configuration"], payload["method"]
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
     try:
         _prime_runtime(options, configuration, method)
     except Exception as err:  # noqa: BLE001 - the method does not run here at all
@@ -533,9 +529,7 @@ def measure_service(payload: dict[str, Any]) -> dict[str, Any]:
     """
     from benchmarks.service import _server
 
-    options = RunOptions.from_json(payload["options"])
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
+    options = RunOptions.in_child(payload)
     size, device = SIZES[options.size], options.device
     warmup = max(options.warmup, 1)
     repeats = options.repeats if options.size == "tiny" else max(options.repeats, _MIN_SERVICE_REPEATS)

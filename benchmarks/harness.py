@@ -99,6 +99,15 @@ class RunOptions:
         return asdict(self)
 
     @classmethod
+    def in_child(cls, payload: dict[str, Any]) -> RunOptions:
+        """The options a child process got in ``payload["options"]``, with torch's intra-op
+        threads set as they say."""
+        options = cls.from_json(payload["options"])
+        if options.threads is not None:
+            torch.set_num_threads(options.threads)
+        return options
+
+    @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunOptions:
         return cls(**{**data, "models": tuple(data.get("models", ())),
                       "multiplicities": tuple(data.get("multiplicities", (1, 4)))})

@@ -27,7 +27,7 @@ import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -214,7 +214,8 @@ class TransformerClassifier(nn.Module):
         self.head = nn.Linear(dim, classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens) + self.positions[: tokens.shape[1]]  # (B, T, d)
+        positions = cast(torch.Tensor, self.positions)  # a buffer
+        x = self.embedding(tokens) + positions[: tokens.shape[1]]  # (B, T, d)
         x = self.blocks(x)  # (B, T, d)
         return self.head(self.norm(x.mean(1)))  # (B, classes)
 

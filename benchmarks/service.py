@@ -221,9 +221,7 @@ def measure(payload: dict[str, Any]) -> dict[str, Any]:
     Args:
         payload: ``{"options": RunOptions.to_json()}``.
     """
-    options = RunOptions.from_json(payload["options"])
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
+    options = RunOptions.in_child(payload)
     device = options.device
     size = SIZES[options.size]
     warmup = max(options.warmup, 1)

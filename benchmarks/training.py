@@ -18,7 +18,7 @@ other once the timed steps are freed (``torch.cuda.max_memory_allocated`` counts
 only, so a process per method would only add its ~15 s of CUDA start-up).
 
 >>> [m.name for m in METHODS.values()][:2]
-['non-private', 'psg-hooks']
+['non-private', 'non-private-dp-layers']
 """
 
 from __future__ import annotations
