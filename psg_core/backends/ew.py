@@ -248,10 +248,11 @@ class _ExpandedWeightsMode(TorchFunctionMode):
             type(self._tracker.current_module), ALWAYS_BATCH_FIRST, False)) else 1
         if func is F.linear and followed is not None and followed == args[0].dim() - 1:
             followed = None  # the batch on the features the layer sums: its output mixes samples (refused there)
-        if followed is not None and followed != reads:
+        if followed is not None and followed != reads and (func is F.linear or self._batch_first):
             # The model moved the batch (XLNet computes on (T, N, d)): a linear layer can be told
-            # where it is; the other kernels read axis 0 only.
-            if func is not F.linear or followed > 1 or args[0].dim() < 3:
+            # where it is; the other kernels read axis 0 only (and with batch_first=False they are
+            # refused below).
+            if func is not F.linear or followed > 1 or (followed == 1 and args[0].dim() < 3):
                 raise self._refuse(func, f"on an input whose batch is on axis {followed}, where torch's "
                                    f"ExpandedWeights read axis {reads} as the batch")
             reads = followed

@@ -338,3 +338,28 @@ def test_a_linear_layer_on_a_moved_batch_is_told_where_it_is(K: int, path: str) 
     with pytest.raises(UnsupportedModuleError, match=r"module 'conv' \(Conv1d\) calls conv1d on an input whose batch "
                                                      r"is on axis 2, where torch's ExpandedWeights read axis 0"):
         _ew(TimeMajorInside(conv=True), x, y, _ce, K, path)
+
+
+class BatchFirstInside(nn.Module):
+    """Time-major at its boundary (``batch_first=False``), batch-first inside: a linear layer sees the
+    batch on axis 0 where ExpandedWeights read axis 1 for this layout unless told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, N*K, 3)
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # (N*K, T, 4)
+        return self.out(torch.tanh(self.mid(h)).mean(1))  # (N*K, 3)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_linear_layer_on_a_batch_first_view_of_a_time_major_batch(K: int) -> None:
+    torch.manual_seed(0)
+    model = BatchFirstInside()
+    x, y = torch.randn(5, N * K, 3), torch.randint(0, 3, (N * K,))
+    samples = [((x[:, n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = microbatch_oracle(model, samples, lambda out, t: _ce(out, t).mean())
+    got = per_sample_gradients(model, x, y, loss_fn=_ce, mode="ew", augmentation_multiplicity=K, batch_first=False)
+    for name, value in expected.items():
+        assert_close_scaled(got[name], value.to(got[name].dtype), name=name)
