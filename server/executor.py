@@ -35,7 +35,8 @@ import torch
 
 from psg_core.config import DPConfig, DPGradient
 from psg_core.layout import ModelInputs
-from psg_server.errors import NoWorkersError
+from psg_core.errors import PsgError
+from psg_server.errors import InvalidRequestError, NoWorkersError
 from psg_server.losses import get_loss
 from psg_server.models import ModelRegistry
 from psg_server.resident import ResidentModel, resolve_device
@@ -43,10 +44,54 @@ from psg_wire.adapters import LoraAdapter
 from psg_wire.flat import FlatTensors
 
 __all__ = ["InProcessExecutor", "ParameterSet", "SessionSpec", "Shard", "ShardExecutor", "ShardResult", "ShardRunner",
-           "ShardTimings", "WorkerDescription"]
+           "ShardTimings", "WorkerDescription", "model_failure"]
 
 logger = logging.getLogger(__name__)
 
+
+#: Top-level packages whose code is the service's own (and torch's, which runs every model's ops):
+#: an error raised there, outside a model's own code, is the server's fault.
+_SERVICE_PACKAGES = frozenset({"psg_core", "psg_server", "psg_wire", "psg_client"})
+#: Errors a model's code raises on inputs or a config it cannot run (OutOfMemoryError is excluded:
+#: a RuntimeError, but the machine's limit, not the caller's input).
+_MODEL_ERRORS = (RuntimeError, ValueError, IndexError, KeyError, TypeError, AssertionError)
+
+
+def model_failure(error: BaseException, model: str) -> InvalidRequestError | None:
+    """The caller's error for an exception the session's model raised in its own code during a step
+    (a config transformers accepted that the model cannot run: a partial rotary factor above 1, a
+    Swin window larger than its patch grid), None for anything else (psg's or the server's own
+    errors, and out-of-memory, stay what they are).
+
+    The raiser is the innermost frame outside torch (whose ops every model runs) and psg's
+    torch-function modes (which relay them): a module of the model's package (transformers, a
+    plugin) makes it the model's failure.
+
+    >>> model_code = {"__name__": "transformers.models.toy.modeling_toy"}
+    >>> exec("def forward():\\n    raise RuntimeError('window 16 > 8')", model_code)
+    >>> try:
+    ...     model_code["forward"]()
+    ... except RuntimeError as err:
+    ...     failure = model_failure(err, "toy")
+    >>> "failed in its own code (transformers.models.toy.modeling_toy)" in str(failure), type(failure).__name__
+    (True, 'InvalidRequestError')
+    """
+    if isinstance(error, PsgError) or isinstance(error, torch.OutOfMemoryError) \
+            or not isinstance(error, _MODEL_ERRORS):
+        return None
+    modules = []
+    tb = error.__traceback__
+    while tb is not None:
+        # (psg's torch-function modes relay every op the model calls: not the raiser either)
+        if tb.tb_frame.f_code.co_name != "__torch_function__":
+            modules.append(str(tb.tb_frame.f_globals.get("__name__", "")))
+        tb = tb.tb_next
+    raiser = next((name for name in reversed(modules) if name.split(".")[0] != "torch"), "")
+    if not raiser or raiser.split(".")[0] in _SERVICE_PACKAGES or raiser == "__main__":
+        return None
+    text = " ".join(str(error).split())[:300] or type(error).__name__
+    return InvalidRequestError(f"ComputeGradients: model {model!r} failed in its own code ({raiser}) on this "
+                               f"batch: {type(error).__name__}: {text}; its config (or the batch) does not fit it")
 
 @dataclass(frozen=True)
 class SessionSpec:
@@ -253,8 +298,14 @@ class ShardRunner:
         loaded = self._synchronize()
         config = spec.dp_config if shard.max_grad_norm is None else \
             replace(spec.dp_config, max_grad_norm=shard.max_grad_norm)
-        result = dp_gradient(resident.model, shard.model_inputs(inputs), targets, loss_fn=resident.loss,
-                             config=config)
+        try:
+            result = dp_gradient(resident.model, shard.model_inputs(inputs), targets, loss_fn=resident.loss,
+                                 config=config)
+        except Exception as err:
+            failure = model_failure(err, spec.model)
+            if failure is None:
+                raise
+            raise failure from err
         flat = FlatTensors.pack(result.grads)  # one buffer for the sum, the transport and the reply
         norms = result.per_sample_norms
         computed = self._synchronize()

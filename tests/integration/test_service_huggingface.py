@@ -327,6 +327,26 @@ def test_bad_batches_and_pushes(client: GradientClient) -> None:
         assert session.compute_gradients(inputs, labels).samples == 2  # and the session goes on
 
 
+def test_a_model_that_fails_in_its_own_code_is_the_callers_error(client: GradientClient) -> None:
+    """A config transformers accepts but the model cannot run (Phi rotating more dimensions than a
+    head has): the step fails inside the model's forward, which is the caller's INVALID_ARGUMENT
+    naming the model's module, not an INTERNAL error; the server goes on."""
+    phi = {"model_type": "phi", "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+           "intermediate_size": 16, "pad_token_id": 0, "partial_rotary_factor": 2.0}
+    model = hf_model(phi, "PhiForCausalLM")
+    inputs, labels = token_batch(4)
+    with client.create_session("hf_causal_lm", model_kwargs=phi, loss="causal_lm", expected_batch_size=4,
+                               config=DPConfig(max_grad_norm=1.0)) as session:
+        session.push_parameters(model)
+        code, details, reason = status_of(lambda: session.compute_gradients(inputs, labels))
+    assert (code, reason) == (Code.INVALID_ARGUMENT, "INVALID_REQUEST"), (code, reason, details)
+    assert "failed in its own code (transformers.models.phi.modeling_phi) on this batch: RuntimeError" in details
+    with client.create_session("hf_causal_lm", model_kwargs=GPT2, loss="causal_lm", expected_batch_size=4,
+                               config=DPConfig(max_grad_norm=1.0)) as session:
+        session.push_parameters(hf_model(GPT2))
+        assert session.compute_gradients(inputs, labels).samples == 4
+
+
 def test_bad_audio_batches(client: GradientClient) -> None:
     """A waveform shorter than one feature frame, a non-finite one, an attention mask (the audio
     task takes none) or integer samples: INVALID_ARGUMENT with the reason, and the session goes on."""
