@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from psg_core._layout import STATE_BATCH_AXIS
 from psg_core.errors import UnsupportedModuleError
-from psg_core.support import built_on_experts_interface, is_unit, modules_of, own_parameters, trainable_parameters
+from psg_core.support import is_unit, known_rowwise, modules_of, own_parameters, trainable_parameters
 
 __all__ = ["rowwise", "rowwise_module", "is_rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN",
            "MIXED", "GROUPED", "PERMUTED"]
@@ -103,7 +103,8 @@ def rowwise_module(cls: type[nn.Module]) -> type[nn.Module]:
     (usable as a decorator).
 
     Hugging Face's routed experts (every class built on transformers' experts interface: Mixtral,
-    Qwen2/3-MoE, OLMoE, DeepSeek, ...) are row-wise already.
+    Qwen2/3-MoE, OLMoE, DeepSeek, ...) and Longformer's and LED's self-attention (global tokens
+    gathered across the batch, padded slots given zero weight) are row-wise already.
 
     >>> class Doubler(nn.Module):
     ...     def forward(self, x):
@@ -117,12 +118,12 @@ def rowwise_module(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def is_rowwise(layer: nn.Module) -> bool:
-    """Whether ``layer``'s class is row-wise (:func:`rowwise_module`, or Hugging Face's routed
-    experts, whose forward is the experts interface's dispatcher)."""
+    """Whether ``layer``'s class is row-wise (:func:`rowwise_module`, or known so:
+    :func:`~psg_core.support.known_rowwise`)."""
     cls = type(layer)
     known = _ROWWISE.get(cls)
     if known is None:
-        known = _ROWWISE[cls] = built_on_experts_interface(cls)
+        known = _ROWWISE[cls] = known_rowwise(cls)
     return known
 
 

@@ -27,7 +27,7 @@ from psg_core.errors import UnsupportedModuleError
 __all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
            "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters",
            "unit_module", "is_unit", "hooked_modules", "modules_of", "one_walk", "trainable_parameters",
-           "built_on_experts_interface", "EXPERTS_INTERFACE"]
+           "built_on_experts_interface", "EXPERTS_INTERFACE", "known_rowwise"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -174,6 +174,26 @@ def built_on_experts_interface(cls: type) -> bool:
         EXPERTS_INTERFACE.replace(".", "/") + ".py")
 
 
+#: Hugging Face classes known to compute each batch row from the same row of their inputs alone,
+#: whose ops the batch tracker would take for mixing (see :func:`known_rowwise`).
+_ROWWISE_NAMES = frozenset({
+    # Longformer's sliding-window attention with global tokens (and LED's encoder copy of it): the
+    # global tokens of all rows are gathered by ``nonzero`` into (batch row, slot) places padded to
+    # the batch's largest count (``num_global.max()``), and the padded slots' scores are set to the
+    # dtype's lowest value, so softmax gives them exactly 0: each row's output is its own rows' alone.
+    "transformers.models.longformer.modeling_longformer.LongformerSelfAttention",
+    "transformers.models.led.modeling_led.LEDEncoderSelfAttention",
+})
+
+
+def known_rowwise(cls: type) -> bool:
+    """Whether ``cls`` is row-wise by psg's knowledge of it (transformers is never imported here):
+    Hugging Face's routed experts (:func:`built_on_experts_interface`) and the attention classes of
+    ``_ROWWISE_NAMES``; these are units too (:func:`is_unit`), their parameters' per-sample
+    gradients computed from their whole call."""
+    return built_on_experts_interface(cls) or f"{cls.__module__}.{cls.__qualname__}" in _ROWWISE_NAMES
+
+
 # ------------------------------------------------------------------------------ units
 #: Classes whose call is one unit for per-sample gradients (see :func:`unit_module`), by class;
 #: Hugging Face's are known by name (transformers is never imported here).
@@ -183,7 +203,7 @@ _UNIT_NAMES = frozenset({
     "transformers.models.wavlm.modeling_wavlm.WavLMAttention",
     # its slow path reads conv1d.weight in a functional convolution and scans in place
     "transformers.models.mamba.modeling_mamba.MambaMixer",
-})
+}) | _ROWWISE_NAMES
 
 
 def unit_module(cls: type[nn.Module]) -> type[nn.Module]:
@@ -195,7 +215,8 @@ def unit_module(cls: type[nn.Module]) -> type[nn.Module]:
     gradients from ``torch.func`` on the module's whole call (the per-layer fallback), and hook
     none of its submodules. The module must not mix samples. Returns ``cls`` (a decorator).
 
-    Hugging Face's WavLM attention and Mamba mixer are units already.
+    Hugging Face's WavLM attention, Mamba mixer and Longformer's (and LED's) self-attention are units
+    already.
 
     >>> class Fused(nn.Module):
     ...     def __init__(self):

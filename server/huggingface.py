@@ -12,14 +12,18 @@ hf_causal_lm                   AutoModelForCausalLM                             
                                                                                  qwen3, qwen3_moe
 hf_sequence_classification     AutoModelForSequenceClassification                albert, bert, deberta, deberta-v2,
                                                                                  distilbert, electra, gemma2, gpt2,
-                                                                                 llama, mistral, mixtral, qwen2,
-                                                                                 roberta, xlnet
+                                                                                 llama, longformer, mistral, mixtral,
+                                                                                 qwen2, roberta, xlnet
 hf_token_classification        AutoModelForTokenClassification                   albert, bert, deberta, deberta-v2,
-                                                                                 distilbert, electra, roberta
-hf_seq2seq_lm                  AutoModelForSeq2SeqLM                             bart, mbart, t5
+                                                                                 distilbert, electra, longformer,
+                                                                                 roberta
+hf_seq2seq_lm                  AutoModelForSeq2SeqLM                             bart, led, mbart, t5
 hf_image_classification        AutoModelForImageClassification                   beit, convnext, dinov2, swin, vit
 hf_audio_classification        AutoModelForAudioClassification                   wav2vec2, hubert, wavlm
 =============================  ================================================  =====================================
+
+Longformer and LED also take ``inputs/global_attention_mask`` (1 where a token attends to every
+token and every token to it; Longformer's classifier puts it on the first token when it is not sent).
 
 Nothing is downloaded and no code comes from elsewhere: the config class and the model class are
 the installed transformers' own (its Auto mappings, never ``trust_remote_code``), the model is built
@@ -100,15 +104,16 @@ TASKS: dict[str, HuggingFaceTask] = {task.name: task for task in (
     HuggingFaceTask("hf_sequence_classification", "AutoModelForSequenceClassification",
                     "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
                     ("albert", "bert", "deberta", "deberta-v2", "distilbert", "electra", "gemma2", "gpt2", "llama",
-                     "mistral", "mixtral", "qwen2", "roberta", "xlnet"), "tokens",
+                     "longformer", "mistral", "mixtral", "qwen2", "roberta", "xlnet"), "tokens",
                     per_token=False,
                     needs_pad_token=("gemma2", "gpt2", "llama", "mistral", "mixtral", "qwen2")),
     HuggingFaceTask("hf_token_classification", "AutoModelForTokenClassification",
                     "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", ("albert", "bert", "deberta", "deberta-v2",
-                                                                     "distilbert", "electra", "roberta"), "tokens",
+                                                                     "distilbert", "electra", "longformer",
+                                                                     "roberta"), "tokens",
                     per_token=True),
     HuggingFaceTask("hf_seq2seq_lm", "AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-                    ("bart", "mbart", "t5"), "seq2seq", per_token=True),
+                    ("bart", "led", "mbart", "t5"), "seq2seq", per_token=True),
     HuggingFaceTask("hf_image_classification", "AutoModelForImageClassification",
                     "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", ("beit", "convnext", "dinov2", "swin", "vit"),
                     "image", per_token=False),
@@ -241,6 +246,38 @@ def _build(task: HuggingFaceTask, **kwargs: Any) -> nn.Module:
                                   f"{_first_line(err)}") from None
 
 
+#: Model types with Longformer's global attention (``global_attention_mask``).
+_GLOBAL_ATTENTION = frozenset({"longformer", "led"})
+#: Model types whose positions count from the padding id on (RoBERTa's scheme: token t of a row is
+#: at position ``pad_token_id + 1 + t``), so a row holds ``max_position_embeddings - pad_token_id - 1``.
+_POSITIONS_AFTER_PAD = frozenset({"roberta", "longformer"})
+
+
+def _max_lengths(config: Any) -> tuple[int, int]:
+    """The longest rows (encoder, decoder) the position tables of ``config``'s model hold.
+
+    >>> import transformers
+    >>> _max_lengths(transformers.RobertaConfig(max_position_embeddings=16, pad_token_id=1))
+    (14, 14)
+    >>> _max_lengths(transformers.XLNetConfig()) == (_MAX_SEQUENCE, _MAX_SEQUENCE)
+    True
+    >>> _max_lengths(transformers.LEDConfig(max_encoder_position_embeddings=20, max_decoder_position_embeddings=8,
+    ...                                     attention_window=4))
+    (20, 8)
+    """
+    if config.model_type == "led":
+        # LED pads the encoder's rows to a multiple of its attention window, positions from 0
+        window = max(config.attention_window) if isinstance(config.attention_window, list) else config.attention_window
+        encoder = config.max_encoder_position_embeddings
+        return encoder // window * window, config.max_decoder_position_embeddings
+    length = getattr(config, "max_position_embeddings", None)
+    if not isinstance(length, int) or length <= 0:  # no table (XLNet's is -1: relative positions only)
+        return _MAX_SEQUENCE, _MAX_SEQUENCE
+    if config.model_type in _POSITIONS_AFTER_PAD and isinstance(config.pad_token_id, int):
+        length -= config.pad_token_id + 1
+    return length, length
+
+
 def signature(name: str, **kwargs: Any) -> ModelSignature:
     """What the model of task ``name`` with config ``kwargs`` takes (keyword inputs only) and how
     many logits per row (or per token) it returns.
@@ -264,16 +301,19 @@ def signature(name: str, **kwargs: Any) -> ModelSignature:
             shortest = (shortest - 1) * stride + kernel
         audio = {"input_values": InputSpec("float", ((shortest, _MAX_AUDIO),))}
         return ModelSignature(inputs=(), num_outputs=config.num_labels, keyword_inputs=audio)
-    max_length = getattr(config, "max_position_embeddings", None) or _MAX_SEQUENCE
+    max_length, decoder_length = _max_lengths(config)
     tokens = InputSpec("index", ((1, max_length),), num_embeddings=config.vocab_size)
     mask = InputSpec("mask", ((1, max_length),), required=False, same_shape_as="input_ids")
     inputs = {"input_ids": tokens, "attention_mask": mask}
+    if config.model_type in _GLOBAL_ATTENTION:
+        inputs["global_attention_mask"] = InputSpec("mask", ((1, max_length),), required=False,
+                                                    same_shape_as="input_ids")
     type_vocab = getattr(config, "type_vocab_size", None)
     if isinstance(type_vocab, int) and type_vocab > 0:
         inputs["token_type_ids"] = InputSpec("index", ((1, max_length),), num_embeddings=type_vocab,
                                              required=False, same_shape_as="input_ids")
     if task.inputs == "seq2seq":
-        inputs["decoder_input_ids"] = tokens
+        inputs["decoder_input_ids"] = InputSpec("index", ((1, decoder_length),), num_embeddings=config.vocab_size)
         inputs["decoder_attention_mask"] = InputSpec("mask", ((1, max_length),), required=False,
                                                      same_shape_as="decoder_input_ids")
         return ModelSignature(inputs=(), num_outputs=config.vocab_size, keyword_inputs=inputs,

@@ -6,6 +6,7 @@ every module under ``force_functorch=True``. One vmapped item is one sample's K 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -83,10 +84,14 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
     batched_bps = [fold_rows(b.movedim(d, 0), K * m) if b is not None else None  # (N, K*m, ...)
                    for b, (d, m) in zip(backprops, out_dims)]
 
+    own_call = _SAMPLE_CALLS.get(f"{type(layer).__module__}.{type(layer).__qualname__}")
+
     def sample_loss(sample_params: dict[str, torch.Tensor], inputs: list[Any],
                     bps: list[torch.Tensor | None]) -> torch.Tensor:
         restored = [v if a is None else v.movedim(0, a) for v, a in zip(inputs, axes)]
         call_args, call_kwargs = tree_unflatten(restored, input_spec)
+        if own_call is not None:
+            call_kwargs = own_call(layer, call_args, call_kwargs)
         # Only the layer's own tensors are swapped: a submodule's parameter tied to one of them
         # (an MLM head's bias, which its decoder Linear also holds) is that submodule's to account.
         outputs = [o for o in tree_flatten(functional_call(layer, sample_params, call_args, call_kwargs,
@@ -105,6 +110,8 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
         return total
 
     try:
+        if own_call is not None:  # it reads one sample's values: never batchable
+            raise RuntimeError("data-dependent control flow")
         per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
                           randomness="different")(params, batched_inputs, batched_bps)
     except RuntimeError as err:
@@ -119,6 +126,24 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
         per_sample = {name: torch.stack([r[name] for r in results]) for name in params}
     return {named[name]: g for name, g in per_sample.items()}
 
+
+def _own_global_attention(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Longformer's (and LED's) self-attention takes ``is_global_attn``, whether any row of the
+    *batch* has a global token; one sample's run needs whether its own rows have one (its code
+    cannot run with the flag set and no global token)."""
+    bound = inspect.signature(layer.forward).bind_partial(*args, **kwargs).arguments
+    rows, flag = bound.get("is_index_global_attn"), bound.get("is_global_attn")
+    if not isinstance(rows, torch.Tensor) or not flag or "is_global_attn" not in kwargs:
+        return kwargs
+    return {**kwargs, "is_global_attn": bool(rows.any())}
+
+
+#: Per class (by name): the call of one sample's rows, from what the batch's call was given, where
+#: the batch's arguments include a flag computed from every row.
+_SAMPLE_CALLS = {
+    "transformers.models.longformer.modeling_longformer.LongformerSelfAttention": _own_global_attention,
+    "transformers.models.led.modeling_led.LEDEncoderSelfAttention": _own_global_attention,
+}
 
 #: Messages of the errors vmap raises for a function it cannot batch (torch.func's own, or an op
 #: without a batching rule), which a loop over samples computes.

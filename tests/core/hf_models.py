@@ -103,8 +103,8 @@ def _hf(config: str, model: str, **options: object) -> Callable[[], nn.Module]:
 #: padding mask (offset by the pad id), DistilBERT's and ALBERT's factorised or separate
 #: embeddings, ELECTRA's embedding projection, XLNet's two-stream relative attention over a
 #: time-major layout, Mistral/Qwen2/Gemma2/Phi/GPT-NeoX/Falcon's rotary variants (partial rotary,
-#: soft-capping, parallel blocks), GPT-Neo's local attention windows, MPT's ALiBi, mBART's
-#: pre-norm encoder-decoder.
+#: soft-capping, parallel blocks), GPT-Neo's local attention windows, MPT's ALiBi, Longformer's
+#: sliding windows with global tokens, mBART's pre-norm encoder-decoder.
 _MORE: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
     "roberta": (_hf("RobertaConfig", "RobertaForSequenceClassification", **_ENCODER), ["query", "value"]),
     "distilbert": (lambda: transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
@@ -129,6 +129,9 @@ _MORE: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
                     bos_token_id=EOS, eos_token_id=EOS), ["q_proj", "v_proj"]),
     "mpt": (_hf("MptConfig", "MptForSequenceClassification", d_model=16, n_layers=2, n_heads=2, max_seq_len=20),
             ["Wqkv"]),
+    # sliding-window attention with global tokens gathered across the batch (the CLS token here)
+    "longformer": (_hf("LongformerConfig", "LongformerForSequenceClassification", attention_window=4, **_ENCODER),
+                   ["query", "value"]),
     "mbart": (_hf("MBartConfig", "MBartForSequenceClassification", d_model=16, encoder_layers=1, decoder_layers=1,
                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
                   max_position_embeddings=20, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,

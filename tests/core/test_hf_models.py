@@ -119,6 +119,75 @@ def test_ew_is_right_or_refuses(family: str, variant: str, device: torch.device)
     _check(grads, expected, f"{family}/{variant}/ew")
 
 
+def _led() -> torch.nn.Module:
+    return hf.transformers.LEDForConditionalGeneration(hf.transformers.LEDConfig(
+        vocab_size=hf.VOCAB, pad_token_id=hf.PAD, eos_token_id=hf.EOS, bos_token_id=hf.EOS,
+        decoder_start_token_id=hf.PAD, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_encoder_position_embeddings=20,
+        max_decoder_position_embeddings=20, attention_window=4, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0))
+
+
+#: sample n's global tokens (each of its K rows alike): three (sample 0's rows end with padding), none,
+#: the first. (transformers' float64 Longformer, the oracle's, returns NaN gradients for a padded row
+#: without global tokens: its masks add the dtype's lowest value twice.)
+_GLOBAL_TOKENS = ([0, 2, 3], [], [0])
+
+
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "gsm"])
+@pytest.mark.parametrize("which", ["longformer", "led"])
+def test_longformer_global_tokens_of_different_counts(which: str, mode: str, K: int, device: torch.device) -> None:
+    """Longformer's (and LED's encoder's) self-attention gathers every row's global tokens with
+    ``nonzero`` into slots padded to the batch's largest count (``num_global.max()``) and gives the
+    padded slots the lowest score: row-wise, though the tracker would read mixing there. Samples
+    with 0, 1 and 3 global tokens (one also padded) get the oracle's gradients in every mode."""
+    import copy
+
+    torch.manual_seed(0)
+    inputs, labels = hf.batch("longformer", N * K)
+    glob = torch.zeros_like(inputs["attention_mask"])
+    for n, places in enumerate(_GLOBAL_TOKENS):
+        glob[n * K:(n + 1) * K, places] = 1
+    inputs["global_attention_mask"] = glob
+    if which == "led":
+        model = _led().eval()
+        generator = torch.Generator().manual_seed(2)
+        labels = torch.randint(2, hf.VOCAB, (N * K, 3), generator=generator)
+        inputs["decoder_input_ids"] = torch.cat([torch.full((N * K, 1), hf.PAD), labels[:, :-1]], dim=1)
+        loss_fn: Callable[[object, torch.Tensor], torch.Tensor] = _token_loss
+    else:
+        model, loss_fn = hf.build("longformer", lora=False), hf.loss_fn
+    ref = copy.deepcopy(model).double()
+    params = dict(ref.named_parameters())
+    per_sample: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+    for n in range(N):
+        rows = slice(n * K, (n + 1) * K)
+        loss = loss_fn(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows]).mean()
+        for name, g in zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
+            per_sample[name].append(torch.zeros_like(params[name]) if g is None else g)
+    oracle = {name: torch.stack(gs) for name, gs in per_sample.items()}
+    model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
+    where = f"{which}/{mode}/K={K}"
+    if mode == "ghost":
+        reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
+        result = dp_gradient(model, inputs, labels, loss_fn=loss_fn,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
+        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms", rtol=RTOL, atol=ATOL)
+        _check(result.grads, reference.grads, where)
+    elif mode == "gsm":
+        wrapped = psg_core.GradSampleModule(model, strict=False, augmentation_multiplicity=K)
+        try:
+            loss_fn(wrapped(**inputs), labels).mean().backward()
+            grads = {name: p.grad_sample for name, p in model.named_parameters()}
+        finally:
+            wrapped.remove_hooks()
+        _check(grads, oracle, where)
+    else:
+        grads = per_sample_gradients(model, inputs, labels, loss_fn=loss_fn, mode=mode, augmentation_multiplicity=K)
+        _check(grads, oracle, where)
+
+
 def test_sum_reduction_and_dp_gradient_hooks(device: torch.device) -> None:
     model, inputs, labels, _ = _case("gpt2", "full", 2, device)
     expected = hf.oracle(model, inputs, labels, 2, reduction="sum")

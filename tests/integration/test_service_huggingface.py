@@ -22,8 +22,8 @@ from psg_wire.codec import encode_tensors
 from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from psg_wire.v1.tensor_pb2 import TensorHeader
-from tests.server.hf_harness import (BERT, BERT_LORA, DEBERTA_LORA, DEBERTA_V3, GPT2, GPT2_LORA, MAMBA, MAMBA_LORA,
-                                    BART, IMAGE_MODELS, MIXTRAL, T5,
+from tests.server.hf_harness import (BERT, BERT_LORA, DEBERTA_LORA, DEBERTA_V3, GPT2, GPT2_LORA, LED, LONGFORMER, MAMBA,
+                                    MAMBA_LORA, BART, IMAGE_MODELS, MIXTRAL, T5,
                                     WAV2VEC2, WAV2VEC2_LORA, WAVLM, WAVLM_LORA, hf_model, token_batch,
                                     trainable_bytes)
 from tests.server.service_harness import client_for, local_dp, serve
@@ -119,12 +119,39 @@ def test_mamba_causal_lm_equals_local_dp_gradient(client: GradientClient, lora: 
     assert result.fraction_clipped == 1
 
 
+def _global_tokens(rows: int, K: int) -> torch.Tensor:
+    """Longformer's global attention: sample n's K rows have none, the first token, or tokens 0 and 2."""
+    glob = torch.zeros(rows, 6, dtype=torch.long)
+    for n in range(rows // K):
+        glob[n * K:(n + 1) * K, [[], [0], [0, 2]][n % 3]] = 1
+    return glob
+
+
+@pytest.mark.parametrize("mode, K", [("hooks", 1), ("ghost", 2)])
+def test_longformer_sequence_classification_equals_local_dp_gradient(client: GradientClient, mode: str,
+                                                                     K: int) -> None:
+    """Longformer's self-attention gathers the global tokens of all rows into slots padded to the
+    batch's largest count: row-wise, so each shard (two workers: two samples each) and the whole
+    batch give every sample the same gradient."""
+    config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.05)
+    model = hf_model(LONGFORMER, "LongformerForSequenceClassification", seed=K)
+    inputs, _ = token_batch(4 * K, seed=K)
+    inputs["global_attention_mask"] = _global_tokens(4 * K, K)
+    labels = torch.arange(4 * K) % 3
+    with client.create_session("hf_sequence_classification", model_kwargs=LONGFORMER, loss="cross_entropy",
+                               expected_batch_size=4, config=config) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients(inputs, labels)
+    assert_equals_local(result, model, inputs, labels, config, "cross_entropy", 4)
+
+
 @pytest.mark.parametrize("family, mode, K", [("t5", "hooks", 1), ("t5", "ghost", 2), ("bart", "hooks", 2),
-                                             ("bart", "ghost", 1)])
+                                             ("bart", "ghost", 1), ("led", "ghost", 2)])
 def test_seq2seq_lm_equals_local_dp_gradient(client: GradientClient, family: str, mode: str, K: int) -> None:
     """Encoder-decoder LMs: the decoder's inputs and the token targets beside the encoder's, the LM
     head tied to the shared table; each row's loss averaged over its labelled decoder tokens."""
-    kwargs, model_class = {"t5": (T5, "T5ForConditionalGeneration"), "bart": (BART, "BartForConditionalGeneration")}[family]
+    kwargs, model_class = {"t5": (T5, "T5ForConditionalGeneration"), "bart": (BART, "BartForConditionalGeneration"),
+                           "led": (LED, "LEDForConditionalGeneration")}[family]
     config = DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.05)
     model = hf_model(kwargs, model_class, seed=K)
     inputs, _ = token_batch(4 * K, seed=K)
@@ -133,6 +160,8 @@ def test_seq2seq_lm_equals_local_dp_gradient(client: GradientClient, family: str
     labels[0, -1] = -100  # an unlabelled target position
     decoder = torch.cat([torch.zeros(4 * K, 1, dtype=torch.long), labels[:, :-1].clamp(min=0)], dim=1)
     batch = {**inputs, "decoder_input_ids": decoder}
+    if family == "led":
+        batch["global_attention_mask"] = _global_tokens(4 * K, K)
     with client.create_session("hf_seq2seq_lm", model_kwargs=kwargs, loss="token_cross_entropy",
                                expected_batch_size=4, config=config) as session:
         session.push_parameters(model)

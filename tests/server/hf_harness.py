@@ -59,6 +59,15 @@ BART: dict[str, Any] = {"model_type": "bart", "vocab_size": VOCAB, "d_model": 16
                         "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 16, "dropout": 0.0,
                         "attention_dropout": 0.0, "activation_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1,
                         "eos_token_id": 1, "decoder_start_token_id": 0, "forced_eos_token_id": None}
+#: Longformer (sliding windows of 4 with global tokens) for sequence classification, 3 labels.
+LONGFORMER: dict[str, Any] = {**BERT, "model_type": "longformer", "attention_window": 4, "pad_token_id": 0}
+#: LED: BART's layout with Longformer's attention in the encoder.
+LED: dict[str, Any] = {"model_type": "led", "vocab_size": VOCAB, "d_model": 16, "encoder_layers": 1,
+                       "decoder_layers": 1, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+                       "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_encoder_position_embeddings": 16,
+                       "max_decoder_position_embeddings": 16, "attention_window": 4, "dropout": 0.0,
+                       "attention_dropout": 0.0, "activation_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1,
+                       "eos_token_id": 1, "decoder_start_token_id": 0}
 #: Mixtral for causal LM: a router and 4 routed experts per layer (2 per token), every one trained.
 MIXTRAL: dict[str, Any] = {"model_type": "mixtral", "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
                            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,

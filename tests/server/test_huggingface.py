@@ -13,8 +13,8 @@ from psg_server.huggingface import TASKS
 from psg_server.losses import IGNORE_INDEX, get_loss
 from psg_server.models import ModelRegistry, default_registry
 from psg_wire.adapters import LoraAdapter
-from tests.server.hf_harness import (BART, BERT, DEBERTA_V3, GPT2, GPT2_LORA, IMAGE_MODELS, MAMBA, VOCAB, WAV2VEC2,
-                                    WAVLM,
+from tests.server.hf_harness import (BART, BERT, DEBERTA_V3, GPT2, GPT2_LORA, IMAGE_MODELS, LED, LONGFORMER, MAMBA,
+                                    VOCAB, WAV2VEC2, WAVLM,
                                     hf_model,
                                     token_batch)
 
@@ -66,12 +66,14 @@ for _task, _types in {
         "distilbert": {**BERT, "model_type": "distilbert", "dim": 16, "n_layers": 1, "n_heads": 2, "hidden_dim": 32},
         "deberta": {**_ENCODER, "relative_attention": True, "max_relative_positions": 8,
                     "pos_att_type": ["p2c", "c2p"], "type_vocab_size": 0},
-        "xlnet": {"vocab_size": VOCAB, "d_model": 16, "n_layer": 1, "n_head": 2, "d_inner": 32, "num_labels": 3}},
+        "xlnet": {"vocab_size": VOCAB, "d_model": 16, "n_layer": 1, "n_head": 2, "d_inner": 32, "num_labels": 3},
+        "longformer": LONGFORMER},
     "hf_image_classification": IMAGE_MODELS,
-    "hf_seq2seq_lm": {"bart": BART, "mbart": {**BART, "model_type": "mbart"}},
+    "hf_seq2seq_lm": {"bart": BART, "mbart": {**BART, "model_type": "mbart"}, "led": LED},
     "hf_token_classification": {"albert": {**_ENCODER, "embedding_size": 8},
                                 "electra": {**_ENCODER, "embedding_size": 8}, "bert": _ENCODER,
-                                "roberta": _ENCODER, "deberta-v2": {**DEBERTA_V3, "num_hidden_layers": 1}},
+                                "roberta": _ENCODER, "deberta-v2": {**DEBERTA_V3, "num_hidden_layers": 1},
+                                "longformer": {**LONGFORMER, "num_hidden_layers": 1}},
 }.items():
     for _type, _config in _types.items():
         EXTRA[f"{_type}_{_task.removeprefix('hf_')}"] = (_task, {**_config, "model_type": _type})
@@ -112,6 +114,25 @@ def test_every_task_builds_from_a_config_and_fits_its_signature(registry: ModelR
     described = registry.describe(name, kwargs, max_bytes=1 << 30)
     assert [(p.name, p.shape) for p in described] == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     assert all(p.requires_grad for p in described)
+
+
+@pytest.mark.parametrize("case", sorted(c for c, (name, _) in CASES.items()
+                                  if TASKS[name].inputs in ("tokens", "seq2seq")))
+def test_the_longest_rows_a_signature_allows_run(registry: ModelRegistry, case: str) -> None:
+    """A row as long as the signature's bound fits the model's position tables (RoBERTa's and
+    Longformer's count from the padding id on; LED pads its encoder's rows to its window)."""
+    name, config = CASES[case]
+    kwargs = parse(registry, name, config)
+    signature = registry.signature(name, kwargs)
+    assert signature is not None
+    lengths = {key: spec.sample_shape[0][1] for key, spec in signature.keyword_inputs.items()}  # type: ignore[index]
+    if max(lengths.values()) > 64:
+        pytest.skip("no position table (relative positions): the bound is the service's own")
+    model = registry.build(name, kwargs)
+    batch = {key: torch.randint(2, signature.keyword_inputs[key].num_embeddings or 2, (2, lengths[key]))
+             if signature.keyword_inputs[key].kind == "index" else torch.ones(2, lengths[key], dtype=torch.long)
+             for key in lengths if signature.keyword_inputs[key].same_shape_as is None or key.endswith("attention_mask")}
+    assert torch.isfinite(model(**batch).logits).all()
 
 
 def test_the_server_model_has_the_trainers_names_and_flags(registry: ModelRegistry) -> None:
