@@ -145,6 +145,22 @@ def test_longformer_sequence_classification_equals_local_dp_gradient(client: Gra
     assert_equals_local(result, model, inputs, labels, config, "cross_entropy", 4)
 
 
+def test_xlnet_sequence_classification_equals_local_dp_gradient(client: GradientClient) -> None:
+    """XLNet has no position table (its config's max_position_embeddings is -1): its rows are
+    bounded by the service's own limit (a bound of -1 refused every batch)."""
+    kwargs = {"model_type": "xlnet", "vocab_size": 32, "d_model": 16, "n_layer": 1, "n_head": 2, "d_inner": 32,
+              "num_labels": 3, "dropout": 0.0, "summary_last_dropout": 0.0, "pad_token_id": 0}
+    config = DPConfig(mode="ghost", augmentation_multiplicity=2, max_grad_norm=0.05)
+    model = hf_model(kwargs, "XLNetForSequenceClassification")
+    inputs, _ = token_batch(8, seed=4)
+    labels = torch.arange(8) % 3
+    with client.create_session("hf_sequence_classification", model_kwargs=kwargs, loss="cross_entropy",
+                               expected_batch_size=4, config=config) as session:
+        session.push_parameters(model)
+        result = session.compute_gradients(inputs, labels)
+    assert_equals_local(result, model, inputs, labels, config, "cross_entropy", 4)
+
+
 @pytest.mark.parametrize("family, mode, K", [("t5", "hooks", 1), ("t5", "ghost", 2), ("bart", "hooks", 2),
                                              ("bart", "ghost", 1), ("led", "ghost", 2)])
 def test_seq2seq_lm_equals_local_dp_gradient(client: GradientClient, family: str, mode: str, K: int) -> None:
