@@ -13,6 +13,7 @@ mode: a result is either the oracle's or a PsgError naming the layer, never a si
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -188,6 +189,39 @@ def test_longformer_global_tokens_of_different_counts(which: str, mode: str, K: 
         _check(grads, oracle, where)
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta", "llama", "gpt2", "mistral"])
+def test_functorch_batches_sdpa_models(family: str, monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+    """transformers' sdpa mask utilities branch on the padding mask's values, which vmap cannot
+    batch, and torch's fused attention kernels have no batching rule: functorch has every sdpa mask
+    built and runs torch's math kernel (one vmapped call, no loop over samples or inside a kernel),
+    and transformers' mask registry holds its own function again afterwards, also after a failure."""
+    import psg_core.backends.functorch as functorch_backend
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    model, inputs, labels, expected = _case(family, "full", 2, device)
+    assert model.config._attn_implementation == "sdpa"
+
+    def no_loop(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model ran one sample at a time")
+
+    monkeypatch.setattr(functorch_backend, "_one_at_a_time", no_loop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no kernel without a batching rule (a loop inside vmap) either
+        grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode="functorch",
+                                     augmentation_multiplicity=2)
+    _check(grads, expected, f"{family}/functorch/batched")
+    assert ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is sdpa_mask
+
+    def failing_loss(outputs: object, targets: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the loss failed")
+
+    with pytest.raises(Exception, match="the loss failed"):
+        per_sample_gradients(model, inputs, labels, loss_fn=failing_loss, mode="functorch",
+                             augmentation_multiplicity=2)
+    assert ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is sdpa_mask
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_sum_reduction_and_dp_gradient_hooks(device: torch.device) -> None:
     model, inputs, labels, _ = _case("gpt2", "full", 2, device)
     expected = hf.oracle(model, inputs, labels, 2, reduction="sum")
@@ -258,6 +292,8 @@ LANGUAGE_MODELS = {
 }
 
 
+# vmap runs the routed experts' histc without a batching rule (a loop, and a warning)
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
 @pytest.mark.parametrize("which", list(LANGUAGE_MODELS))
