@@ -176,6 +176,9 @@ class _GhostBookkeeping:
         # output gradient (a DP LSTM's ih and hh, normed one after the other) compute it once;
         # one held at a time (a long sequence's Gram is large).
         self._grams = TensorMemo(capacity=1)
+        # The latest activation's Gram matrix likewise: layers that read one input (an attention
+        # block's query, key and value projections, normed one after the other) compute it once.
+        self._left_grams = TensorMemo(capacity=1)
 
     def _name(self, layer: nn.Module) -> str:
         """``'path' (Type)`` of a layer, for messages (the names are listed at the first one asked:
@@ -199,6 +202,7 @@ class _GhostBookkeeping:
         self._materialised.clear()
         self._shared_factors.clear()
         self._grams.clear()
+        self._left_grams.clear()
 
     @contextlib.contextmanager
     def _suspend(self) -> Iterator[None]:
@@ -382,7 +386,7 @@ class _GhostBookkeeping:
             if self._owners[weight] > 1:  # normed with the other owners' once they are in
                 self._shared_factors.setdefault(weight, []).append((cast(WeightLayout, norm.layout), factors))
             else:
-                self._add_sq_norm(weight, factors.sq_norms(self.norm_dtype, self._grams))
+                self._add_sq_norm(weight, factors.sq_norms(self.norm_dtype, self._grams, self._left_grams))
         for param in state.params:
             if not param.requires_grad:
                 continue
@@ -414,6 +418,7 @@ class _GhostBookkeeping:
         finally:
             self._in_backward = False
             self._grams.clear()
+            self._left_grams.clear()
 
     # ---------------------------------------------------------------------------- clipped sums
     def clipped_sums(self, factors: dict[torch.Tensor, torch.Tensor], dropped: torch.Tensor | None

@@ -145,11 +145,14 @@ class GhostFactors:
         return GhostFactors(parts[0].kind, torch.cat([p.left for p in parts], axis),
                             torch.cat([p.right for p in parts], axis))
 
-    def sq_norms(self, dtype: torch.dtype, grams: TensorMemo | None = None) -> torch.Tensor:
+    def sq_norms(self, dtype: torch.dtype, grams: TensorMemo | None = None,
+                 left_grams: TensorMemo | None = None) -> torch.Tensor:
         """``(N,)`` squared Frobenius norms of the per-sample weight gradients, from Gram matrices.
 
         ``grams``: the output gradients' Gram matrices of one pass, to reuse (layers fed the same
-        output gradient, as a DP LSTM's ``ih`` and ``hh``, compute its Gram once).
+        output gradient, as a DP LSTM's ``ih`` and ``hh``, compute its Gram once). ``left_grams``:
+        the activations' (``DOT``), to reuse likewise (an attention block's query, key and value
+        projections, or an MLP's gate and up projections, read one input).
 
         >>> a, g = torch.randn(2, 1, 5, 3), torch.randn(2, 1, 5, 4)
         >>> grads = g.transpose(-1, -2) @ a  # (N, 1, 4, 3)
@@ -174,7 +177,8 @@ class GhostFactors:
         # (N, [G,] T, T); a one-row Gram is a squared norm: computing it costs less than looking it up
         gram_right = _gram(right) if grams is None or right.shape[-2] == 1 else grams.get(right, _gram)
         if self.kind is FactorKind.DOT:
-            gram_left = _gram(as_dtype(self.left, dtype))  # (N, G, T, T)
+            gram_left = _gram(as_dtype(self.left, dtype)) if left_grams is None else \
+                left_grams.get(self.left, functools.partial(_cast_gram, dtype=dtype), dtype)  # (N, G, T, T)
             return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
         same_token = self.left.unsqueeze(2) == self.left.unsqueeze(1)  # (N, T, T)
         return (gram_right * same_token).sum((1, 2)).clamp_min(0)
@@ -182,6 +186,10 @@ class GhostFactors:
 
 def _shape(tensor: torch.Tensor | None) -> tuple[int, ...] | None:
     return None if tensor is None else tuple(tensor.shape)
+
+
+def _cast_gram(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _gram(as_dtype(rows, dtype))
 
 
 def _gram(rows: torch.Tensor) -> torch.Tensor:

@@ -108,3 +108,44 @@ def test_dplstm_ghost_computes_the_gate_gradient_gram_once(monkeypatch) -> None:
     torch.testing.assert_close(out.per_sample_norms, reference.per_sample_norms, rtol=1e-4, atol=1e-5)
     for name in reference.grads:
         torch.testing.assert_close(out.grads[name], reference.grads[name], rtol=1e-4, atol=1e-5)
+
+
+def test_projections_of_one_input_compute_its_gram_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An attention block's query, key and value projections read one input: ghost takes its Gram
+    once (and each projection's own output-gradient Gram), with the hooks backend's norms and sums."""
+    import psg_core.grad_sample.ghost_norm as ghost_norm
+    from psg_core.config import DPConfig
+    from psg_core.dp import dp_gradient
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(40, 48), nn.Linear(40, 40), nn.Linear(40, 56)
+            self.out = nn.Linear(56, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, T, 40)
+            scores = (self.q(x)[..., :40] @ self.k(x).transpose(1, 2)).softmax(-1)
+            return self.out(scores @ self.v(x)).mean(1)
+
+    shapes: list[int] = []
+    real = ghost_norm._gram
+
+    def counting(rows: torch.Tensor) -> torch.Tensor:
+        shapes.append(rows.shape[-1])
+        return real(rows)
+
+    monkeypatch.setattr(ghost_norm, "_gram", counting)
+    torch.manual_seed(0)
+    model, x, y = Attention(), torch.randn(6, 9, 40), torch.randn(6, 2)
+    for K in (1, 2):
+        shapes.clear()
+        config = DPConfig(mode="ghost", max_grad_norm=0.1, augmentation_multiplicity=K)
+        out = dp_gradient(model, x, y, loss_fn=nn.MSELoss(reduction="none"), config=config)
+        # x's Gram once (40), q, k, v's output gradients (48, 40, 56); out's weight (2 x 56, fewer
+        # numbers than two (T, T) Grams) is materialised
+        assert sorted(shapes) == [40, 40, 48, 56], K
+        reference = dp_gradient(model, x, y, loss_fn=nn.MSELoss(reduction="none"),
+                                config=DPConfig(mode="hooks", max_grad_norm=0.1, augmentation_multiplicity=K))
+        torch.testing.assert_close(out.per_sample_norms, reference.per_sample_norms, rtol=1e-4, atol=1e-6)
+        for name in reference.grads:
+            torch.testing.assert_close(out.grads[name], reference.grads[name], rtol=1e-4, atol=1e-6)
