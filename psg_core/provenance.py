@@ -368,8 +368,18 @@ def _only_mask(args: tuple[Any, ...], kwargs: dict[str, Any], sources: dict[int,
     return isinstance(mask, torch.Tensor) and set(sources) == {id(mask)}
 
 
+def _dim_kwarg(kwargs: dict[str, Any], default: Any) -> Any:
+    """An op's axis given by keyword: ``dim``, or numpy's ``axis``, which torch takes as its alias
+    (``torch.cat(parts, axis=1)``, ``x.mean(axis=2)``: the keyword reaches the tracker as written).
+
+    >>> _dim_kwarg({"axis": 1}, 0), _dim_kwarg({}, 0)
+    (1, 0)
+    """
+    return kwargs["dim"] if "dim" in kwargs else kwargs["axis"] if "axis" in kwargs else default
+
+
 def _dims_arg(args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> tuple[int, ...] | None:
-    dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], (bool, torch.Tensor)) else None)
+    dim = _dim_kwarg(kwargs, args[1] if len(args) > 1 and not isinstance(args[1], (bool, torch.Tensor)) else None)
     if dim is None:
         return None
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
@@ -857,7 +867,7 @@ class BatchTracker(TorchFunctionMode):
         elif name == "einsum" and not kwargs and len(batched) == 1:
             return self._meet_einsum(args, sources, batched[0], where), kwargs
         elif name in _CAT:
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            dim = _dim_kwarg(kwargs, args[1] if len(args) > 1 else 0)
             ref = batched[0]
             bd = self._batched[ref][0]
             if bd < 0 or dim % ref.dim() == bd:
@@ -1131,7 +1141,7 @@ class BatchTracker(TorchFunctionMode):
         first, (bd, merged) = known
         if name == "repeat_interleave" and args and args[0] is first and len(outs) == 1:
             repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
-            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            dim = _dim_kwarg(kwargs, args[2] if len(args) > 2 else None)
             if isinstance(repeats, int) and not isinstance(repeats, bool) and repeats > 0 \
                     and isinstance(dim, int) and dim % first.dim() == bd:
                 # Each row repeated in place (per-head masks, (B, T, S) -> (B*H, T, S)): every
@@ -1323,7 +1333,7 @@ class BatchTracker(TorchFunctionMode):
             order.insert(dst, src)
             return order.index(bd)
         if name == "unsqueeze" and self_arg is x:
-            d = args[1] if len(args) > 1 else kwargs["dim"]
+            d = args[1] if len(args) > 1 else _dim_kwarg(kwargs, None)
             d = d % (nd_in + 1)
             return bd + 1 if d <= bd else bd
         if name == "squeeze" and self_arg is x:
@@ -1341,19 +1351,19 @@ class BatchTracker(TorchFunctionMode):
             keep = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
             return bd if keep else bd - sum(1 for d in dims if d < bd)
         if name in _CAT:
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            dim = _dim_kwarg(kwargs, args[1] if len(args) > 1 else 0)
             parts = args[0] if args and isinstance(args[0], (list, tuple)) else ()
             if isinstance(dim, int) and dim % nd_in == bd and len(parts) > 1:
                 return MIXED  # rows appended to the batch's: no longer one per sample
             return self._agree(bd, x, operands, lambda t, b: b)
         if name == "stack":
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % (nd_in + 1)
+            dim = _dim_kwarg(kwargs, args[1] if len(args) > 1 else 0) % (nd_in + 1)
             return self._agree(bd + 1 if dim <= bd else bd, x, operands, lambda t, b: b + 1 if dim <= b else b)
         if name in ("unbind",):
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % nd_in
+            dim = _dim_kwarg(kwargs, args[1] if len(args) > 1 else 0) % nd_in
             return MIXED if dim == bd else bd - (1 if dim < bd else 0)
         if name in ("split", "chunk", "tensor_split", "split_with_sizes"):
-            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0) % nd_in
+            dim = _dim_kwarg(kwargs, args[2] if len(args) > 2 else 0) % nd_in
             return MIXED if dim == bd else bd
         if name == "repeat":
             sizes = args[1:] if len(args) > 1 else tuple(kwargs.get("repeats", ()))

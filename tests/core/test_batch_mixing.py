@@ -55,6 +55,11 @@ MIXING: dict[str, Op] = {
     "logsumexp over batch": lambda h: h - torch.logsumexp(h, 0),
     "in-place add of the batch mean": lambda h: h.clone().add_(h.mean(0)),
     "setitem from another row": lambda h: _assign_first_row(h),
+    # numpy's axis= keyword, which torch takes for dim= (IBert, Funnel)
+    "mean over batch (axis=)": lambda h: h - h.mean(axis=0, keepdim=True),
+    "cat along the batch (axis=)": lambda h: torch.cat([h[1:], h[:1]], axis=0),
+    "sum over every axis but kept (axis=)": lambda h: h + torch.sum(h, axis=(0, 1)),
+    "stack then unbind the batch (axis=)": lambda h: torch.stack(torch.unbind(h, axis=0)[::-1], axis=0),
 }
 
 
@@ -83,6 +88,10 @@ ROWWISE: dict[str, Op] = {
     "sum over features kept": lambda h: h - h.mean(1, keepdim=True),
     "repeat_interleave viewed back per row": lambda h: h.repeat_interleave(3, 0).view(h.shape[0], 3, -1).sum(1),
     "repeat along features": lambda h: h.repeat(1, 2)[:, : h.shape[1]] * 2,
+    "mean over features (axis=)": lambda h: h - h.mean(axis=1, keepdim=True),
+    "cat features (axis=)": lambda h: torch.cat([h, h], axis=1)[:, : h.shape[1]] + h,
+    "stack and sum (axis=)": lambda h: torch.stack([h, 2 * h], axis=2).sum(axis=-1),
+    "split features (axis=)": lambda h: torch.cat(torch.split(h, 4, dim=1)[::-1], axis=-1),
 }
 
 

@@ -189,6 +189,40 @@ def test_longformer_global_tokens_of_different_counts(which: str, mode: str, K: 
         _check(grads, oracle, where)
 
 
+#: Families whose code passes numpy's axis= keyword to torch (IBert's IntLayerNorm takes
+#: ``x.mean(axis=2)``, Funnel pools with ``torch.cat(parts, axis=axis)``), which the tracker once read
+#: as an op over the batch axis. Funnel's relative token-type attention needs the token type ids,
+#: which its tokenizer returns (without them it builds a batch-sized table of zeros from the
+#: batch's shape, a batch-free tensor that the fallback cannot split per sample: refused).
+_AXIS_KEYWORD: dict[str, Callable[[], torch.nn.Module]] = {
+    "ibert": hf._hf("IBertConfig", "IBertForSequenceClassification", **hf._ENCODER),
+    "funnel": hf._hf("FunnelConfig", "FunnelForSequenceClassification", d_model=16, n_head=2, d_head=8, d_inner=32,
+                     block_sizes=[1, 1], hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
+}
+
+
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("family", sorted(_AXIS_KEYWORD))
+def test_families_using_the_axis_keyword_match_the_oracle(family: str, mode: str, K: int,
+                                                          device: torch.device) -> None:
+    torch.manual_seed(0)
+    model = _AXIS_KEYWORD[family]().eval()
+    inputs, labels = hf.batch(family, N * K, steps=8)
+    inputs["token_type_ids"] = (torch.arange(8) >= 4).long().expand(N * K, 8).clone()
+    oracle = hf.oracle(model, inputs, labels, K)
+    model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
+    where = f"{family}/{mode}/K={K}"
+    if mode == "ghost":
+        reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
+        result = dp_gradient(model, inputs, labels, loss_fn=hf.loss_fn,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
+        _check(result.grads, reference.grads, where)
+        return
+    grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode=mode, augmentation_multiplicity=K)
+    _check(grads, oracle, where)
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta", "llama", "gpt2", "mistral"])
 def test_functorch_batches_sdpa_models(family: str, monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     """transformers' sdpa mask utilities branch on the padding mask's values, which vmap cannot
