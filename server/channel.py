@@ -99,7 +99,7 @@ class DirectChannel:
             if reply in done:
                 error = reply.exception()
                 if error is None or isinstance(error, ray_errors.RayTaskError):
-                    return reply.result()  # type: ignore[no-any-return]  (the computation's own error raises)
+                    return reply.result()  # type: ignore[no-any-return]  # the computation's own error raises
                 # The channel itself broke: when the actor under a call dies, Ray's reader fails with
                 # RayChannelError, or (ray 2.60) with a TypeError from caching that error as a result.
                 # Either way the actor is lost: its watch says how, when it says so soon.

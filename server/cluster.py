@@ -82,7 +82,7 @@ def prepare_token_auth(environ: MutableMapping[str, str] | None = None) -> str |
         return None
     environ[AUTH_MODE] = "token"
     if environ is os.environ:
-        from ray._raylet import Config  # Ray's own opt-in does the same (authentication_token_setup)
+        from ray._raylet import Config  # type: ignore[attr-defined]  # Ray's own opt-in does the same
 
         Config.initialize("")
     return source
@@ -92,7 +92,7 @@ def describe_failure(error: BaseException, *, address: str | None, source: str |
                      environ: Mapping[str, str] | None = None) -> str:
     """One line: why joining (``address``) or starting (None) Ray failed, and how to fix it."""
     environ = os.environ if environ is None else environ
-    chain = []
+    chain: list[BaseException] = []
     current: BaseException | None = error
     while current is not None and len(chain) < 8:
         chain.append(current)
