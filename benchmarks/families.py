@@ -230,7 +230,8 @@ def run_suite(options: RunOptions) -> list[dict[str, Any]]:
                     len(METHODS))
         payload = {"options": options.to_json(), "family": family}
         if options.isolate:
-            result = run_isolated("benchmarks.families:run_family", payload, timeout_s=options.timeout_s)
+            result = run_isolated("benchmarks.families:run_family", payload, timeout_s=options.timeout_s,
+                                  pin_mmap=False)
             rows += result.get("rows") or [{"family": family, "method": method,
                                             "error": result.get("error", "no result")} for method in METHODS]
         else:

@@ -449,7 +449,8 @@ def _run_in_process(options: RunOptions) -> list[dict[str, Any]]:
         in_group_memory = options.measure_memory and options.device == "cuda"
         payload = {"options": options.to_json(), "configuration": configuration, "memory": in_group_memory}
         if options.isolate:
-            timed = run_isolated("benchmarks.gpt2:run_configuration", payload, timeout_s=options.timeout_s)
+            timed = run_isolated("benchmarks.gpt2:run_configuration", payload, timeout_s=options.timeout_s,
+                                  pin_mmap=False)
             group = timed.get("rows") or [{**_row_header(options, configuration, method),
                                            "error": timed.get("error", "no result")} for method in METHODS]
         else:

@@ -16,7 +16,8 @@ Peak memory (see :func:`memory_method`):
   imports and before the model was built, in a fresh subprocess per configuration.
   glibc's mmap threshold is pinned low in that subprocess (``MALLOC_MMAP_THRESHOLD_``), so every
   tensor larger than 64 KiB lives in its own mapping that is returned to the system when freed:
-  the resident set follows the live tensors instead of malloc's cached heap. An in-process run on
+  the resident set follows the live tensors instead of malloc's cached heap. Steps are timed in
+  other subprocesses, with glibc's defaults (see :func:`run_isolated`). An in-process run on
   CPU cannot separate one configuration from the previous ones and reports no peak memory.
 
 A *suite* is a named group of benchmarks with its own table, targets and plots; suites register
@@ -253,7 +254,8 @@ def memory_method(device: str, *, isolate: bool) -> str:
     if isolate:
         return ("process RSS high-water mark over one step (VmHWM, reset via /proc/self/clear_refs), "
                 "less file-backed pages (library code) and the anonymous RSS before the model was built; "
-                f"fresh subprocess per configuration, MALLOC_MMAP_THRESHOLD_={_MMAP_THRESHOLD}")
+                f"fresh subprocess per configuration, MALLOC_MMAP_THRESHOLD_={_MMAP_THRESHOLD} (timing: "
+                "other subprocesses, glibc's default allocator settings)")
     return "not measured (CPU peak memory needs one subprocess per configuration)"
 
 
@@ -329,15 +331,22 @@ def load_callable(target: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module_name), attribute)  # type: ignore[no-any-return]
 
 
-def run_isolated(target: str, payload: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+def run_isolated(target: str, payload: dict[str, Any], *, timeout_s: float, pin_mmap: bool = True) -> dict[str, Any]:
     """Calls ``target(payload)`` in a fresh Python process and returns its (JSON) result.
 
-    The child runs from the repository root with glibc's mmap threshold pinned (see the module
-    docstring). A child that crashes, times out or prints no result gives
+    The child runs from the repository root, with glibc's mmap threshold pinned where ``pin_mmap``
+    (a child that measures CPU peak memory, see the module docstring). A child that only times
+    steps runs with glibc's defaults, as a training process does: pinned, every tensor over 64 KiB
+    is a fresh mapping whose pages fault on first touch each step (a BEiT step's non-private
+    backward took 130 ms pinned against 69 ms), a cost no real run pays and that falls unevenly on
+    the methods. A child that crashes, times out or prints no result gives
     ``{"error": "<what happened>"}`` instead of raising, so one configuration cannot end a run.
     """
     env = dict(os.environ)
-    env["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
+    if pin_mmap:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
+    else:
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
     command = [sys.executable, "-m", "benchmarks.harness", target, json.dumps(payload)]
     root = Path(__file__).resolve().parent.parent
     try:

@@ -448,7 +448,8 @@ def run_suite(options: RunOptions) -> list[dict[str, Any]]:
         in_group_memory = options.measure_memory and options.device == "cuda"
         payload = {"cases": [case.to_json() for case in group], "memory": in_group_memory}
         if options.isolate:
-            timed = run_isolated("benchmarks.training:run_group", payload, timeout_s=options.timeout_s)
+            timed = run_isolated("benchmarks.training:run_group", payload, timeout_s=options.timeout_s,
+                                  pin_mmap=False)
             group_rows = timed.get("rows") or [{**_row_header(case), "error": timed.get("error", "no result")}
                                                for case in group]
         else:
