@@ -192,17 +192,21 @@ def loss_fn(outputs: object, labels: torch.Tensor) -> torch.Tensor:
 
 
 def oracle(model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, K: int, *,
-           reduction: str = "mean") -> dict[str, torch.Tensor]:
-    """``{name: (N, *shape)}`` in float64: each sample's gradient from its K rows alone."""
+           reduction: str = "mean", loss: Callable[[object, torch.Tensor], torch.Tensor] | None = None
+           ) -> dict[str, torch.Tensor]:
+    """``{name: (N, *shape)}`` in float64: each sample's gradient from its K rows alone (``loss``:
+    the unreduced loss of the outputs, :func:`loss_fn` by default)."""
     import copy
+
+    unreduced = loss_fn if loss is None else loss
 
     ref = copy.deepcopy(model).to(torch.float64)
     params = {name: p for name, p in ref.named_parameters() if p.requires_grad}
     grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
     for n in range(labels.shape[0] // K):
         rows = slice(n * K, (n + 1) * K)
-        per_row = loss_fn(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows])
-        loss = per_row.mean() if reduction == "mean" else per_row.sum()
-        for (name, p), g in zip(params.items(), torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
+        per_row = unreduced(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows])
+        total = per_row.mean() if reduction == "mean" else per_row.sum()
+        for (name, p), g in zip(params.items(), torch.autograd.grad(total, list(params.values()), allow_unused=True)):
             grads[name].append(torch.zeros_like(p) if g is None else g)
     return {name: torch.stack(gs) for name, gs in grads.items()}

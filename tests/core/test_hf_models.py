@@ -143,8 +143,6 @@ def test_longformer_global_tokens_of_different_counts(which: str, mode: str, K: 
     ``nonzero`` into slots padded to the batch's largest count (``num_global.max()``) and gives the
     padded slots the lowest score: row-wise, though the tracker would read mixing there. Samples
     with 0, 1 and 3 global tokens (one also padded) get the oracle's gradients in every mode."""
-    import copy
-
     torch.manual_seed(0)
     inputs, labels = hf.batch("longformer", N * K)
     glob = torch.zeros_like(inputs["attention_mask"])
@@ -159,15 +157,7 @@ def test_longformer_global_tokens_of_different_counts(which: str, mode: str, K: 
         loss_fn: Callable[[object, torch.Tensor], torch.Tensor] = _token_loss
     else:
         model, loss_fn = hf.build("longformer", lora=False), hf.loss_fn
-    ref = copy.deepcopy(model).double()
-    params = dict(ref.named_parameters())
-    per_sample: dict[str, list[torch.Tensor]] = {name: [] for name in params}
-    for n in range(N):
-        rows = slice(n * K, (n + 1) * K)
-        loss = loss_fn(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows]).mean()
-        for name, g in zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
-            per_sample[name].append(torch.zeros_like(params[name]) if g is None else g)
-    oracle = {name: torch.stack(gs) for name, gs in per_sample.items()}
+    oracle = hf.oracle(model, inputs, labels, K, loss=loss_fn)
     model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
     where = f"{which}/{mode}/K={K}"
     if mode == "ghost":
@@ -471,8 +461,6 @@ def _token_loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
 @pytest.mark.parametrize("which", sorted(SEQ2SEQ_MODELS))
 def test_seq2seq_language_models_match_the_oracle(which: str, mode: str, K: int, device: torch.device) -> None:
-    import copy
-
     torch.manual_seed(0)
     model = SEQ2SEQ_MODELS[which]().eval()
     inputs = hf.batch("t5", N * K)[0]
@@ -481,15 +469,7 @@ def test_seq2seq_language_models_match_the_oracle(which: str, mode: str, K: int,
     labels[0, -1] = -100  # a padded target position
     decoder = torch.cat([torch.full((N * K, 1), hf.PAD), labels[:, :-1].clamp(min=0)], dim=1)  # shifted right
     inputs = {**inputs, "decoder_input_ids": decoder}
-    ref = copy.deepcopy(model).double()
-    params = {n: p for n, p in ref.named_parameters()}
-    expected: dict[str, list[torch.Tensor]] = {n: [] for n in params}
-    for n in range(N):
-        rows = slice(n * K, (n + 1) * K)
-        loss = _token_loss(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows]).mean()
-        for name, g in zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
-            expected[name].append(torch.zeros_like(params[name]) if g is None else g)
-    oracle = {n: torch.stack(gs) for n, gs in expected.items()}
+    oracle = hf.oracle(model, inputs, labels, K, loss=_token_loss)
     model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
     if mode == "ghost":
         reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
