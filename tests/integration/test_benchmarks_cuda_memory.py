@@ -19,7 +19,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:Use
 def test_cuda_suite_starts_one_process_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, dict[str, Any]]] = []
 
-    def fake_run_isolated(target: str, payload: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    def fake_run_isolated(target: str, payload: dict[str, Any], *, timeout_s: float,
+                          pin_mmap: bool = True) -> dict[str, Any]:
+        assert not pin_mmap  # timed with the default allocator
         calls.append((target, payload))
         return {"rows": [{**training._row_header(training.Case(**case)), "median_ms": 1.0, "peak_memory_mib": 2.0}
                          for case in payload["cases"]]}
@@ -36,8 +38,11 @@ def test_cuda_suite_starts_one_process_per_group(monkeypatch: pytest.MonkeyPatch
 def test_cpu_suite_keeps_a_process_per_memory_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     targets: list[str] = []
 
-    def fake_run_isolated(target: str, payload: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    def fake_run_isolated(target: str, payload: dict[str, Any], *, timeout_s: float,
+                          pin_mmap: bool = True) -> dict[str, Any]:
         targets.append(target)
+        # steps timed with glibc's default allocator; peak memory with the mmap threshold pinned
+        assert pin_mmap == (not target.endswith("run_group"))
         if target.endswith("run_group"):
             assert not payload["memory"]
             return {"rows": [{**training._row_header(training.Case(**case)), "median_ms": 1.0}
@@ -65,3 +70,21 @@ def test_group_measures_memory_after_timing() -> None:
             assert row["peak_memory_mib"] > 0
         else:
             assert row["peak_memory_mib"] is None
+
+
+def allocator_setting(payload: dict[str, Any]) -> dict[str, Any]:
+    """Run in the child by the test below: what the child's allocator was told."""
+    import os
+
+    return {"threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_only_memory_children_pin_the_mmap_threshold(pin: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that times steps runs with glibc's default allocator, even where the parent was
+    started with the threshold pinned; a child that measures peak memory pins it."""
+    from benchmarks.harness import run_isolated
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    result = run_isolated(f"{__name__}:allocator_setting", {}, timeout_s=120, pin_mmap=pin)
+    assert result == {"threshold": "65536" if pin else None}
