@@ -10,6 +10,7 @@ knows about.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -197,8 +198,9 @@ def vmappable_attention(module: nn.Module) -> Iterator[None]:
         return
     with _MASK_LOCK:
         if _mask_users[0] == 0:
-            _original_mask[:] = [masks["sdpa"]]
-            type(masks).register("sdpa", _mask_without_skips)
+            original = masks["sdpa"]
+            _swapped[:] = [original, functools.partial(_mask_without_skips, original)]
+            type(masks).register("sdpa", _swapped[1])
         _mask_users[0] += 1
     try:
         with sdpa_kernel(SDPBackend.MATH):
@@ -207,19 +209,21 @@ def vmappable_attention(module: nn.Module) -> Iterator[None]:
         with _MASK_LOCK:
             _mask_users[0] -= 1
             if _mask_users[0] == 0:
-                type(masks).register("sdpa", _original_mask.pop())
+                type(masks).register("sdpa", _swapped[0])
+                _swapped.clear()
 
 
-def _mask_without_skips(*args: Any, **kwargs: Any) -> Any:
-    """transformers' sdpa mask function, told never to skip the mask."""
-    return _original_mask[0](*args, **{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
+def _mask_without_skips(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """transformers' sdpa mask function ``original``, told never to skip the mask (it is bound
+    here: a thread still building a mask when the last block ends keeps a working function)."""
+    return original(*args, **{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
 
 
 _MASK_LOCK = threading.Lock()
-#: how many vmappable_attention blocks run now (the registry holds _mask_without_skips while > 0)
+#: how many vmappable_attention blocks run now (the registry holds the swapped function while > 0)
 _mask_users = [0]
-#: transformers' own sdpa mask function while it is swapped out
-_original_mask: list[Any] = []
+#: transformers' own sdpa mask function and the one swapped in for it, while the swap lasts
+_swapped: list[Any] = []
 
 _warned: set[type[nn.Module]] = set()
 

@@ -246,6 +246,29 @@ def test_functorch_batches_sdpa_models(family: str, monkeypatch: pytest.MonkeyPa
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_functorch_in_threads_restores_transformers_mask_registry(device: torch.device) -> None:
+    """The mask swap is process-wide: functorch steps overlapping in threads each get the oracle's
+    gradients, and transformers' own function is back once the last one ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    # one model per thread (a call swaps its model's parameters for the vmapped ones while it runs)
+    cases = [_case(family, "full", 2, device) for family in ("bert", "llama", "gpt2", "roberta")]
+
+    def run(case: tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]
+            ) -> dict[str, torch.Tensor]:
+        model, inputs, labels, _ = case
+        return per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode="functorch",
+                                    augmentation_multiplicity=2)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(run, cases))
+    for (_, _, _, expected), grads in zip(cases, results):
+        _check(grads, expected, "functorch in threads")
+    assert ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is sdpa_mask
+
+
 def test_sum_reduction_and_dp_gradient_hooks(device: torch.device) -> None:
     model, inputs, labels, _ = _case("gpt2", "full", 2, device)
     expected = hf.oracle(model, inputs, labels, 2, reduction="sum")
