@@ -314,7 +314,7 @@ def signature(name: str, **kwargs: Any) -> ModelSignature:
                                              required=False, same_shape_as="input_ids")
     if task.inputs == "seq2seq":
         inputs["decoder_input_ids"] = InputSpec("index", ((1, decoder_length),), num_embeddings=config.vocab_size)
-        inputs["decoder_attention_mask"] = InputSpec("mask", ((1, max_length),), required=False,
+        inputs["decoder_attention_mask"] = InputSpec("mask", ((1, decoder_length),), required=False,
                                                      same_shape_as="decoder_input_ids")
         return ModelSignature(inputs=(), num_outputs=config.vocab_size, keyword_inputs=inputs,
                               targets_like="decoder_input_ids")

@@ -196,20 +196,23 @@ def vmappable_attention(module: nn.Module) -> Iterator[None]:
     if masks is None or "sdpa" not in masks:
         yield
         return
+    # torch's kernel choice is process-wide too: set by the first block, restored by the last
     with _MASK_LOCK:
         if _mask_users[0] == 0:
-            original = masks["sdpa"]
-            _swapped[:] = [original, functools.partial(_mask_without_skips, original)]
-            type(masks).register("sdpa", _swapped[1])
+            original, math_kernel = masks["sdpa"], sdpa_kernel(SDPBackend.MATH)
+            math_kernel.__enter__()
+            _swapped[:] = [original, math_kernel]
+            type(masks).register("sdpa", functools.partial(_mask_without_skips, original))
         _mask_users[0] += 1
     try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
+        yield
     finally:
         with _MASK_LOCK:
             _mask_users[0] -= 1
             if _mask_users[0] == 0:
-                type(masks).register("sdpa", _swapped[0])
+                original, math_kernel = _swapped
+                type(masks).register("sdpa", original)
+                math_kernel.__exit__(None, None, None)
                 _swapped.clear()
 
 
@@ -222,7 +225,7 @@ def _mask_without_skips(original: Any, *args: Any, **kwargs: Any) -> Any:
 _MASK_LOCK = threading.Lock()
 #: how many vmappable_attention blocks run now (the registry holds the swapped function while > 0)
 _mask_users = [0]
-#: transformers' own sdpa mask function and the one swapped in for it, while the swap lasts
+#: transformers' own sdpa mask function and torch's math-kernel setting, while the swap lasts
 _swapped: list[Any] = []
 
 _warned: set[type[nn.Module]] = set()

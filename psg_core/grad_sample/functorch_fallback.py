@@ -6,6 +6,7 @@ every module under ``force_functorch=True``. One vmapped item is one sample's K 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import Any, cast
@@ -109,21 +110,25 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                 total = total + (out * cotangent).sum()
         return total
 
-    try:
-        if own_call is not None:  # it reads one sample's values: never batchable
-            raise RuntimeError("data-dependent control flow")
-        per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
-                          randomness="different")(params, batched_inputs, batched_bps)
-    except RuntimeError as err:
-        if not any(sign in str(err) for sign in VMAP_LIMITS):
-            raise
-        # vmap cannot batch the layer (an in-place write into a tensor it creates, a
-        # data-dependent shape): the same function, one sample at a time.
+    def one_at_a_time() -> dict[str, torch.Tensor]:
         step = grad(sample_loss)
         results = [step(params, [v if d is None else v[n] for v, d in zip(batched_inputs, in_dims)],
                         [None if b is None else b[n] for b in batched_bps])
                    for n in range(_num_samples(batched_inputs, in_dims, batched_bps))]
-        per_sample = {name: torch.stack([r[name] for r in results]) for name in params}
+        return {name: torch.stack([r[name] for r in results]) for name in params}
+
+    if own_call is not None:  # it reads one sample's values: never batchable
+        per_sample = one_at_a_time()
+    else:
+        try:
+            per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
+                              randomness="different")(params, batched_inputs, batched_bps)
+        except RuntimeError as err:
+            if not any(sign in str(err) for sign in VMAP_LIMITS):
+                raise
+            # vmap cannot batch the layer (an in-place write into a tensor it creates, a
+            # data-dependent shape): the same function, one sample at a time.
+            per_sample = one_at_a_time()
     return {named[name]: g for name, g in per_sample.items()}
 
 
@@ -131,11 +136,15 @@ def _own_global_attention(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[
     """Longformer's (and LED's) self-attention takes ``is_global_attn``, whether any row of the
     *batch* has a global token; one sample's run needs whether its own rows have one (its code
     cannot run with the flag set and no global token)."""
-    bound = inspect.signature(layer.forward).bind_partial(*args, **kwargs).arguments
-    rows, flag = bound.get("is_index_global_attn"), bound.get("is_global_attn")
-    if not isinstance(rows, torch.Tensor) or not flag or "is_global_attn" not in kwargs:
+    if not kwargs.get("is_global_attn"):  # (transformers passes it by keyword)
         return kwargs
-    return {**kwargs, "is_global_attn": bool(rows.any())}
+    rows = _signature(type(layer).forward).bind_partial(layer, *args, **kwargs).arguments.get("is_index_global_attn")
+    return kwargs if not isinstance(rows, torch.Tensor) else {**kwargs, "is_global_attn": bool(rows.any())}
+
+
+@functools.cache
+def _signature(forward: Any) -> inspect.Signature:
+    return inspect.signature(forward)
 
 
 #: Per class (by name): the call of one sample's rows, from what the batch's call was given, where
