@@ -285,6 +285,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def _native() -> Any:
+    """psg_core.native (which imports this module: imported at the first call)."""
+    import psg_core.native as native
+
+    return native
+
+
 def mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a.T @ b`` for ``a (R, M)``, ``b (R, N)``: a weight gradient summed over R rows.
 
@@ -300,9 +307,10 @@ def mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.t() @ b
 
     def onednn() -> torch.Tensor:
+        # the copy by psg's tiled kernel (native.contiguous): oneDNN's own is torch's, element by element
         if a.shape[1] <= b.shape[1]:
-            return _onednn_linear(a.t(), b.t(), None)  # (M, N); a copied
-        return _onednn_linear(b.t(), a.t(), None).t()  # (N, M) transposed; b copied
+            return _onednn_linear(_native().contiguous(a.t()), b.t(), None)  # (M, N); a copied
+        return _onednn_linear(_native().contiguous(b.t()), a.t(), None).t()  # (N, M) transposed; b copied
 
     return onednn() if _use_onednn("mm_tn", (a, b), aten, onednn) else aten()
 

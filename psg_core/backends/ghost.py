@@ -655,8 +655,8 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
     for (name, p), grad in zip(params.items(), summed):
         grad = torch.zeros_like(p) if grad is None else (grad.to_dense() if grad.is_sparse else grad)
         # contiguous: a clipped sum may be a transposed view (psg_core.gemm.mm_tn), made dense
-        # here, once the pass's activations are freed
-        grads[name] = as_dtype(grad.detach() if grad.requires_grad else grad, p.dtype).contiguous()
+        # here (by psg's tiled copy), once the pass's activations are freed
+        grads[name] = native.contiguous(as_dtype(grad.detach() if grad.requires_grad else grad, p.dtype))
     return DPGradient(grads=grads, per_sample_norms=as_dtype(norms.detach() if norms.requires_grad else norms,
                                                              torch.float32),
                       loss_sum=float((losses if dropped is None else losses[~dropped]).detach().sum()),

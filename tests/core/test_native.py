@@ -237,3 +237,34 @@ def test_a_forked_child_runs_the_loops_on_one_thread() -> None:
     the parent's threads forever. The loops run without one there."""
     got = _child(_FORK_PROBE, PSG_NATIVE="auto")
     assert got == {"built": True, "parent": True, "child_status": 0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1024, 256), (256, 1000), (67, 129), (4096, 1)])
+def test_contiguous_copies_strided_matrices_exactly(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """Transposes (the tiled kernel, full and partial tiles), strided rows and columns: the same
+    numbers as torch's copy, contiguous, in a new tensor where the view was not contiguous."""
+    _lib()
+    torch.manual_seed(0)
+    base = torch.randn(shape, dtype=dtype)
+    for view in (base.t(), base[::2], base.t()[1:, ::3], base[:, :-1] if shape[1] > 1 else base.t()):
+        out = native.contiguous(view)
+        assert out.is_contiguous() and out.shape == view.shape and torch.equal(out, view)
+        if not view.is_contiguous():
+            assert out.data_ptr() != base.data_ptr()
+
+
+def test_contiguous_leaves_what_the_kernel_must_not_read_to_torch() -> None:
+    """A contiguous matrix comes back as it is; a tensor autograd records keeps its graph; other
+    dtypes and dims, and the kernels turned off, take torch's copy."""
+    w = torch.randn(300, 200)
+    assert native.contiguous(w) is w
+    p = torch.randn(300, 200, requires_grad=True)
+    out = native.contiguous(p.t())
+    assert out.grad_fn is not None and torch.equal(out, p.t())
+    assert torch.equal(native.contiguous(torch.arange(60000).view(300, 200).t()),
+                       torch.arange(60000).view(300, 200).t())
+    x = torch.randn(4, 300, 200).transpose(1, 2)
+    assert torch.equal(native.contiguous(x), x)
+    with native.native_kernels("off"):
+        assert torch.equal(native.contiguous(w.t()), w.t())
