@@ -4,7 +4,7 @@
  * element: about 6x the time of a plain copy of the same bytes on the 2-core AMD EPYC (a
  * (1024, 256) float32 matrix, 0.16-0.24 ms against 0.03). Here the matrix goes through a
  * TILE x TILE block held in registers and L1: the reads of a tile's columns and the writes of its
- * rows each touch TILE cache lines, so every line is read and written once (0.07 ms for the
+ * rows each touch TILE cache lines, so every line is read and written once (0.08 ms for the
  * same matrix).
  *
  * Included by recurrence.c once per type with REAL and NAME(x) defined (see sequence.h).

@@ -31,7 +31,7 @@ __attribute__((simd("notinbranch"))) double tanh(double);
 
 /* The products' multiply-adds fused (one rounding each, as BLAS computes them): ISO C mode turns
  * the contraction off, and the microkernel then issued a multiply and an add per step (the LSTM
- * forward loop at 44 against 51 GFLOP/s, one AMD EPYC core). Only in the product functions, whose
+ * forward loop at 44 against 48 GFLOP/s, one AMD EPYC core). Only in the product functions, whose
  * vector and scalar paths both fuse, in the same order: the results stay independent of the
  * thread count (which decides which units take which path). */
 #if defined(__GNUC__) && !defined(__clang__)
