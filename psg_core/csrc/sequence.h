@@ -22,14 +22,16 @@
  * accumulators stay in registers: two LANES-wide column blocks times ROWS rows.
  */
 
-/* acc{0,1}[r] += sum_k x[r][k] * w{0,1}[k * ws]: x is ROWS rows of K (row stride xs). */
-#define MICROKERNEL(K, x, xs, w0, w1, ws, acc0, acc1)                                  \
+/* acc{0,1}[r] += sum_k x[k * xk + r * xr] * w{0,1}[k * ws]: x holds ROWS rows of K. The
+ * forward passes its k-major tile (xk = ROWS, xr = 1: the rows' offsets are constants, not eight
+ * pointers the loop reloads from the stack each k). */
+#define MICROKERNEL(K, x, xk, xr, w0, w1, ws, acc0, acc1)                              \
   do {                                                                                  \
     for (long k_ = 0; k_ < (K); ++k_) {                                                 \
       VEC a_ = *(const VECU *)((w0) + k_ * (ws));                                       \
       VEC b_ = *(const VECU *)((w1) + k_ * (ws));                                       \
       _Pragma("GCC unroll 8") for (int r_ = 0; r_ < ROWS; ++r_) {                       \
-        REAL s_ = (x)[r_ * (xs) + k_];                                                  \
+        REAL s_ = (x)[k_ * (xk) + r_ * (xr)];                                           \
         (acc0)[r_] += s_ * a_;                                                          \
         (acc1)[r_] += s_ * b_;                                                          \
       }                                                                                 \
@@ -62,7 +64,8 @@ struct NAME(job) {
   REAL *din; long din_b, din_t;        /* (B, T, G*H): out, the input gates' gradients */
   REAL *dhid; long dhid_b, dhid_t;     /* (B, T, G*H): out, the hidden gates' gradients (may be din) */
   /* scratch */
-  REAL *scratch;                       /* 2 x (Bp, K): padded copies of a step's product input */
+  REAL *scratch;                       /* 2 x (Bp, K): padded copies of a step's product input (the
+                                          forward's in k-major (K, ROWS) tiles per row group) */
   REAL *product; long product_stride;  /* per thread: its columns of one row group's product */
 };
 
@@ -97,8 +100,9 @@ void NAME(pack_hidden)(long G, long H, const REAL *w, REAL *packed) {
       }
 }
 
-/* pre[q][r][j] = bias[q H + u + j] + sum_k x[r][k] W_hh[q H + u + j][k] for the G gates q, the
- * ROWS rows r of x (padded, row stride H) and the `width` units from u (a multiple of LANES). */
+/* pre[q][r][j] = bias[q H + u + j] + sum_k x[k][r] W_hh[q H + u + j][k] for the G gates q, the
+ * ROWS rows r of x (a row group's k-major (H, ROWS) tile of the padded state) and the `width`
+ * units from u (a multiple of LANES). */
 PSG_FUSED static void NAME(gates_product)(const struct NAME(job) *job, const REAL *x, long u, long width,
                                 REAL pre[][ROWS][LANES]) {
   const long H = job->H, GL = job->G * LANES;
@@ -113,7 +117,7 @@ PSG_FUSED static void NAME(gates_product)(const struct NAME(job) *job, const REA
         b1 = *(const VECU *)(job->bias + q1 * H + u);
       }
       for (int r = 0; r < ROWS; ++r) { acc0[r] = b0; acc1[r] = b1; }
-      MICROKERNEL(H, x, H, slab + q * LANES, slab + q1 * LANES, GL, acc0, acc1);
+      MICROKERNEL(H, x, ROWS, 1, slab + q * LANES, slab + q1 * LANES, GL, acc0, acc1);
       for (int r = 0; r < ROWS; ++r) {
         *(VECU *)pre[q][r] = acc0[r];
         *(VECU *)pre[q1][r] = acc1[r];
@@ -125,9 +129,8 @@ PSG_FUSED static void NAME(gates_product)(const struct NAME(job) *job, const REA
     for (int r = 0; r < ROWS; ++r)
       for (long j = 0; j < width; ++j) {
         REAL s = job->bias != NULL ? job->bias[q * H + u + j] : (REAL)0;
-        const REAL *xr = x + r * H;
         const REAL *w = slab + q * LANES + j;
-        for (long k = 0; k < H; ++k) s = FMA(xr[k], w[k * GL], s);
+        for (long k = 0; k < H; ++k) s = FMA(x[k * ROWS + r], w[k * GL], s);
         pre[q][r][j] = s;
       }
 }
@@ -142,7 +145,7 @@ static void NAME(cell_forward)(const struct NAME(job) *job, REAL pre[][ROWS][LAN
     REAL *hg = job->hg + b * job->hg_b + t * job->hg_t;
     const REAL *hp = job->hs + read * job->hs_t + b * job->hs_b;
     REAL *hn = job->hs + write * job->hs_t + b * job->hs_b;
-    REAL *ho = h_out + b * H;
+    REAL *ho = h_out + (b / ROWS) * H * ROWS + b % ROWS; /* its row of the k-major tiles */
     for (long q = 0; q < job->G; ++q) {
       PSG_SIMD for (long j = 0; j < width; ++j) hg[q * H + u + j] = pre[q][r][j];
     }
@@ -168,7 +171,7 @@ static void NAME(cell_forward)(const struct NAME(job) *job, REAL pre[][ROWS][LAN
         cn[n] = c;
         tc[n] = th;
         hn[n] = o * th;
-        ho[n] = o * th;
+        ho[n * ROWS] = o * th;
       }
     } else if (job->cell == PSG_GRU) {
       REAL *a = job->act + t * job->act_t + b * job->act_b;
@@ -183,7 +186,7 @@ static void NAME(cell_forward)(const struct NAME(job) *job, REAL pre[][ROWS][LAN
         a[H + n] = z;
         cd[n] = nn;
         hn[n] = h;
-        ho[n] = h;
+        ho[n * ROWS] = h;
       }
     } else {
       const int relu = job->cell == PSG_RNN_RELU;
@@ -192,7 +195,7 @@ static void NAME(cell_forward)(const struct NAME(job) *job, REAL pre[][ROWS][LAN
         REAL s = pre[0][r][jj] + x[n];
         REAL h = relu ? (s > 0 ? s : (REAL)0) : TANH(s);
         hn[n] = h;
-        ho[n] = h;
+        ho[n * ROWS] = h;
       }
     }
   }
@@ -229,7 +232,7 @@ PSG_FUSED static void NAME(backward_product)(const struct NAME(job) *job, long k
     if (width == 2 * LANES) {
       VEC acc0[ROWS], acc1[ROWS];
       for (int r = 0; r < ROWS; ++r) { acc0[r] = (VEC){0}; acc1[r] = (VEC){0}; }
-      MICROKERNEL(GH, g, GH, job->w + k, job->w + k + LANES, H, acc0, acc1);
+      MICROKERNEL(GH, g, 1, GH, job->w + k, job->w + k + LANES, H, acc0, acc1);
       for (int r = 0; r < ROWS; ++r) {
         *(VECU *)out[block][r] = acc0[r];
         *(VECU *)out[block + 1][r] = acc1[r];
@@ -365,7 +368,8 @@ int NAME(forward_sequence)(int cell, long B, long H, long T, int reverse, int th
   REAL *scratch = (REAL *)calloc((size_t)(2 * Bp * H), sizeof(REAL));
   if (scratch == NULL) return -1;
   const long first = reverse ? T : 0;
-  for (long b = 0; b < B; ++b) memcpy(scratch + b * H, hs + first * hs_t + b * hs_b, (size_t)H * sizeof(REAL));
+  for (long b = 0; b < B; ++b) /* the initial state, in the row groups' k-major (H, ROWS) tiles */
+    for (long n = 0; n < H; ++n) scratch[(b / ROWS) * H * ROWS + n * ROWS + b % ROWS] = hs[first * hs_t + b * hs_b + n];
   struct NAME(job) job = {0};
   job.cell = cell; job.B = B; job.H = H; job.T = T; job.Bp = Bp; job.G = NAME(gates)(cell);
   job.reverse = reverse;
