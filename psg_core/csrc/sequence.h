@@ -135,67 +135,97 @@ PSG_FUSED static void NAME(gates_product)(const struct NAME(job) *job, const REA
       }
 }
 
-/* The cells' forward, for rows r0.. of one row group and the units [u, u + width). */
+/* The cells' forward, for rows r0.. of one row group and the units [u, u + width). The LSTM's
+ * and GRU's nonlinearities run pass by pass over the tile (every row's gate i, then f, ...): each
+ * loop calls one vector function with little else live, where one loop calling five of them kept
+ * spilling its values around the calls (B 8, T 64, H 256, one AMD EPYC core: the LSTM forward loop
+ * 5.38 -> 4.21 ms, the GRU 4.10 -> 3.85). */
 static void NAME(cell_forward)(const struct NAME(job) *job, REAL pre[][ROWS][LANES], long r0, long u,
                                long width, int t, int read, int write, REAL *h_out) {
   const long B = job->B, H = job->H;
-  for (int r = 0; r < ROWS && r0 + r < B; ++r) {
+  const int rows = (B - r0 < ROWS) ? (int)(B - r0) : ROWS;
+  REAL z[4][ROWS][LANES]; /* the gates' pre-activations (input part added), then activations */
+  for (int r = 0; r < rows; ++r) {
     const long b = r0 + r;
-    const REAL *x = job->gx + b * job->gx_b + t * job->gx_t;
-    REAL *hg = job->hg + b * job->hg_b + t * job->hg_t;
-    const REAL *hp = job->hs + read * job->hs_t + b * job->hs_b;
-    REAL *hn = job->hs + write * job->hs_t + b * job->hs_b;
-    REAL *ho = h_out + (b / ROWS) * H * ROWS + b % ROWS; /* its row of the k-major tiles */
+    const REAL *x = job->gx + b * job->gx_b + t * job->gx_t + u;
+    REAL *hg = job->hg + b * job->hg_b + t * job->hg_t + u;
     for (long q = 0; q < job->G; ++q) {
-      PSG_SIMD for (long j = 0; j < width; ++j) hg[q * H + u + j] = pre[q][r][j];
+      PSG_SIMD for (long j = 0; j < width; ++j) hg[q * H + j] = pre[q][r][j];
     }
     if (job->cell == PSG_LSTM) {
-      REAL *a = job->act + t * job->act_t + b * job->act_b;
-      REAL *cd = job->cand + t * job->cand_t + b * job->cand_b;
-      REAL *tc = job->tanh_c + t * job->tc_t + b * job->tc_b;
-      const REAL *cp = job->cs + read * job->cs_t + b * job->cs_b;
-      REAL *cn = job->cs + write * job->cs_t + b * job->cs_b;
-      PSG_SIMD for (long jj = 0; jj < width; ++jj) {
-        const long n = u + jj;
-        REAL i = NAME(sigmoid)(pre[0][r][jj] + x[n]);
-        REAL f = NAME(sigmoid)(pre[1][r][jj] + x[H + n]);
-        REAL g = TANH(pre[2][r][jj] + x[2 * H + n]);
-        REAL o = NAME(sigmoid)(pre[3][r][jj] + x[3 * H + n]);
-        REAL c = f * cp[n] + i * g;
-        REAL th = TANH(c);
-        a[n] = i;
-        a[H + n] = f;
-        a[2 * H + n] = g;
-        a[3 * H + n] = o;
-        cd[n] = g;
-        cn[n] = c;
-        tc[n] = th;
-        hn[n] = o * th;
-        ho[n * ROWS] = o * th;
+      for (long q = 0; q < 4; ++q) {
+        PSG_SIMD for (long j = 0; j < width; ++j) z[q][r][j] = pre[q][r][j] + x[q * H + j];
       }
     } else if (job->cell == PSG_GRU) {
-      REAL *a = job->act + t * job->act_t + b * job->act_b;
-      REAL *cd = job->cand + t * job->cand_t + b * job->cand_b;
-      PSG_SIMD for (long jj = 0; jj < width; ++jj) {
-        const long n = u + jj;
-        REAL rr = NAME(sigmoid)(pre[0][r][jj] + x[n]);
-        REAL z = NAME(sigmoid)(pre[1][r][jj] + x[H + n]);
-        REAL nn = TANH(x[2 * H + n] + rr * pre[2][r][jj]);
-        REAL h = nn + z * (hp[n] - nn);
-        a[n] = rr;
-        a[H + n] = z;
-        cd[n] = nn;
-        hn[n] = h;
-        ho[n * ROWS] = h;
+      for (long q = 0; q < 2; ++q) {
+        PSG_SIMD for (long j = 0; j < width; ++j) z[q][r][j] = pre[q][r][j] + x[q * H + j];
       }
-    } else {
-      const int relu = job->cell == PSG_RNN_RELU;
-      PSG_SIMD for (long jj = 0; jj < width; ++jj) {
-        const long n = u + jj;
-        REAL s = pre[0][r][jj] + x[n];
+    }
+  }
+  if (job->cell == PSG_LSTM) {
+    for (int r = 0; r < rows; ++r) {
+      PSG_SIMD for (long j = 0; j < width; ++j) z[0][r][j] = NAME(sigmoid)(z[0][r][j]);
+      PSG_SIMD for (long j = 0; j < width; ++j) z[1][r][j] = NAME(sigmoid)(z[1][r][j]);
+      PSG_SIMD for (long j = 0; j < width; ++j) z[2][r][j] = TANH(z[2][r][j]);
+      PSG_SIMD for (long j = 0; j < width; ++j) z[3][r][j] = NAME(sigmoid)(z[3][r][j]);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const long b = r0 + r;
+      REAL *a = job->act + t * job->act_t + b * job->act_b + u;
+      REAL *cd = job->cand + t * job->cand_t + b * job->cand_b + u;
+      REAL *tc = job->tanh_c + t * job->tc_t + b * job->tc_b + u;
+      const REAL *cp = job->cs + read * job->cs_t + b * job->cs_b + u;
+      REAL *cn = job->cs + write * job->cs_t + b * job->cs_b + u;
+      PSG_SIMD for (long j = 0; j < width; ++j) cn[j] = z[1][r][j] * cp[j] + z[0][r][j] * z[2][r][j];
+      PSG_SIMD for (long j = 0; j < width; ++j) tc[j] = TANH(cn[j]);
+      REAL *hn = job->hs + write * job->hs_t + b * job->hs_b + u;
+      REAL *ho = h_out + (b / ROWS) * H * ROWS + b % ROWS + u * ROWS; /* its row of the k-major tiles */
+      PSG_SIMD for (long j = 0; j < width; ++j) {
+        a[j] = z[0][r][j];
+        a[H + j] = z[1][r][j];
+        a[2 * H + j] = z[2][r][j];
+        a[3 * H + j] = z[3][r][j];
+        cd[j] = z[2][r][j];
+        hn[j] = z[3][r][j] * tc[j];
+        ho[j * ROWS] = z[3][r][j] * tc[j];
+      }
+    }
+  } else if (job->cell == PSG_GRU) {
+    for (int r = 0; r < rows; ++r) {
+      PSG_SIMD for (long j = 0; j < width; ++j) z[0][r][j] = NAME(sigmoid)(z[0][r][j]);
+      PSG_SIMD for (long j = 0; j < width; ++j) z[1][r][j] = NAME(sigmoid)(z[1][r][j]);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const long b = r0 + r;
+      const REAL *x = job->gx + b * job->gx_b + t * job->gx_t + u;
+      REAL *a = job->act + t * job->act_t + b * job->act_b + u;
+      REAL *cd = job->cand + t * job->cand_t + b * job->cand_b + u;
+      const REAL *hp = job->hs + read * job->hs_t + b * job->hs_b + u;
+      REAL *hn = job->hs + write * job->hs_t + b * job->hs_b + u;
+      REAL *ho = h_out + (b / ROWS) * H * ROWS + b % ROWS + u * ROWS;
+      PSG_SIMD for (long j = 0; j < width; ++j) cd[j] = x[2 * H + j] + z[0][r][j] * pre[2][r][j];
+      PSG_SIMD for (long j = 0; j < width; ++j) cd[j] = TANH(cd[j]);
+      PSG_SIMD for (long j = 0; j < width; ++j) {
+        const REAL nn = cd[j];
+        const REAL h = nn + z[1][r][j] * (hp[j] - nn);
+        a[j] = z[0][r][j];
+        a[H + j] = z[1][r][j];
+        hn[j] = h;
+        ho[j * ROWS] = h;
+      }
+    }
+  } else {
+    const int relu = job->cell == PSG_RNN_RELU;
+    for (int r = 0; r < rows; ++r) {
+      const long b = r0 + r;
+      const REAL *x = job->gx + b * job->gx_b + t * job->gx_t + u;
+      REAL *hn = job->hs + write * job->hs_t + b * job->hs_b + u;
+      REAL *ho = h_out + (b / ROWS) * H * ROWS + b % ROWS + u * ROWS;
+      PSG_SIMD for (long j = 0; j < width; ++j) {
+        REAL s = pre[0][r][j] + x[j];
         REAL h = relu ? (s > 0 ? s : (REAL)0) : TANH(s);
-        hn[n] = h;
-        ho[n * ROWS] = h;
+        hn[j] = h;
+        ho[j * ROWS] = h;
       }
     }
   }
