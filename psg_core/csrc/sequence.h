@@ -18,8 +18,9 @@
  * of threads.
  *
  * The products read ROWS rows at a time from a zero-padded copy of the previous state (or of the
- * later step's hidden-gate gradients), so the microkernel's loops have constant bounds and its
- * accumulators stay in registers: two LANES-wide column blocks times ROWS rows.
+ * later step's hidden-gate gradients), kept k-major per group of ROWS rows, so the microkernel's
+ * loops have constant bounds and offsets and its accumulators stay in registers: two LANES-wide
+ * column blocks times ROWS rows.
  */
 
 /* acc{0,1}[r] += sum_k x[k * xk + r * xr] * w{0,1}[k * ws]: x holds ROWS rows of K. The
@@ -64,8 +65,8 @@ struct NAME(job) {
   REAL *din; long din_b, din_t;        /* (B, T, G*H): out, the input gates' gradients */
   REAL *dhid; long dhid_b, dhid_t;     /* (B, T, G*H): out, the hidden gates' gradients (may be din) */
   /* scratch */
-  REAL *scratch;                       /* 2 x (Bp, K): padded copies of a step's product input (the
-                                          forward's in k-major (K, ROWS) tiles per row group) */
+  REAL *scratch;                       /* 2 x (Bp, K): padded copies of a step's product input, in
+                                          k-major (K, ROWS) tiles per row group */
   REAL *product; long product_stride;  /* per thread: its columns of one row group's product */
 };
 
@@ -251,8 +252,8 @@ static void NAME(forward_thread)(const struct NAME(job) *job, int index, int thr
   }
 }
 
-/* out[block][r][j] = sum_n g[r][n] W[n][k + j] for the thread's columns [k0, k1) of dh (rows of g
- * padded, row stride G*H). */
+/* out[block][r][j] = sum_n g[n][r] W[n][k + j] for the thread's columns [k0, k1) of dh (g: a row
+ * group's k-major (G*H, ROWS) tile of the padded gradients). */
 PSG_FUSED static void NAME(backward_product)(const struct NAME(job) *job, long k0, long k1, const REAL *g,
                                    REAL out[][ROWS][LANES]) {
   const long H = job->H, GH = job->G * H;
@@ -262,7 +263,7 @@ PSG_FUSED static void NAME(backward_product)(const struct NAME(job) *job, long k
     if (width == 2 * LANES) {
       VEC acc0[ROWS], acc1[ROWS];
       for (int r = 0; r < ROWS; ++r) { acc0[r] = (VEC){0}; acc1[r] = (VEC){0}; }
-      MICROKERNEL(GH, g, 1, GH, job->w + k, job->w + k + LANES, H, acc0, acc1);
+      MICROKERNEL(GH, g, ROWS, 1, job->w + k, job->w + k + LANES, H, acc0, acc1);
       for (int r = 0; r < ROWS; ++r) {
         *(VECU *)out[block][r] = acc0[r];
         *(VECU *)out[block + 1][r] = acc1[r];
@@ -271,9 +272,8 @@ PSG_FUSED static void NAME(backward_product)(const struct NAME(job) *job, long k
       for (int r = 0; r < ROWS; ++r)
         for (long j = 0; j < width; ++j) {
           REAL s = 0;
-          const REAL *x = g + r * GH;
           const REAL *w = job->w + k + j;
-          for (long n = 0; n < GH; ++n) s = FMA(x[n], w[n * H], s);
+          for (long n = 0; n < GH; ++n) s = FMA(g[n * ROWS + r], w[n * H], s);
           out[block + j / LANES][r][j % LANES] = s;
         }
     }
@@ -281,7 +281,8 @@ PSG_FUSED static void NAME(backward_product)(const struct NAME(job) *job, long k
 }
 
 /* The cells' backward for one row b and the units [ub, ub + width): `dhv(j)` is the new h's total
- * gradient. Writes the gates' gradients (din, dhid, and the padded copy e of dhid's row), the
+ * gradient. Writes the gates' gradients (din, dhid, and the padded copy of dhid's row: e, its column of
+ * the row group's k-major tile, stride ROWS), the
  * gradient reaching c_prev (LSTM, in dc) and the part of h_prev's that does not go through W_hh
  * (GRU's z term, in dh: added to the product at the next step). */
 static void NAME(cell_backward)(const struct NAME(job) *job, long b, int t, long ub, long width,
@@ -306,7 +307,7 @@ static void NAME(cell_backward)(const struct NAME(job) *job, long b, int t, long
       REAL dg = dcn * (i - i * g * g);
       REAL dO = dh * th * (o - o * o);
       din[j] = di; din[H + j] = df; din[2 * H + j] = dg; din[3 * H + j] = dO;
-      e[j] = di; e[H + j] = df; e[2 * H + j] = dg; e[3 * H + j] = dO;
+      e[j * ROWS] = di; e[(H + j) * ROWS] = df; e[(2 * H + j) * ROWS] = dg; e[(3 * H + j) * ROWS] = dO;
       dcb[j] = dcn * f;
       dhb[j] = 0;
     }
@@ -324,7 +325,7 @@ static void NAME(cell_backward)(const struct NAME(job) *job, long b, int t, long
       REAL d_r = d_n * hn[j] * (r - r * r);
       din[j] = d_r; din[H + j] = d_z; din[2 * H + j] = d_n;
       dhid[j] = d_r; dhid[H + j] = d_z; dhid[2 * H + j] = d_n * r;
-      e[j] = d_r; e[H + j] = d_z; e[2 * H + j] = d_n * r;
+      e[j * ROWS] = d_r; e[(H + j) * ROWS] = d_z; e[(2 * H + j) * ROWS] = d_n * r;
       dhb[j] = dh * z;
     }
   } else {
@@ -335,7 +336,7 @@ static void NAME(cell_backward)(const struct NAME(job) *job, long b, int t, long
       REAL slope = relu ? (h[j] > 0 ? (REAL)1 : (REAL)0) : (REAL)1 - h[j] * h[j];
       REAL d = dhv[jj] * slope;
       din[j] = d;
-      e[j] = d;
+      e[j * ROWS] = d;
       dhb[j] = 0;
     }
   }
@@ -371,7 +372,7 @@ static void NAME(backward_thread)(const struct NAME(job) *job, int index, int th
                the carried term, p > 0) or the final state's (p == 0); both are held in dh */
             PSG_SIMD for (long jj = 0; jj < width; ++jj)
               dhv[jj] = dy[ub + jj] + dhb[ub + jj] + (p > 0 ? pr[jj] : (REAL)0);
-            NAME(cell_backward)(job, b, t, ub, width, dhv, g_out + b * GH);
+            NAME(cell_backward)(job, b, t, ub, width, dhv, g_out + (b / ROWS) * GH * ROWS + b % ROWS);
           }
         }
       }
