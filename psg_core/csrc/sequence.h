@@ -39,6 +39,16 @@
     }                                                                                   \
   } while (0)
 
+/* The same for one column block (an odd last gate: the GRU's third, the Elman cell's only one). */
+#define MICROKERNEL1(K, x, xk, xr, w0, ws, acc0)                                       \
+  do {                                                                                  \
+    for (long k_ = 0; k_ < (K); ++k_) {                                                 \
+      VEC a_ = *(const VECU *)((w0) + k_ * (ws));                                       \
+      _Pragma("GCC unroll 8") for (int r_ = 0; r_ < ROWS; ++r_)                         \
+        (acc0)[r_] += (x)[k_ * (xk) + r_ * (xr)] * a_;                                  \
+    }                                                                                   \
+  } while (0)
+
 /* One job: a direction's buffers, shared by the forward and backward loops (each reads its own). */
 struct NAME(job) {
   int cell;                            /* PSG_LSTM, PSG_GRU, PSG_RNN_TANH, PSG_RNN_RELU */
@@ -109,20 +119,28 @@ PSG_FUSED static void NAME(gates_product)(const struct NAME(job) *job, const REA
   const long H = job->H, GL = job->G * LANES;
   const REAL *slab = job->wt + (u / LANES) * H * GL; /* the block's (H, G, LANES) */
   if (width == LANES) {
-    for (long q = 0; q < job->G; q += 2) {
-      const long q1 = (q + 1 < job->G) ? q + 1 : q; /* an odd last gate: computed twice, kept once */
+    long q = 0;
+    for (; q + 1 < job->G; q += 2) { /* the gates two at a time */
       VEC acc0[ROWS], acc1[ROWS];
       VEC b0 = {0}, b1 = {0};
       if (job->bias != NULL) {
         b0 = *(const VECU *)(job->bias + q * H + u);
-        b1 = *(const VECU *)(job->bias + q1 * H + u);
+        b1 = *(const VECU *)(job->bias + (q + 1) * H + u);
       }
       for (int r = 0; r < ROWS; ++r) { acc0[r] = b0; acc1[r] = b1; }
-      MICROKERNEL(H, x, ROWS, 1, slab + q * LANES, slab + q1 * LANES, GL, acc0, acc1);
+      MICROKERNEL(H, x, ROWS, 1, slab + q * LANES, slab + (q + 1) * LANES, GL, acc0, acc1);
       for (int r = 0; r < ROWS; ++r) {
         *(VECU *)pre[q][r] = acc0[r];
-        *(VECU *)pre[q1][r] = acc1[r];
+        *(VECU *)pre[q + 1][r] = acc1[r];
       }
+    }
+    if (q < job->G) { /* an odd last gate alone (it was computed twice, kept once) */
+      VEC acc0[ROWS];
+      VEC b0 = {0};
+      if (job->bias != NULL) b0 = *(const VECU *)(job->bias + q * H + u);
+      for (int r = 0; r < ROWS; ++r) acc0[r] = b0;
+      MICROKERNEL1(H, x, ROWS, 1, slab + q * LANES, GL, acc0);
+      for (int r = 0; r < ROWS; ++r) *(VECU *)pre[q][r] = acc0[r];
     }
     return;
   }
