@@ -97,16 +97,18 @@ static inline REAL NAME(sigmoid)(REAL x) { return (REAL)1 / ((REAL)1 + EXP(-x));
  * ceil(H / LANES) * H * G * LANES elements. */
 void NAME(pack_hidden)(long G, long H, const REAL *w, REAL *packed) {
   const long blocks = (H + LANES - 1) / LANES, slab = H * G * LANES;
+  REAL tile[LANES][LANES];
   for (long ub = 0; ub < blocks; ++ub)
     for (long q = 0; q < G; ++q)
-      for (long j = 0; j < LANES; ++j) {
-        const long unit = ub * LANES + j;
-        REAL *out = packed + ub * slab + q * LANES + j;
-        if (unit < H) {
-          const REAL *row = w + (q * H + unit) * H;
-          for (long k = 0; k < H; ++k) out[k * G * LANES] = row[k];
-        } else {
-          for (long k = 0; k < H; ++k) out[k * G * LANES] = 0;
+      for (long k0 = 0; k0 < H; k0 += LANES) { /* a LANES x LANES tile: rows read, rows written */
+        const long nk = (H - k0 < LANES) ? H - k0 : LANES;
+        for (long j = 0; j < LANES; ++j) {
+          const long unit = ub * LANES + j;
+          for (long k = 0; k < nk; ++k) tile[k][j] = unit < H ? w[(q * H + unit) * H + k0 + k] : (REAL)0;
+        }
+        for (long k = 0; k < nk; ++k) {
+          REAL *out = packed + ub * slab + (k0 + k) * G * LANES + q * LANES;
+          for (long j = 0; j < LANES; ++j) out[j] = tile[k][j];
         }
       }
 }
