@@ -13,11 +13,17 @@ forward, five backward (the LSTM's), for a ``(batch, hidden)`` tile that takes a
 to compute: at batch 8, hidden 256, the DP LSTM was 2.8x torch's fused kernel on a 2-core AMD
 EPYC. The C loops in ``psg_core/csrc`` run a direction in one call: a register-blocked product on
 GCC vector types (the compiler maps them to the host's widest SIMD), the cell fused after it, the
-steps split over torch's own OpenMP threads by hidden units. Same host, forward and backward,
-two threads: DPLSTM 6.7 ms (torch's fused LSTM 5.1), DPGRU 5.5 (fused GRU 16.8), DPRNN 2.6 (fused
-RNN 6.5); step by step they took 13.9, 11.5 and 5.5. The benchmark LSTM's ghost step is 1.38x
-non-private training at one thread, was 2.14x. Every output element is computed by one thread in
-one order: the results do not depend on the thread count.
+steps split over torch's own OpenMP threads by hidden units. The products' multiply-adds are
+fused (the product functions ask for it: the library is built in ISO C mode, which does not),
+W_hh is packed per block of units for the forward (:func:`forward`), and each step's product input
+sits in k-major tiles of the microkernel's rows. Same host, a layer's forward and backward at
+batch 8, 64 steps, input 128, hidden 256 (input projections and weight gradients included), one
+thread: DPLSTM 20.0 ms (torch's fused LSTM 14.9), DPGRU 14.2 (fused GRU 25.7), DPRNN 4.9 (fused
+RNN 8.8); two threads 11.1, 7.9 and 3.3 (fused 8.3, 20.5, 6.7). The time loops alone, one thread:
+LSTM forward 4.2 ms and backward 2.9 (6.1 and 3.5 before the fused multiply-adds, the packing and
+the tiles). The benchmark LSTM's ghost step is 1.40x non-private training at one thread (glibc's
+default allocator; BENCHMARKS.md). Every output element is computed by one thread in one order:
+the results do not depend on the thread count.
 
 The library is compiled on first use with the host's C compiler (``$CC``, else ``cc``, ``gcc``
 or ``clang``; tuned for the host's CPU, linked to the OpenMP runtime torch loaded) into a cache
