@@ -19,6 +19,7 @@ from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced
 from psg_core.modes import GradSampleMode, LossReduction, parse_enum
 from psg_core.precision import no_autocast, with_loss_scale
+from psg_core.support import exclusive
 
 __all__ = ["PerSampleOutput", "per_sample_gradients", "compute_per_sample", "BACKENDS"]
 
@@ -42,9 +43,16 @@ def compute_per_sample(module: nn.Module, inputs: Any, targets: torch.Tensor, *,
     if layout is None:
         layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=augmentation_multiplicity,
                                      batch_first=batch_first, where=where)
-    if layout.num_samples == 0:
-        return empty_output(trainable_parameters(module))
-    unreduced = as_unreduced(loss_fn)
+    # One thread at a time on a model, its parameter list read inside too (another thread's ew call
+    # has ExpandedWeights standing in for them): see psg_core.support.exclusive.
+    with exclusive(module):
+        if layout.num_samples == 0:
+            return empty_output(trainable_parameters(module))
+        return _compute(module, model_inputs, targets, as_unreduced(loss_fn), backend, layout, reduction)
+
+
+def _compute(module: nn.Module, model_inputs: ModelInputs, targets: torch.Tensor, unreduced: LossFn,
+             backend: Any, layout: BatchLayout, reduction: LossReduction) -> PerSampleOutput:
     params = trainable_parameters(module)
 
     def run(scale: float) -> PerSampleOutput:
@@ -68,6 +76,7 @@ def per_sample_gradients(module: nn.Module, inputs: Any, targets: torch.Tensor, 
 
     Args:
         module: the model; it is not modified (``p.grad`` and ``p.grad_sample`` are left as they were).
+            psg's calls on one model from several threads run one at a time (a lock per model).
         inputs: a tensor, a tuple of positional arguments, or a mapping of keyword arguments
             (``{"input_ids": ..., "attention_mask": ...}``); the batch tensors have ``N*K`` rows on
             the batch dimension, sample-major (rows ``n*K .. n*K+K-1`` are the K augmented copies

@@ -18,7 +18,7 @@ from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn
 from psg_core.modes import Clipping, GradSampleMode
 from psg_core.precision import as_dtype, no_autocast
-from psg_core.support import one_walk
+from psg_core.support import exclusive, one_walk
 
 __all__ = ["dp_gradient", "l2_sensitivity"]
 
@@ -69,7 +69,8 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
     Args:
         module: the model; its parameters and their ``p.grad`` are not modified (buffers that its
             forward updates, such as running statistics, are updated as by any forward call,
-            except under ``mode="functorch"``, which refuses in-place buffer updates).
+            except under ``mode="functorch"``, which refuses in-place buffer updates). psg's calls
+            on one model from several threads run one at a time (a lock per model).
         inputs: a tensor, a tuple of positional arguments or a mapping of keyword arguments; the
             batch tensors have ``N*K`` rows on the batch dimension, sample-major (rows
             ``n*K .. n*K+K-1`` are the K copies of sample n).
@@ -98,7 +99,9 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
         raise ConfigError(f"dp_gradient: config must be a DPConfig, got {type(config).__name__}")
     if not isinstance(module, nn.Module):
         raise ConfigError(f"dp_gradient: expected an nn.Module, got {type(module).__name__}")
-    with one_walk(module):  # the step's checks, hooks and parameter lists share one walk of the tree
+    # one thread at a time on a model (support.exclusive); the step's checks, hooks and parameter
+    # lists share one walk of the tree
+    with exclusive(module), one_walk(module):
         model_inputs = ModelInputs.parse(inputs, where="dp_gradient")
         if not isinstance(targets, torch.Tensor):
             raise ConfigError(f"dp_gradient: targets must be a tensor, got {type(targets).__name__}")

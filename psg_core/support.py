@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 
 from psg_core.errors import UnsupportedModuleError
 
-__all__ = ["FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
+__all__ = ["exclusive", "FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
            "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters",
            "unit_module", "is_unit", "hooked_modules", "modules_of", "one_walk", "trainable_parameters",
            "built_on_experts_interface", "EXPERTS_INTERFACE", "known_rowwise"]
@@ -39,6 +40,31 @@ NOT_VMAPPABLE: tuple[type[nn.Module], ...] = (nn.RNNBase,)
 
 # ------------------------------------------------------------------------------ the model's tree
 _WALK = threading.local()
+
+#: one lock per model that psg computes per-sample gradients of (see exclusive)
+_MODEL_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive(module: nn.Module) -> Iterator[None]:
+    """Holds ``module``'s lock for the block: psg's calls on one model from several threads run one
+    after the other. Each backend changes the model while it runs (hooks registered on its layers
+    catch every forward through them, torch.func swaps its parameters in and out by attribute):
+    two threads computing on one model at once got each other's activations or parameters, and
+    wrong gradients or errors. Calls on different models still run at once; a thread may enter
+    again (a step calling into another psg function on the same model).
+
+    >>> model = nn.Linear(2, 2)
+    >>> with exclusive(model), exclusive(model):  # re-entrant in one thread
+    ...     pass
+    """
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(module)
+        if lock is None:
+            lock = _MODEL_LOCKS[module] = threading.RLock()
+    with lock:
+        yield
 
 
 @contextlib.contextmanager

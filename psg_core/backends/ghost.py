@@ -75,7 +75,7 @@ from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_los
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.precision import as_dtype, compute_dtype, no_autocast, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
-from psg_core.support import hooked_modules, own_parameters, reject_per_layer_unsupported
+from psg_core.support import exclusive, hooked_modules, own_parameters, reject_per_layer_unsupported
 
 __all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
 
@@ -601,9 +601,10 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
     >>> out.num_samples, out.per_sample_norms.shape, out.grads["0.weight"].shape
     (3, torch.Size([3]), torch.Size([8, 4]))
     """
-    return with_loss_scale(lambda scale: _ghost_dp_gradient(module, inputs, targets, loss_fn=loss_fn, config=config,
-                                                            loss_scale=scale, layout=layout),
-                           lambda out: bool(torch.isfinite(out.per_sample_norms).all()))
+    with exclusive(module):  # one thread at a time on a model (see psg_core.support.exclusive)
+        return with_loss_scale(lambda scale: _ghost_dp_gradient(module, inputs, targets, loss_fn=loss_fn,
+                                                                config=config, loss_scale=scale, layout=layout),
+                               lambda out: bool(torch.isfinite(out.per_sample_norms).all()))
 
 
 def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,

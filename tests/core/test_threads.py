@@ -1,0 +1,109 @@
+"""psg's calls on one model from several threads at once (a server thread pool sharing a model).
+
+Every backend changes the model while it runs: the hooks and ghost backends register hooks on its
+layers (which catch every forward through them, another thread's too), torch.func and
+ExpandedWeights swap its parameters in and out by attribute. Before psg held a lock per model,
+four threads on one model got wrong per-sample gradients or errors in every round for hooks,
+functorch and ew (psg_core.support.exclusive).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from psg_core import dp_gradient, per_sample_gradients
+from psg_core.backends.ghost import ghost_dp_gradient
+from psg_core.config import DPConfig
+from psg_core.support import exclusive
+
+_THREADS, _CALLS = 4, 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _calls(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]]:
+    loss = nn.CrossEntropyLoss(reduction="none")
+    config = DPConfig(mode="ghost", max_grad_norm=1.0, augmentation_multiplicity=2)
+    calls: dict[str, Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]] = {
+        mode: (lambda x, y, mode=mode: per_sample_gradients(model, x, y, loss_fn=loss, mode=mode,
+                                                            augmentation_multiplicity=2))
+        for mode in ("hooks", "functorch", "ew")}
+    calls["dp_gradient ghost"] = lambda x, y: dp_gradient(model, x, y, loss_fn=loss, config=config).grads
+    calls["dp_gradient hooks"] = lambda x, y: dp_gradient(
+        model, x, y, loss_fn=loss, config=DPConfig(mode="hooks", max_grad_norm=1.0)).grads
+    calls["ghost_dp_gradient"] = lambda x, y: ghost_dp_gradient(model, x, y, loss_fn=loss, config=config).grads
+    return calls
+
+
+@pytest.mark.parametrize("call", list(_calls(nn.Linear(1, 1))))
+def test_threads_on_one_model_get_their_own_batches_gradients(call: str) -> None:
+    """Four threads, each its own batch, three calls each on the same model: every result equals
+    the same call made alone."""
+    model = _model()
+    run = _calls(model)[call]
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)) for _ in range(_THREADS)]
+    alone = [run(x, y) for x, y in batches]
+    got: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(_THREADS)]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(_CALLS):
+                got[i].append(run(*batches[i]))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for i in range(_THREADS):
+        assert len(got[i]) == _CALLS
+        for result in got[i]:
+            for name, want in alone[i].items():
+                torch.testing.assert_close(result[name], want, rtol=1e-5, atol=1e-6)
+    # the model is as it was: its own parameters, no hooks left
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_exclusive_serialises_one_model_not_two() -> None:
+    """A thread waits for another's block on the same model; blocks on different models overlap."""
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    inside, release = threading.Event(), threading.Event()
+    entered: list[str] = []
+
+    def hold() -> None:
+        with exclusive(first):
+            inside.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(10)
+
+    def enter(model: nn.Module, label: str) -> None:
+        with exclusive(model):
+            entered.append(label)
+
+    other = threading.Thread(target=enter, args=(second, "second"))
+    same = threading.Thread(target=enter, args=(first, "first"))
+    other.start()
+    same.start()
+    other.join(10)
+    assert entered == ["second"]  # the other model's block ran; the same model's waits
+    release.set()
+    same.join(10)
+    holder.join(10)
+    assert entered == ["second", "first"]
