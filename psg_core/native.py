@@ -527,9 +527,10 @@ def contiguous(matrix: torch.Tensor) -> torch.Tensor:
     >>> out.is_contiguous(), torch.equal(out, m)
     (True, True)
     """
+    if matrix.is_contiguous():
+        return matrix  # (what .contiguous() returns: the common case, decided first)
     if matrix.dim() != 2 or matrix.dtype not in _DTYPES or matrix.numel() < _COPY_MIN_ELEMENTS \
-            or matrix.is_contiguous() or matrix.is_neg() \
-            or not plain_cpu_tensor(matrix, torch.is_grad_enabled()):
+            or matrix.is_neg() or not plain_cpu_tensor(matrix, torch.is_grad_enabled()):
         return matrix.contiguous()
     lib = library()
     if lib is None:

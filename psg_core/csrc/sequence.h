@@ -23,16 +23,15 @@
  * column blocks times ROWS rows.
  */
 
-/* acc{0,1}[r] += sum_k x[k * xk + r * xr] * w{0,1}[k * ws]: x holds ROWS rows of K. The
- * forward passes its k-major tile (xk = ROWS, xr = 1: the rows' offsets are constants, not eight
- * pointers the loop reloads from the stack each k). */
-#define MICROKERNEL(K, x, xk, xr, w0, w1, ws, acc0, acc1)                              \
+/* acc{0,1}[r] += sum_k x[k][r] * w{0,1}[k * ws]: x is a row group's k-major (K, ROWS) tile (the
+ * rows' offsets are constants, not eight pointers the loop reloads from the stack each k). */
+#define MICROKERNEL(K, x, w0, w1, ws, acc0, acc1)                                      \
   do {                                                                                  \
     for (long k_ = 0; k_ < (K); ++k_) {                                                 \
       VEC a_ = *(const VECU *)((w0) + k_ * (ws));                                       \
       VEC b_ = *(const VECU *)((w1) + k_ * (ws));                                       \
       _Pragma("GCC unroll 8") for (int r_ = 0; r_ < ROWS; ++r_) {                       \
-        REAL s_ = (x)[k_ * (xk) + r_ * (xr)];                                           \
+        REAL s_ = (x)[k_ * ROWS + r_];                                                  \
         (acc0)[r_] += s_ * a_;                                                          \
         (acc1)[r_] += s_ * b_;                                                          \
       }                                                                                 \
@@ -40,12 +39,12 @@
   } while (0)
 
 /* The same for one column block (an odd last gate: the GRU's third, the Elman cell's only one). */
-#define MICROKERNEL1(K, x, xk, xr, w0, ws, acc0)                                       \
+#define MICROKERNEL1(K, x, w0, ws, acc0)                                               \
   do {                                                                                  \
     for (long k_ = 0; k_ < (K); ++k_) {                                                 \
       VEC a_ = *(const VECU *)((w0) + k_ * (ws));                                       \
       _Pragma("GCC unroll 8") for (int r_ = 0; r_ < ROWS; ++r_)                         \
-        (acc0)[r_] += (x)[k_ * (xk) + r_ * (xr)] * a_;                                  \
+        (acc0)[r_] += (x)[k_ * ROWS + r_] * a_;                                         \
     }                                                                                   \
   } while (0)
 
@@ -87,6 +86,13 @@ static void NAME(units)(long H, int index, int threads, long *u0, long *u1) {
   if (*u1 > H) *u1 = H;
   if (*u0 > H) *u0 = H;
 }
+
+#ifndef PSG_TILE_ROW
+#define PSG_TILE_ROW
+/* Where row b of a padded (Bp, K) matrix kept in k-major (K, ROWS) tiles per row group starts: its
+ * element k is at this offset + k * ROWS. */
+static inline long psg_tile_row(long b, long K) { return (b / ROWS) * K * ROWS + b % ROWS; }
+#endif
 
 static inline REAL NAME(sigmoid)(REAL x) { return (REAL)1 / ((REAL)1 + EXP(-x)); }
 
@@ -130,7 +136,7 @@ PSG_FUSED static void NAME(gates_product)(const struct NAME(job) *job, const REA
         b1 = *(const VECU *)(job->bias + (q + 1) * H + u);
       }
       for (int r = 0; r < ROWS; ++r) { acc0[r] = b0; acc1[r] = b1; }
-      MICROKERNEL(H, x, ROWS, 1, slab + q * LANES, slab + (q + 1) * LANES, GL, acc0, acc1);
+      MICROKERNEL(H, x, slab + q * LANES, slab + (q + 1) * LANES, GL, acc0, acc1);
       for (int r = 0; r < ROWS; ++r) {
         *(VECU *)pre[q][r] = acc0[r];
         *(VECU *)pre[q + 1][r] = acc1[r];
@@ -141,7 +147,7 @@ PSG_FUSED static void NAME(gates_product)(const struct NAME(job) *job, const REA
       VEC b0 = {0};
       if (job->bias != NULL) b0 = *(const VECU *)(job->bias + q * H + u);
       for (int r = 0; r < ROWS; ++r) acc0[r] = b0;
-      MICROKERNEL1(H, x, ROWS, 1, slab + q * LANES, GL, acc0);
+      MICROKERNEL1(H, x, slab + q * LANES, GL, acc0);
       for (int r = 0; r < ROWS; ++r) *(VECU *)pre[q][r] = acc0[r];
     }
     return;
@@ -200,7 +206,7 @@ static void NAME(cell_forward)(const struct NAME(job) *job, REAL pre[][ROWS][LAN
       PSG_SIMD for (long j = 0; j < width; ++j) cn[j] = z[1][r][j] * cp[j] + z[0][r][j] * z[2][r][j];
       PSG_SIMD for (long j = 0; j < width; ++j) tc[j] = TANH(cn[j]);
       REAL *hn = job->hs + write * job->hs_t + b * job->hs_b + u;
-      REAL *ho = h_out + (b / ROWS) * H * ROWS + b % ROWS + u * ROWS; /* its row of the k-major tiles */
+      REAL *ho = h_out + psg_tile_row(b, H) + u * ROWS; /* its row of the k-major tiles */
       PSG_SIMD for (long j = 0; j < width; ++j) {
         a[j] = z[0][r][j];
         a[H + j] = z[1][r][j];
@@ -223,7 +229,7 @@ static void NAME(cell_forward)(const struct NAME(job) *job, REAL pre[][ROWS][LAN
       REAL *cd = job->cand + t * job->cand_t + b * job->cand_b + u;
       const REAL *hp = job->hs + read * job->hs_t + b * job->hs_b + u;
       REAL *hn = job->hs + write * job->hs_t + b * job->hs_b + u;
-      REAL *ho = h_out + (b / ROWS) * H * ROWS + b % ROWS + u * ROWS;
+      REAL *ho = h_out + psg_tile_row(b, H) + u * ROWS;
       PSG_SIMD for (long j = 0; j < width; ++j) cd[j] = x[2 * H + j] + z[0][r][j] * pre[2][r][j];
       PSG_SIMD for (long j = 0; j < width; ++j) cd[j] = TANH(cd[j]);
       PSG_SIMD for (long j = 0; j < width; ++j) {
@@ -241,7 +247,7 @@ static void NAME(cell_forward)(const struct NAME(job) *job, REAL pre[][ROWS][LAN
       const long b = r0 + r;
       const REAL *x = job->gx + b * job->gx_b + t * job->gx_t + u;
       REAL *hn = job->hs + write * job->hs_t + b * job->hs_b + u;
-      REAL *ho = h_out + (b / ROWS) * H * ROWS + b % ROWS + u * ROWS;
+      REAL *ho = h_out + psg_tile_row(b, H) + u * ROWS;
       PSG_SIMD for (long j = 0; j < width; ++j) {
         REAL s = pre[0][r][j] + x[j];
         REAL h = relu ? (s > 0 ? s : (REAL)0) : TANH(s);
@@ -283,7 +289,7 @@ PSG_FUSED static void NAME(backward_product)(const struct NAME(job) *job, long k
     if (width == 2 * LANES) {
       VEC acc0[ROWS], acc1[ROWS];
       for (int r = 0; r < ROWS; ++r) { acc0[r] = (VEC){0}; acc1[r] = (VEC){0}; }
-      MICROKERNEL(GH, g, ROWS, 1, job->w + k, job->w + k + LANES, H, acc0, acc1);
+      MICROKERNEL(GH, g, job->w + k, job->w + k + LANES, H, acc0, acc1);
       for (int r = 0; r < ROWS; ++r) {
         *(VECU *)out[block][r] = acc0[r];
         *(VECU *)out[block + 1][r] = acc1[r];
@@ -392,7 +398,7 @@ static void NAME(backward_thread)(const struct NAME(job) *job, int index, int th
                the carried term, p > 0) or the final state's (p == 0); both are held in dh */
             PSG_SIMD for (long jj = 0; jj < width; ++jj)
               dhv[jj] = dy[ub + jj] + dhb[ub + jj] + (p > 0 ? pr[jj] : (REAL)0);
-            NAME(cell_backward)(job, b, t, ub, width, dhv, g_out + (b / ROWS) * GH * ROWS + b % ROWS);
+            NAME(cell_backward)(job, b, t, ub, width, dhv, g_out + psg_tile_row(b, GH));
           }
         }
       }
@@ -420,7 +426,7 @@ int NAME(forward_sequence)(int cell, long B, long H, long T, int reverse, int th
   if (scratch == NULL) return -1;
   const long first = reverse ? T : 0;
   for (long b = 0; b < B; ++b) /* the initial state, in the row groups' k-major (H, ROWS) tiles */
-    for (long n = 0; n < H; ++n) scratch[(b / ROWS) * H * ROWS + n * ROWS + b % ROWS] = hs[first * hs_t + b * hs_b + n];
+    for (long n = 0; n < H; ++n) scratch[psg_tile_row(b, H) + n * ROWS] = hs[first * hs_t + b * hs_b + n];
   struct NAME(job) job = {0};
   job.cell = cell; job.B = B; job.H = H; job.T = T; job.Bp = Bp; job.G = NAME(gates)(cell);
   job.reverse = reverse;
@@ -495,3 +501,4 @@ int NAME(backward_sequence)(int cell, long B, long H, long T, int reverse, int t
 }
 
 #undef MICROKERNEL
+#undef MICROKERNEL1
