@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from psg_core._settings import ProcessSetting, time_candidates
+from psg_core.native import contiguous, plain_cpu_tensor
 
 __all__ = ["GemmKernel", "ENVIRONMENT_VARIABLE", "set_gemm_kernel", "get_gemm_kernel", "gemm_kernel",
            "current_gemm_kernel", "onednn_available", "Projection", "linear", "linear_uses_onednn", "onednn_linear",
@@ -178,18 +179,6 @@ def onednn_outpaces_mkl() -> bool:
 
 
 # ------------------------------------------------------------------------------ applicability
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def plain_cpu_tensor(t: torch.Tensor, grad_mode: bool) -> bool:
-    """A plain CPU tensor (no subclass such as ExpandedWeights) that a kernel outside autograd may
-    read: not recorded by autograd (``grad_mode``: whether grad mode is on) and not wrapped by a
-    ``torch.func`` transform. psg's own kernels (oneDNN's products here, psg_core.native's loops)
-    take only those."""
-    return (type(t) in _PLAIN and t.is_cpu and not (grad_mode and t.requires_grad)
-            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
-
-
 def _applies(*tensors: torch.Tensor | None) -> bool:
     """Whether oneDNN may compute a product of these tensors (see the module docstring)."""
     grad_mode = torch.is_grad_enabled()
@@ -285,13 +274,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def _native() -> Any:
-    """psg_core.native (which imports this module: imported at the first call)."""
-    import psg_core.native as native
-
-    return native
-
-
 def mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a.T @ b`` for ``a (R, M)``, ``b (R, N)``: a weight gradient summed over R rows.
 
@@ -309,8 +291,8 @@ def mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     def onednn() -> torch.Tensor:
         # the copy by psg's tiled kernel (native.contiguous): oneDNN's own is torch's, element by element
         if a.shape[1] <= b.shape[1]:
-            return _onednn_linear(_native().contiguous(a.t()), b.t(), None)  # (M, N); a copied
-        return _onednn_linear(_native().contiguous(b.t()), a.t(), None).t()  # (N, M) transposed; b copied
+            return _onednn_linear(contiguous(a.t()), b.t(), None)  # (M, N); a copied
+        return _onednn_linear(contiguous(b.t()), a.t(), None).t()  # (N, M) transposed; b copied
 
     return onednn() if _use_onednn("mm_tn", (a, b), aten, onednn) else aten()
 

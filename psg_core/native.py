@@ -64,7 +64,6 @@ from pathlib import Path
 import torch
 
 from psg_core._settings import ProcessSetting
-from psg_core.gemm import plain_cpu_tensor
 
 __all__ = ["NativeKernels", "ENVIRONMENT_VARIABLE", "set_native_kernels", "native_kernels", "library",
            "applies", "build_error", "CELLS", "forward", "backward", "bag_entries", "keyed_sq_norms",
@@ -93,6 +92,17 @@ class NativeKernels(str, enum.Enum):
 _SETTING = ProcessSetting(NativeKernels, ENVIRONMENT_VARIABLE, "native kernel setting")
 _LOCK = threading.Lock()
 _state: dict[str, object] = {}
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_cpu_tensor(t: torch.Tensor, grad_mode: bool) -> bool:
+    """A plain CPU tensor (no subclass such as ExpandedWeights) that a kernel outside autograd may
+    read: not recorded by autograd (``grad_mode``: whether grad mode is on) and not wrapped by a
+    ``torch.func`` transform. psg's own kernels (this module's loops, psg_core.gemm's oneDNN
+    products) take only those."""
+    return (type(t) in _PLAIN and t.is_cpu and not (grad_mode and t.requires_grad)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def set_native_kernels(value: NativeKernels | str | None) -> None:
