@@ -18,6 +18,7 @@ from benchmarks.harness import SUITES, RunOptions, run_isolated
 from benchmarks.service import SIZES as SERVICE_SIZES
 from benchmarks.models import MODELS, Variant, opacus_available
 from benchmarks.report import load_results, render_markdown, write_report
+from benchmarks.ghost_floor import floor_step
 from benchmarks.run import main as bench_main
 from benchmarks.training import METHODS, Case, methods_for, prepare_step, run_case, suite_targets
 
@@ -100,6 +101,25 @@ def test_opacus_rows_compute_the_same_step_at_k1(model: str) -> None:
         for name, grad in reference.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"{method} {name}")
 
+
+
+@pytest.mark.parametrize("size", ["tiny", "quick"])
+def test_ghost_floor_releases_psg_ghost_gradient(size: str) -> None:
+    """benchmarks.ghost_floor's hand-written step is the same DP-SGD step as psg's ghost row: its
+    gradient is ``dp_gradient(mode="ghost")``'s clipped sum over N (a bound that clips most samples)."""
+    from psg_core import DPConfig, dp_gradient
+
+    spec = MODELS["embedding_bag"]
+    model = spec.build(Variant.PSG, size, seed=0)
+    samples = spec.samples(size)
+    (tokens,), targets = spec.make_batch(rows=samples, size=size, generator=torch.Generator().manual_seed(1))
+    expected = dp_gradient(model, tokens, targets, loss_fn=torch.nn.CrossEntropyLoss(reduction="none"),
+                           config=DPConfig(mode="ghost", max_grad_norm=0.05))
+    assert expected.num_clipped > samples // 2
+    grads = floor_step(model, tokens, targets, max_grad_norm=0.05)
+    assert grads.keys() == expected.grads.keys()
+    for name, grad in expected.grads.items():
+        torch.testing.assert_close(grads[name], grad / samples, rtol=1e-4, atol=1e-7, msg=name)
 
 def test_isolated_case_reports_peak_memory() -> None:
     row = run_isolated("benchmarks.training:run_case_in_child",
