@@ -299,8 +299,13 @@ class MeetingPoint:
 
     def per_sample_grads(self, grad: torch.Tensor, num_samples: int, K: int
                          ) -> dict[torch.Tensor, torch.Tensor]:
-        """``{param: (N, *param.shape)}`` through this meeting point (one batched VJP)."""
+        """``{param: (N, *param.shape)}`` through this meeting point (one batched VJP; none where
+        the op received the parameter itself, or a view of it with its elements in their order)."""
         cotangent = self.per_sample_cotangent(grad, num_samples, K).to(self.source.dtype)
+        if len(self.params) == 1 and _elements_of(self.source, self.params[0]):
+            # A layer scale, a norm's weight (gamma * x): the VJP of the identity or of a reshape.
+            param = self.params[0]
+            return {param: cotangent.reshape(num_samples, *param.shape).to(param.dtype)}
         grads: Sequence[torch.Tensor | None]
         try:
             grads = torch.autograd.grad([self.source], self.params, grad_outputs=[cotangent],
@@ -318,6 +323,15 @@ class MeetingPoint:
             grads = [None if rows[0][i] is None else torch.stack([cast(torch.Tensor, r[i]) for r in rows])
                      for i in range(len(self.params))]
         return {p: g.to(p.dtype) for p, g in zip(self.params, grads) if g is not None}
+
+
+def _elements_of(view: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``view`` is ``param`` or a view of it that holds its elements in their order (a
+    reshape: ``gamma[:, None, None]``), so that a gradient of ``view`` is one of ``param`` reshaped."""
+    if view is param:
+        return True
+    return (view._base is param and view.numel() == param.numel() and view.dtype == param.dtype
+            and view.is_contiguous() and param.is_contiguous() and view.data_ptr() == param.data_ptr())
 
 
 def _batch_axis_after_view(shape_in: Sequence[int], bd: int, merged: int, shape_out: Sequence[int]

@@ -9,6 +9,9 @@ loses on wide layers with few positions):
   convolution (``groups = N * G``) whose batch is the K copies: no unfolded patches;
 * ``unfold``: copy out the im2col patches and contract them with the output gradients (one
   batched matmul per sample and group), as Opacus does;
+* ``correlate`` (depthwise convolutions only: ``groups == in_channels``): each sample's input
+  correlated with its own output gradient, all samples as one *forward* convolution with
+  ``groups = N * C`` whose weights are the output gradients;
 * ``gram`` (ghost clipping only): the per-sample *norm* from two ``(T, T)`` Gram matrices, never
   the gradient; its clipped sum comes from one weight-gradient kernel over the batch.
 
@@ -21,7 +24,7 @@ rounded up to a power of two, K, dtype, device) in one of three ways:
   would need orders of magnitude more memory than the leanest one are not tried (see
   :func:`admissible`).
 * ``rule``: a fixed rule of the shapes, no measurement (see :func:`rule_per_sample`).
-* a forced strategy: ``grouped_conv``, ``unfold`` or ``gram`` wherever it applies, the rule
+* a forced strategy: ``grouped_conv``, ``unfold``, ``correlate`` or ``gram`` wherever it applies, the rule
   elsewhere (``gram`` forces ghost's Gram norms; per-sample gradients then follow the rule).
 
 The default is ``auto`` on CUDA and ``rule`` on CPU. On CPU the kernels' relative costs follow
@@ -58,7 +61,7 @@ __all__ = ["ConvStrategy", "PER_SAMPLE_STRATEGIES", "ENVIRONMENT_VARIABLE", "set
 logger = logging.getLogger(__name__)
 
 #: The environment variable that sets the default strategy (``auto``, ``rule``, ``grouped_conv``,
-#: ``unfold`` or ``gram``).
+#: ``unfold``, ``correlate`` or ``gram``).
 ENVIRONMENT_VARIABLE = "PSG_CONV_STRATEGY"
 
 
@@ -73,12 +76,14 @@ class ConvStrategy(str, enum.Enum):
     GROUPED_CONV = "grouped_conv"
     #: im2col patches contracted with the output gradients.
     UNFOLD = "unfold"
+    #: depthwise convolutions: inputs correlated with their output gradients (one forward convolution).
+    CORRELATE = "correlate"
     #: ghost clipping only: per-sample norms from Gram matrices.
     GRAM = "gram"
 
 
 #: The strategies that materialise per-sample gradients.
-PER_SAMPLE_STRATEGIES = (ConvStrategy.GROUPED_CONV, ConvStrategy.UNFOLD)
+PER_SAMPLE_STRATEGIES = (ConvStrategy.GROUPED_CONV, ConvStrategy.UNFOLD, ConvStrategy.CORRELATE)
 
 _LOCK = threading.RLock()
 _SETTING = ProcessSetting(ConvStrategy, ENVIRONMENT_VARIABLE, "convolution strategy")
@@ -92,8 +97,8 @@ def set_conv_strategy(strategy: ConvStrategy | str | None) -> None:
 
     Args:
         strategy: ``"auto"`` (measure once per shape, cache), ``"rule"`` (fixed rule),
-            ``"grouped_conv"``, ``"unfold"`` or ``"gram"`` (forced where it applies, the rule
-            elsewhere), or None to go back to the default (``PSG_CONV_STRATEGY``, else ``auto``
+            ``"grouped_conv"``, ``"unfold"``, ``"correlate"`` or ``"gram"`` (forced where it
+            applies, the rule elsewhere), or None to go back to the default (``PSG_CONV_STRATEGY``, else ``auto``
             on CUDA and ``rule`` on CPU).
 
     >>> set_conv_strategy("grouped_conv"); get_conv_strategy()
@@ -188,8 +193,10 @@ def admissible(footprints: Mapping[ConvStrategy, int], baseline: int) -> list[Co
 
 # ------------------------------------------------------------------------------ rules
 def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, patch: int,
-                    positions: int, fits: bool, onednn_ahead: bool | None = None) -> ConvStrategy:
-    """The fixed rule between ``grouped_conv`` and ``unfold`` for materialised gradients.
+                    positions: int, fits: bool, onednn_ahead: bool | None = None,
+                    depthwise: bool = False) -> ConvStrategy:
+    """The fixed rule between ``grouped_conv``, ``unfold`` and ``correlate`` for materialised
+    gradients.
 
     Args:
         device: where the tensors are.
@@ -201,6 +208,8 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
         fits: whether unfolding stays within :func:`admissible`'s memory bound.
         onednn_ahead: whether the host's oneDNN (the grouped kernel's) runs AVX-512 while MKL
             (unfold's ``bmm``) runs AVX2 (:func:`psg_core.gemm.onednn_outpaces_mkl`, asked when None).
+        depthwise: the layer is a (non-transposed) depthwise convolution (``groups ==
+            in_channels``), which ``correlate`` applies to, of stride 1.
 
     CPU (171 shapes of 3x3 Conv2d timed with one thread on a 2-core Xeon, torch 2.13, N 16 and
     64, K 1 and 4): the grouped kernel wins by 1.2-4x wherever its per-group weight ``O * I``
@@ -216,8 +225,14 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     ``O * I`` about ``1024 * T`` up to T 128 (64 -> 128 at 8x8, N 64: 9.1 vs 21.5 ms; 128 at
     8x8, K 2: 10.8 vs 13.3 ms) but only from about ``2048 * T`` at T 256 (192 at 16x16: grouped
     29 vs 31 ms at N 16, 154 vs 185 at N 64; 256 at 8x8, K 4: even). There the rule is
-    ``O * I >= 1024 * T * max(1, T / 128)`` alone. Grouped and depthwise convolutions keep the
-    grouped kernel. CUDA (used only
+    ``O * I >= 1024 * T * max(1, T / 128)`` alone. Depthwise convolutions of stride 1 on a CPU
+    take ``correlate``: the weight-gradient kernel over ``N * C`` one-channel groups is dominated
+    by per-group overhead, the forward kernel is not (one thread, 2-core AMD EPYC, Zen 4, N 16,
+    median of 20: ConvNeXt's 7x7 layers 0.2-0.6 against 1.1-1.7 ms at 32-128 channels and 2x2 to
+    8x8, 3.2 against 40 ms at 96 channels, 14x14, N 64, 13 against 165 ms at 56x56; 3x3 and 5x5
+    layers even to 2x faster, and 0.9 against 6.2 ms at K 4). A strided one keeps the grouped
+    kernel (the forward kernel's dilation is slower: 2.5 against 1.8 ms at 64 channels, 56x56,
+    stride 2), and so do other grouped convolutions. CUDA (used only
     when measuring is off): unfold + bmm whenever it fits and G = 1, since cuDNN's grouped weight
     gradient with ``N * G`` groups falls back to a slow generic kernel (issue 23's H100 profile
     of the CIFAR CNN).
@@ -231,7 +246,12 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     >>> [rule_per_sample(device=torch.device("cpu"), groups=1, out_per_group=96, patch=27, positions=1024,
     ...                  fits=True, onednn_ahead=ahead).value for ahead in (False, True)]  # a first layer
     ['unfold', 'grouped_conv']
+    >>> rule_per_sample(device=torch.device("cpu"), groups=96, out_per_group=1, patch=49, positions=3136,
+    ...                 fits=True, depthwise=True)
+    <ConvStrategy.CORRELATE: 'correlate'>
     """
+    if depthwise and device.type != "cuda":
+        return ConvStrategy.CORRELATE
     if groups != 1 or not fits:
         return ConvStrategy.GROUPED_CONV
     if device.type == "cuda":

@@ -26,8 +26,8 @@ from tests.oracle import assert_close_scaled, check_against_oracle, microbatch_o
 
 ALL_CASES = CONV_CASES + TRANSPOSE_CASES
 CASE_IDS = [case[0] for case in ALL_CASES]
-PER_SAMPLE = ["grouped_conv", "unfold", "auto"]
-GHOST = ["gram", "grouped_conv", "unfold", "auto", "rule"]
+PER_SAMPLE = ["grouped_conv", "unfold", "correlate", "auto"]
+GHOST = ["gram", "grouped_conv", "unfold", "correlate", "auto", "rule"]
 CPU = torch.device("cpu")
 
 
@@ -75,7 +75,9 @@ def test_hooks_strategy_matches_oracle(name: str, make: Callable[[], nn.Module],
     model, x, y = _batch(make, row_shape, K)
     with conv_strategy(strategy):
         check_against_oracle(model, x, y, K=K, loss_reduction=loss_reduction)
-    if strategy != "auto":
+    if strategy == "correlate" and not conv_module.is_depthwise(model):  # forced where it applies only
+        assert used and ConvStrategy.CORRELATE not in used
+    elif strategy != "auto":
         assert used and set(used) == {ConvStrategy(strategy)}
     else:  # measured once: every admissible candidate ran, one choice cached
         assert len(conv_strategy_cache()) == 1
@@ -84,12 +86,19 @@ def test_hooks_strategy_matches_oracle(name: str, make: Callable[[], nn.Module],
 @pytest.mark.parametrize(("name", "make", "row_shape"), ALL_CASES, ids=CASE_IDS)
 @SAME_EVEN_KERNEL
 def test_strategies_agree_directly(name: str, make: Callable[[], nn.Module], row_shape: tuple[int, ...]) -> None:
-    """conv_weight_per_sample gives the same tensor either way, with K folded in."""
+    """conv_weight_per_sample gives the same tensor every way, with K folded in (correlate on the
+    depthwise layers, and a clear error on the others)."""
     model, x, _ = _batch(make, row_shape, 2)
     g = torch.randn_like(model(x))
     grouped = conv_weight_per_sample(model, x, g, 2, strategy="grouped_conv")
     unfolded = conv_weight_per_sample(model, x, g, 2, strategy=ConvStrategy.UNFOLD)
     torch.testing.assert_close(grouped, unfolded, rtol=1e-4, atol=1e-5)
+    if conv_module.is_depthwise(model):
+        correlated = conv_weight_per_sample(model, x, g, 2, strategy="correlate")
+        torch.testing.assert_close(correlated, unfolded, rtol=1e-4, atol=1e-5)
+    else:
+        with pytest.raises(ConfigError, match="depthwise convolutions only"):
+            conv_weight_per_sample(model, x, g, 2, strategy="correlate")
 
 
 # ------------------------------------------------------------------------------ ghost, per strategy
@@ -181,7 +190,8 @@ def test_per_sample_refuses_gram_and_forced_gram_follows_the_rule() -> None:
 def test_rule_on_cpu(onednn_ahead: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU rule: unfold for wide layers with few positions (from O*I >= 1024 T, or
     1024 T max(1, T/128) where oneDNN runs AVX-512 and MKL AVX2) and, unless oneDNN is ahead, for
-    few input channels; the grouped kernel elsewhere and for grouped convolutions."""
+    few input channels; the grouped kernel elsewhere and for grouped convolutions; correlate for
+    depthwise ones of stride 1 (any channel multiplier)."""
     monkeypatch.setattr(strategy_module, "onednn_outpaces_mkl", lambda: onednn_ahead)
     first = ConvStrategy.GROUPED_CONV if onednn_ahead else ConvStrategy.UNFOLD
     between = ConvStrategy.GROUPED_CONV if onednn_ahead else ConvStrategy.UNFOLD  # O*I = 1296 T
@@ -190,7 +200,10 @@ def test_rule_on_cpu(onednn_ahead: bool, monkeypatch: pytest.MonkeyPatch) -> Non
              (nn.Conv2d(192, 192, 3, padding=1), 16, between),
              (nn.Conv2d(64, 128, 3, padding=1), 8, ConvStrategy.UNFOLD),  # O*I = 1152 T at T 64
              (nn.Conv2d(32, 32, 3, padding=1), 32, ConvStrategy.GROUPED_CONV),
-             (nn.Conv2d(64, 64, 3, padding=1, groups=64), 4, ConvStrategy.GROUPED_CONV)]
+             (nn.Conv2d(64, 64, 3, padding=1, groups=64), 4, ConvStrategy.CORRELATE),
+             (nn.Conv2d(32, 64, 7, padding=3, groups=32), 8, ConvStrategy.CORRELATE),
+             (nn.Conv2d(64, 64, 3, stride=2, padding=1, groups=64), 8, ConvStrategy.GROUPED_CONV),
+             (nn.Conv2d(64, 64, 3, padding=1, groups=16), 4, ConvStrategy.GROUPED_CONV)]
     for conv, side, expected in cases:
         x = torch.randn(2, conv.in_channels, side, side)
         g = torch.randn(2, conv.out_channels, side, side)
@@ -241,8 +254,9 @@ def test_measurement_survives_an_out_of_memory_candidate(monkeypatch: pytest.Mon
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("strategy", PER_SAMPLE)
-def test_cuda_strategies_match_cpu(strategy: str) -> None:
-    model, x, _ = _batch(lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), (4, 8, 8), 2)
+@pytest.mark.parametrize("groups", [2, 4])  # grouped; depthwise, two output channels per input
+def test_cuda_strategies_match_cpu(strategy: str, groups: int) -> None:
+    model, x, _ = _batch(lambda: nn.Conv2d(4, 8, 3, padding=1, groups=groups), (4, 8, 8), 2)
     g = torch.randn_like(model(x))
     expected = conv_weight_per_sample(model, x, g, 2, strategy="grouped_conv")
     with conv_strategy(strategy):

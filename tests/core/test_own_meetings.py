@@ -66,6 +66,22 @@ class Scale(nn.Module):
         return x * gamma
 
 
+class Viewed(nn.Module):
+    """Own parameters through views in pointwise ops (ConvNeXt's channels-first norm:
+    ``weight[:, None, None] * x``): ``gamma[:, None]`` holds gamma's elements in their order (its
+    gradient is gamma's, no VJP), ``table.t()`` does not (one batched VJP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(4, 4)
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+        self.table = nn.Parameter(torch.randn(5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, T, 4)
+        h = self.mlp(x).transpose(1, 2)  # (N*K, 4, T)
+        return (self.gamma[:, None] * h + self.table.t()).transpose(1, 2)
+
+
 class Model(nn.Module):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
@@ -83,7 +99,7 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "gsm"])
-@pytest.mark.parametrize("block, fallback", [(LayerScale, False), (Opaque, True), (PassedDown, True)])
+@pytest.mark.parametrize("block, fallback", [(LayerScale, False), (Opaque, True), (PassedDown, True), (Viewed, False)])
 def test_own_parameters_in_pointwise_ops_need_no_fallback(block: type[nn.Module], fallback: bool, mode: str, K: int,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
@@ -184,3 +200,26 @@ def test_a_layer_called_twice_adds_both_calls(mode: str, K: int, monkeypatch: py
         expected = {name: g.sum(0) for name, g in expected.items()}
     for name, value in expected.items():
         assert_close_scaled(got[name], value, name=name)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_parameter_or_its_reshape_meets_the_batch_without_a_vjp(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the op received the parameter itself or a view holding its elements in their order,
+    the per-sample gradient is the cotangent (reshaped): no batched VJP; a transposed view takes one."""
+    batched: list[int] = []
+    original = torch.autograd.grad
+
+    def counting(*args: object, **kwargs: object) -> object:
+        if kwargs.get("is_grads_batched"):
+            batched.append(len(kwargs.get("grad_outputs") or args[2]))  # type: ignore[arg-type]
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.autograd, "grad", counting)
+    torch.manual_seed(0)
+    model = Model(Viewed())
+    x, y = torch.randn(N, 5, 3), torch.randint(0, 2, (N,))
+    if mode == "ghost":
+        dp_gradient(model, x, y, loss_fn=_loss, config=DPConfig(mode="ghost", max_grad_norm=1.0))
+    else:
+        per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode)
+    assert batched == [1]  # table.t() only: gamma[:, None] needs none
