@@ -360,6 +360,13 @@ def _applicable(layer: nn.Module) -> tuple[ConvStrategy, ...]:
     return PER_SAMPLE_STRATEGIES if is_depthwise(layer) else (ConvStrategy.GROUPED_CONV, ConvStrategy.UNFOLD)
 
 
+def _measurable(strategies: list[ConvStrategy], device: torch.device) -> list[ConvStrategy]:
+    """The strategies ``auto`` times on ``device``: ``correlate`` only off CUDA, where it was
+    measured (cuDNN's forward kernel with output gradients as ``(L, L)`` weights and ``rows * C``
+    groups is untimed; forcing ``correlate`` runs it there)."""
+    return [s for s in strategies if s is not ConvStrategy.CORRELATE or device.type != "cuda"]
+
+
 def conv_weight_sum(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,
                     backprop: torch.Tensor) -> torch.Tensor:
     """``weight.shape``: the weight gradient summed over every row (what autograd would give).
@@ -582,7 +589,8 @@ def conv_per_sample_strategy(layer: _ConvLayer | _ConvTransposeLayer, activation
     sizes = _Sizes.of(layer, activation, backprop, K)
     allowed = admissible(sizes.per_sample_footprints(applicable), sizes.activations)
     if mode is ConvStrategy.AUTO:
-        candidates = {s: functools.partial(_PER_SAMPLE[s], layer, activation, backprop, K) for s in allowed}
+        candidates = {s: functools.partial(_PER_SAMPLE[s], layer, activation, backprop, K)
+                      for s in _measurable(allowed, device)}
         return choose_measured(_signature("per_sample", layer, activation, backprop, K), candidates, device)
     return rule_per_sample(device=device, groups=sizes.groups, out_per_group=sizes.out_per_group,
                            patch=sizes.patch, positions=sizes.positions, fits=ConvStrategy.UNFOLD in allowed,
@@ -687,9 +695,10 @@ def _conv_prefers_gram(layer: _ConvLayer | _ConvTransposeLayer, activation: torc
         return None
     sizes = _Sizes.of(layer, activation, backprop, K)
     allowed = admissible(sizes.ghost_footprints(applicable), sizes.activations)
-    candidates = {s: functools.partial(_ghost_candidate, s, layer, activation, backprop, K) for s in allowed}
+    candidates = {s: functools.partial(_ghost_candidate, s, layer, activation, backprop, K)
+                  for s in _measurable(allowed, device)}
     choice = choose_measured(_signature("ghost", layer, activation, backprop, K), candidates, device)
-    if choice is not ConvStrategy.GRAM and all(s in allowed for s in applicable):
+    if choice is not ConvStrategy.GRAM and all(s in allowed for s in _measurable(list(applicable), device)):
         # The materialised gradient will come from the grad sampler: it need not measure again.
         seed_cache(_signature("per_sample", layer, activation, backprop, K), choice)
     return choice is ConvStrategy.GRAM

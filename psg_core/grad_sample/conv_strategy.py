@@ -232,7 +232,8 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     8x8, 3.2 against 40 ms at 96 channels, 14x14, N 64, 13 against 165 ms at 56x56; 3x3 and 5x5
     layers even to 2x faster, and 0.9 against 6.2 ms at K 4). A strided one keeps the grouped
     kernel (the forward kernel's dilation is slower: 2.5 against 1.8 ms at 64 channels, 56x56,
-    stride 2), and so do other grouped convolutions. CUDA (used only
+    stride 2), and so do other grouped convolutions. On CUDA ``auto`` does not time ``correlate``
+    (not measured on a GPU yet; forcing it runs it). CUDA (used only
     when measuring is off): unfold + bmm whenever it fits and G = 1, since cuDNN's grouped weight
     gradient with ``N * G`` groups falls back to a slow generic kernel (issue 23's H100 profile
     of the CIFAR CNN).

@@ -262,3 +262,24 @@ def test_cuda_strategies_match_cpu(strategy: str, groups: int) -> None:
     with conv_strategy(strategy):
         actual = conv_weight_per_sample(model.cuda(), x.cuda(), g.cuda(), 2)
     torch.testing.assert_close(actual.cpu(), expected, rtol=1e-3, atol=1e-4)
+
+
+def test_auto_times_correlate_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto measures correlate for a depthwise layer where it was measured (CPU); on CUDA only a
+    forced strategy runs it (the candidates for a CUDA device are filtered, no GPU needed)."""
+    timed: list[tuple[ConvStrategy, ...]] = []
+    original = strategy_module.time_candidates
+
+    def spy(candidates: Any, device: torch.device) -> dict[ConvStrategy, float]:
+        timed.append(tuple(candidates))
+        return original(candidates, device)
+
+    monkeypatch.setattr(strategy_module, "time_candidates", spy)
+    conv = nn.Conv2d(4, 8, 3, padding=1, groups=4)
+    with conv_strategy("auto"):
+        conv_weight_per_sample(conv, torch.randn(2, 4, 6, 6), torch.randn(2, 8, 6, 6))
+    assert timed and set(timed[0]) == {ConvStrategy.GROUPED_CONV, ConvStrategy.UNFOLD, ConvStrategy.CORRELATE}
+    everything = list(strategy_module.PER_SAMPLE_STRATEGIES)
+    assert conv_module._measurable(everything, torch.device("cuda")) == [ConvStrategy.GROUPED_CONV,
+                                                                          ConvStrategy.UNFOLD]
+    assert conv_module._measurable(everything, CPU) == everything
