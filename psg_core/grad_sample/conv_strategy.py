@@ -194,7 +194,7 @@ def admissible(footprints: Mapping[ConvStrategy, int], baseline: int) -> list[Co
 # ------------------------------------------------------------------------------ rules
 def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, patch: int,
                     positions: int, fits: bool, onednn_ahead: bool | None = None,
-                    depthwise: bool = False) -> ConvStrategy:
+                    depthwise: bool = False, row_positions: int = 0) -> ConvStrategy:
     """The fixed rule between ``grouped_conv``, ``unfold`` and ``correlate`` for materialised
     gradients.
 
@@ -210,6 +210,7 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
             (unfold's ``bmm``) runs AVX2 (:func:`psg_core.gemm.onednn_outpaces_mkl`, asked when None).
         depthwise: the layer is a (non-transposed) depthwise convolution (``groups ==
             in_channels``), which ``correlate`` applies to, of stride 1.
+        row_positions: L, the output positions of one row (``positions / K``).
 
     CPU (171 shapes of 3x3 Conv2d timed with one thread on a 2-core Xeon, torch 2.13, N 16 and
     64, K 1 and 4): the grouped kernel wins by 1.2-4x wherever its per-group weight ``O * I``
@@ -226,13 +227,15 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     8x8, K 2: 10.8 vs 13.3 ms) but only from about ``2048 * T`` at T 256 (192 at 16x16: grouped
     29 vs 31 ms at N 16, 154 vs 185 at N 64; 256 at 8x8, K 4: even). There the rule is
     ``O * I >= 1024 * T * max(1, T / 128)`` alone. Depthwise convolutions of stride 1 on a CPU
-    take ``correlate``: the weight-gradient kernel over ``N * C`` one-channel groups is dominated
-    by per-group overhead, the forward kernel is not (one thread, 2-core AMD EPYC, Zen 4, N 16,
-    median of 20: ConvNeXt's 7x7 layers 0.2-0.6 against 1.1-1.7 ms at 32-128 channels and 2x2 to
-    8x8, 3.2 against 40 ms at 96 channels, 14x14, N 64, 13 against 165 ms at 56x56; 3x3 and 5x5
-    layers even to 2x faster, and 0.9 against 6.2 ms at K 4). A strided one keeps the grouped
-    kernel (the forward kernel's dilation is slower: 2.5 against 1.8 ms at 64 channels, 56x56,
-    stride 2), and so do other grouped convolutions. On CUDA ``auto`` does not time ``correlate``
+    (one thread, 2-core AMD EPYC, Zen 4, N 16, 64-256 channels): kernels of 25 taps and more
+    (5x5, ConvNeXt's 7x7) take ``correlate``, whose forward kernel is 5-50x faster than the
+    weight-gradient kernel over ``N * C`` one-channel groups (7x7: 0.08-0.2 against 0.9-3.9 ms at
+    2x2 to 4x4, 1.9 against 27 ms at 14x14, 3.1 against 47 ms at 28x28; 5x5 at 28x28: 1.2 against
+    17); 3x3 kernels take it up to 16 output positions (0.09-0.14 against 0.12-0.9 ms) and keep
+    the grouped kernel beyond, where the two are within 30% either way; one output position (a
+    1x1 map) takes ``unfold`` (0.1 ms; the grouped kernel 0.3-1.8, correlate 2.5-11). A strided
+    one keeps the grouped kernel (the forward kernel's dilation is slower: 2.5 against 1.8 ms at
+    64 channels, 56x56, stride 2), and so do other grouped convolutions. On CUDA ``auto`` does not time ``correlate``
     (not measured on a GPU yet; forcing it runs it). CUDA (used only
     when measuring is off): unfold + bmm whenever it fits and G = 1, since cuDNN's grouped weight
     gradient with ``N * G`` groups falls back to a slow generic kernel (issue 23's H100 profile
@@ -247,12 +250,17 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     >>> [rule_per_sample(device=torch.device("cpu"), groups=1, out_per_group=96, patch=27, positions=1024,
     ...                  fits=True, onednn_ahead=ahead).value for ahead in (False, True)]  # a first layer
     ['unfold', 'grouped_conv']
-    >>> rule_per_sample(device=torch.device("cpu"), groups=96, out_per_group=1, patch=49, positions=3136,
-    ...                 fits=True, depthwise=True)
-    <ConvStrategy.CORRELATE: 'correlate'>
+    >>> [rule_per_sample(device=torch.device("cpu"), groups=96, out_per_group=1, patch=patch, positions=side ** 2,
+    ...                  fits=True, depthwise=True, row_positions=side ** 2).value
+    ...  for patch, side in ((49, 56), (9, 4), (9, 14), (49, 1))]  # depthwise 7x7, 3x3 small and large, a 1x1 map
+    ['correlate', 'correlate', 'grouped_conv', 'unfold']
     """
     if depthwise and device.type != "cuda":
-        return ConvStrategy.CORRELATE
+        if row_positions == 1 and fits:
+            return ConvStrategy.UNFOLD
+        if patch >= 25 or row_positions <= 16:
+            return ConvStrategy.CORRELATE
+        return ConvStrategy.GROUPED_CONV
     if groups != 1 or not fits:
         return ConvStrategy.GROUPED_CONV
     if device.type == "cuda":

@@ -191,7 +191,8 @@ def test_rule_on_cpu(onednn_ahead: bool, monkeypatch: pytest.MonkeyPatch) -> Non
     """The CPU rule: unfold for wide layers with few positions (from O*I >= 1024 T, or
     1024 T max(1, T/128) where oneDNN runs AVX-512 and MKL AVX2) and, unless oneDNN is ahead, for
     few input channels; the grouped kernel elsewhere and for grouped convolutions; correlate for
-    depthwise ones of stride 1 (any channel multiplier)."""
+    depthwise ones of stride 1 (any channel multiplier) with 25 taps or more or at most 16 output
+    positions, unfold for a 1x1 map."""
     monkeypatch.setattr(strategy_module, "onednn_outpaces_mkl", lambda: onednn_ahead)
     first = ConvStrategy.GROUPED_CONV if onednn_ahead else ConvStrategy.UNFOLD
     between = ConvStrategy.GROUPED_CONV if onednn_ahead else ConvStrategy.UNFOLD  # O*I = 1296 T
@@ -201,7 +202,10 @@ def test_rule_on_cpu(onednn_ahead: bool, monkeypatch: pytest.MonkeyPatch) -> Non
              (nn.Conv2d(64, 128, 3, padding=1), 8, ConvStrategy.UNFOLD),  # O*I = 1152 T at T 64
              (nn.Conv2d(32, 32, 3, padding=1), 32, ConvStrategy.GROUPED_CONV),
              (nn.Conv2d(64, 64, 3, padding=1, groups=64), 4, ConvStrategy.CORRELATE),
+             (nn.Conv2d(64, 64, 3, padding=1, groups=64), 14, ConvStrategy.GROUPED_CONV),
+             (nn.Conv2d(64, 64, 3, padding=1, groups=64), 1, ConvStrategy.UNFOLD),
              (nn.Conv2d(32, 64, 7, padding=3, groups=32), 8, ConvStrategy.CORRELATE),
+             (nn.Conv2d(32, 32, 7, padding=3, groups=32), 1, ConvStrategy.UNFOLD),
              (nn.Conv2d(64, 64, 3, stride=2, padding=1, groups=64), 8, ConvStrategy.GROUPED_CONV),
              (nn.Conv2d(64, 64, 3, padding=1, groups=16), 4, ConvStrategy.GROUPED_CONV)]
     for conv, side, expected in cases:
@@ -283,3 +287,18 @@ def test_auto_times_correlate_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> No
     assert conv_module._measurable(everything, torch.device("cuda")) == [ConvStrategy.GROUPED_CONV,
                                                                           ConvStrategy.UNFOLD]
     assert conv_module._measurable(everything, CPU) == everything
+
+
+@pytest.mark.parametrize("side", [1, 2, 3, 5])
+def test_correlate_on_maps_smaller_than_the_kernel(side: int) -> None:
+    """A 7x7 depthwise layer on maps smaller than its kernel (ConvNeXt's last stages; correlate
+    runs channels-last there): every way gives the same per-sample gradients, K = 2, two output
+    channels per input channel, dilation 1 and 2."""
+    for dilation in (1, 2):
+        conv = nn.Conv2d(3, 6, 7, padding=3 * dilation, dilation=dilation, groups=3)
+        x = torch.randn(4, 3, side, side)
+        g = torch.randn_like(conv(x))
+        expected = conv_weight_per_sample(conv, x, g, 2, strategy="unfold")
+        for strategy in ("correlate", "grouped_conv"):
+            torch.testing.assert_close(conv_weight_per_sample(conv, x, g, 2, strategy=strategy), expected,
+                                       rtol=1e-4, atol=1e-5, msg=f"{strategy}, dilation {dilation}")
