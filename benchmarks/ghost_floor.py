@@ -1,9 +1,9 @@
 """The floor of ghost clipping on the EmbeddingBag model: a ghost step written out by hand.
 
 ``python -m benchmarks.ghost_floor [--rounds 40] [--size gpu16]`` times, interleaved round by round
-with the training suite's steps (non-private, psg ghost, and the two per-sample steps that leave
-caches cold, as in the suite; Opacus' when installed), a DP-SGD step of the :class:`~benchmarks.models.EmbeddingBagClassifier`
-that knows the model: forward, the per-sample losses, one ``autograd.grad`` for the three layer
+with the training suite's steps (non-private and psg ghost, and psg hooks and Opacus ghost, which
+leave the caches cold as the suite's other methods do; Opacus' when installed), a DP-SGD step of
+the :class:`~benchmarks.models.EmbeddingBagClassifier` that knows the model: forward, the per-sample losses, one ``autograd.grad`` for the three layer
 outputs, each sample's squared norm from them (the Linear layers' ``||g||^2 (||a||^2 + 1)``, the
 table's from psg's native keyed kernel), flat clipping, the clipped sums with ``1/N`` folded into
 the factors (psg's native kernel for the table), and the optimizer's step.

@@ -526,6 +526,7 @@ class _Sizes(NamedTuple):
     positions: int  # T = K * L: positions each sample sums over
     weight: int  # weight.numel()
     activations: int  # elements of the input and the output gradient: alive anyway
+    copies: int  # K
 
     @classmethod
     def of(cls, layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor, backprop: torch.Tensor,
@@ -539,7 +540,7 @@ class _Sizes(NamedTuple):
             out_per_group, patch = layer.in_channels // groups, layer.out_channels // groups * kernel
             positions = K * math.prod(activation.shape[2:])
         return cls(activation.shape[0] // K, groups, out_per_group, patch, positions, layer.weight.numel(),
-                   activation.numel() + backprop.numel())
+                   activation.numel() + backprop.numel(), K)
 
     def factors(self) -> int:
         """Elements of the unfolded patches (the other factor is copied only when K > 1, and
@@ -548,10 +549,10 @@ class _Sizes(NamedTuple):
 
     def per_sample_footprints(self, strategies: tuple[ConvStrategy, ...]) -> dict[ConvStrategy, int]:
         """Extra elements each of ``strategies`` holds: the gradients, plus unfold's patches, plus
-        correlate's copy of the input and output gradient (K > 1 reorders them)."""
+        correlate's per-row gradients (K per sample, summed after) and channels-last copies."""
         materialised = self.samples * self.weight
         sizes = {ConvStrategy.GROUPED_CONV: materialised, ConvStrategy.UNFOLD: materialised + self.factors(),
-                 ConvStrategy.CORRELATE: materialised + self.activations}
+                 ConvStrategy.CORRELATE: materialised * (1 + self.copies) + self.activations}
         return {s: sizes[s] for s in strategies}
 
     def ghost_footprints(self, strategies: tuple[ConvStrategy, ...]) -> dict[ConvStrategy, int]:
@@ -599,7 +600,7 @@ def conv_per_sample_strategy(layer: _ConvLayer | _ConvTransposeLayer, activation
     return rule_per_sample(device=device, groups=sizes.groups, out_per_group=sizes.out_per_group,
                            patch=sizes.patch, positions=sizes.positions, fits=ConvStrategy.UNFOLD in allowed,
                            depthwise=ConvStrategy.CORRELATE in applicable and all(s == 1 for s in layer.stride),
-                           row_positions=sizes.positions // K)
+                           row_positions=sizes.positions // sizes.copies)
 
 
 def _weight_and_bias(layer: _ConvLayer | _ConvTransposeLayer, activation: torch.Tensor,

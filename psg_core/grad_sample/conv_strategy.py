@@ -24,8 +24,9 @@ rounded up to a power of two, K, dtype, device) in one of three ways:
   would need orders of magnitude more memory than the leanest one are not tried (see
   :func:`admissible`).
 * ``rule``: a fixed rule of the shapes, no measurement (see :func:`rule_per_sample`).
-* a forced strategy: ``grouped_conv``, ``unfold``, ``correlate`` or ``gram`` wherever it applies, the rule
-  elsewhere (``gram`` forces ghost's Gram norms; per-sample gradients then follow the rule).
+* a forced strategy: ``grouped_conv``, ``unfold``, ``correlate`` or ``gram`` wherever it
+  applies, the rule elsewhere (``gram`` forces ghost's Gram norms; per-sample gradients then
+  follow the rule).
 
 The default is ``auto`` on CUDA and ``rule`` on CPU. On CPU the kernels' relative costs follow
 the shapes closely enough for a rule, while a measurement of a few milliseconds is at the mercy
@@ -98,8 +99,8 @@ def set_conv_strategy(strategy: ConvStrategy | str | None) -> None:
     Args:
         strategy: ``"auto"`` (measure once per shape, cache), ``"rule"`` (fixed rule),
             ``"grouped_conv"``, ``"unfold"``, ``"correlate"`` or ``"gram"`` (forced where it
-            applies, the rule elsewhere), or None to go back to the default (``PSG_CONV_STRATEGY``, else ``auto``
-            on CUDA and ``rule`` on CPU).
+            applies, the rule elsewhere), or None to go back to the default
+            (``PSG_CONV_STRATEGY``, else ``auto`` on CUDA and ``rule`` on CPU).
 
     >>> set_conv_strategy("grouped_conv"); get_conv_strategy()
     <ConvStrategy.GROUPED_CONV: 'grouped_conv'>
@@ -235,8 +236,8 @@ def rule_per_sample(*, device: torch.device, groups: int, out_per_group: int, pa
     the grouped kernel beyond, where the two are within 30% either way; one output position (a
     1x1 map) takes ``unfold`` (0.1 ms; the grouped kernel 0.3-1.8, correlate 2.5-11). A strided
     one keeps the grouped kernel (the forward kernel's dilation is slower: 2.5 against 1.8 ms at
-    64 channels, 56x56, stride 2), and so do other grouped convolutions. On CUDA ``auto`` does not time ``correlate``
-    (not measured on a GPU yet; forcing it runs it). CUDA (used only
+    64 channels, 56x56, stride 2), and so do other grouped convolutions. On CUDA ``auto`` does
+    not time ``correlate`` (not measured on a GPU yet; forcing it runs it). CUDA (used only
     when measuring is off): unfold + bmm whenever it fits and G = 1, since cuDNN's grouped weight
     gradient with ``N * G`` groups falls back to a slow generic kernel (issue 23's H100 profile
     of the CIFAR CNN).
