@@ -54,6 +54,20 @@ def used(monkeypatch: pytest.MonkeyPatch) -> list[ConvStrategy]:
     return seen
 
 
+@pytest.fixture
+def timed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[ConvStrategy, ...]]:
+    """Records the candidates of every measurement (which still runs)."""
+    seen: list[tuple[ConvStrategy, ...]] = []
+    original = strategy_module.time_candidates
+
+    def spy(candidates: Any, device: torch.device) -> dict[ConvStrategy, float]:
+        seen.append(tuple(candidates))
+        return original(candidates, device)
+
+    monkeypatch.setattr(strategy_module, "time_candidates", spy)
+    return seen
+
+
 def _batch(make: Callable[[], nn.Module], row_shape: tuple[int, ...], K: int, *, n_samples: int = 3,
            seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
@@ -214,15 +228,7 @@ def test_rule_on_cpu(onednn_ahead: bool, monkeypatch: pytest.MonkeyPatch) -> Non
         assert conv_per_sample_strategy(conv, x, g, 1) is expected, conv
 
 
-def test_auto_caches_per_signature_with_batch_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    timed: list[tuple[ConvStrategy, ...]] = []
-    original = strategy_module.time_candidates
-
-    def spy(candidates: Any, device: torch.device) -> dict[ConvStrategy, float]:
-        timed.append(tuple(candidates))
-        return original(candidates, device)
-
-    monkeypatch.setattr(strategy_module, "time_candidates", spy)
+def test_auto_caches_per_signature_with_batch_buckets(timed: list[tuple[ConvStrategy, ...]]) -> None:
     conv = nn.Conv2d(2, 3, 3, padding=1)
     with conv_strategy("auto"):
         for n_samples in (5, 6, 8, 9):  # 5..8 share the bucket 8, 9 is in 16
@@ -268,17 +274,9 @@ def test_cuda_strategies_match_cpu(strategy: str, groups: int) -> None:
     torch.testing.assert_close(actual.cpu(), expected, rtol=1e-3, atol=1e-4)
 
 
-def test_auto_times_correlate_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_times_correlate_on_cpu_only(timed: list[tuple[ConvStrategy, ...]]) -> None:
     """auto measures correlate for a depthwise layer where it was measured (CPU); on CUDA only a
     forced strategy runs it (the candidates for a CUDA device are filtered, no GPU needed)."""
-    timed: list[tuple[ConvStrategy, ...]] = []
-    original = strategy_module.time_candidates
-
-    def spy(candidates: Any, device: torch.device) -> dict[ConvStrategy, float]:
-        timed.append(tuple(candidates))
-        return original(candidates, device)
-
-    monkeypatch.setattr(strategy_module, "time_candidates", spy)
     conv = nn.Conv2d(4, 8, 3, padding=1, groups=4)
     with conv_strategy("auto"):
         conv_weight_per_sample(conv, torch.randn(2, 4, 6, 6), torch.randn(2, 8, 6, 6))
