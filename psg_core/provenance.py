@@ -382,14 +382,22 @@ def _only_mask(args: tuple[Any, ...], kwargs: dict[str, Any], sources: dict[int,
     return isinstance(mask, torch.Tensor) and set(sources) == {id(mask)}
 
 
-def _dim_kwarg(kwargs: dict[str, Any], default: Any) -> Any:
-    """An op's axis given by keyword: ``dim``, or numpy's ``axis``, which torch takes as its alias
-    (``torch.cat(parts, axis=1)``, ``x.mean(axis=2)``: the keyword reaches the tracker as written).
+#: The keywords an op's axis comes by: ``dim``, ``dims`` (``flip``, ``roll``) and numpy's ``axis``,
+#: which torch takes as an alias of ``dim`` (the keyword reaches the tracker as written).
+_DIM_KEYWORDS = ("dim", "dims", "axis")
 
-    >>> _dim_kwarg({"axis": 1}, 0), _dim_kwarg({}, 0)
-    (1, 0)
+
+def _dim_kwarg(kwargs: dict[str, Any], default: Any) -> Any:
+    """An op's axis given by keyword (:data:`_DIM_KEYWORDS`: ``torch.cat(parts, axis=1)``,
+    ``x.mean(axis=2)``), else ``default``.
+
+    >>> _dim_kwarg({"axis": 1}, 0), _dim_kwarg({"dims": (0, 2)}, 0), _dim_kwarg({}, 0)
+    (1, (0, 2), 0)
     """
-    return kwargs["dim"] if "dim" in kwargs else kwargs["axis"] if "axis" in kwargs else default
+    for key in _DIM_KEYWORDS:
+        if key in kwargs:
+            return kwargs[key]
+    return default
 
 
 def _dims_arg(args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> tuple[int, ...] | None:
@@ -1622,7 +1630,6 @@ _CONVOLUTIONS = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpo
 _ALONG_BATCH = frozenset(_ALONG_DIM) | _CONVOLUTIONS | {
     "linear", "bilinear", "batch_norm", "layer_norm", "rms_norm", "group_norm", "instance_norm",
     "local_response_norm", "pdist", "cov", "corrcoef", "cdist", "cross_entropy", "nll_loss"}
-_DIM_KEYWORDS = ("dim", "dims", "axis")
 _COPIES = {"to", "cpu", "cuda", "clone", "contiguous", "long", "int", "detach"}
 
 
@@ -1645,7 +1652,7 @@ def _windows_axis(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], x: t
 def _along_dims(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> tuple[int, ...] | None:
     """The axes ``name`` works along (normalised), None for every axis."""
     position, default = _ALONG_DIM[name]
-    value = next((kwargs[k] for k in _DIM_KEYWORDS if k in kwargs), None)
+    value = _dim_kwarg(kwargs, None)
     if value is None and position is not None and len(args) > position:
         value = args[position]
     if value is None:

@@ -28,7 +28,7 @@ from psg_core.errors import UnsupportedModuleError
 __all__ = ["exclusive", "FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
            "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters",
            "unit_module", "is_unit", "hooked_modules", "modules_of", "one_walk", "trainable_parameters",
-           "built_on_experts_interface", "EXPERTS_INTERFACE", "known_rowwise"]
+           "built_on_experts_interface", "EXPERTS_INTERFACE", "GLOBAL_ATTENTION_NAMES", "known_rowwise"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -200,16 +200,18 @@ def built_on_experts_interface(cls: type) -> bool:
         EXPERTS_INTERFACE.replace(".", "/") + ".py")
 
 
+#: Longformer's sliding-window self-attention with global tokens and LED's encoder copy of it, by
+#: name: the global tokens of all rows are gathered by ``nonzero`` into (batch row, slot) places
+#: padded to the batch's largest count (``num_global.max()``), and the padded slots' scores are set
+#: to the dtype's lowest value, so softmax gives them exactly 0: each row's output is its own rows'
+#: alone (row-wise, below); its ``is_global_attn`` flag is the batch's (see
+#: :mod:`psg_core.grad_sample.functorch_fallback`).
+GLOBAL_ATTENTION_NAMES = ("transformers.models.longformer.modeling_longformer.LongformerSelfAttention",
+                          "transformers.models.led.modeling_led.LEDEncoderSelfAttention")
+
 #: Hugging Face classes known to compute each batch row from the same row of their inputs alone,
 #: whose ops the batch tracker would take for mixing (see :func:`known_rowwise`).
-_ROWWISE_NAMES = frozenset({
-    # Longformer's sliding-window attention with global tokens (and LED's encoder copy of it): the
-    # global tokens of all rows are gathered by ``nonzero`` into (batch row, slot) places padded to
-    # the batch's largest count (``num_global.max()``), and the padded slots' scores are set to the
-    # dtype's lowest value, so softmax gives them exactly 0: each row's output is its own rows' alone.
-    "transformers.models.longformer.modeling_longformer.LongformerSelfAttention",
-    "transformers.models.led.modeling_led.LEDEncoderSelfAttention",
-})
+_ROWWISE_NAMES = frozenset(GLOBAL_ATTENTION_NAMES)
 
 
 def known_rowwise(cls: type) -> bool:

@@ -17,7 +17,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core.layout import fold_rows
-from psg_core.support import is_unit, parametrized
+from psg_core.support import GLOBAL_ATTENTION_NAMES, is_unit, parametrized
 
 __all__ = ["functorch_layer_grad_sample"]
 
@@ -149,10 +149,7 @@ def _signature(forward: Any) -> inspect.Signature:
 
 #: Per class (by name): the call of one sample's rows, from what the batch's call was given, where
 #: the batch's arguments include a flag computed from every row.
-_SAMPLE_CALLS = {
-    "transformers.models.longformer.modeling_longformer.LongformerSelfAttention": _own_global_attention,
-    "transformers.models.led.modeling_led.LEDEncoderSelfAttention": _own_global_attention,
-}
+_SAMPLE_CALLS = dict.fromkeys(GLOBAL_ATTENTION_NAMES, _own_global_attention)
 
 #: Messages of the errors vmap raises for a function it cannot batch (torch.func's own, or an op
 #: without a batching rule), which a loop over samples computes.
