@@ -302,7 +302,7 @@ class MeetingPoint:
         """``{param: (N, *param.shape)}`` through this meeting point (one batched VJP; none where
         the op received the parameter itself, or a view of it with its elements in their order)."""
         cotangent = self.per_sample_cotangent(grad, num_samples, K).to(self.source.dtype)
-        if len(self.params) == 1 and _elements_of(self.source, self.params[0]):
+        if len(self.params) == 1 and (self.source is self.params[0] or whole_view(self.source, self.params[0])):
             # A layer scale, a norm's weight (gamma * x): the VJP of the identity or of a reshape.
             param = self.params[0]
             return {param: cotangent.reshape(num_samples, *param.shape).to(param.dtype)}
@@ -325,13 +325,12 @@ class MeetingPoint:
         return {p: g.to(p.dtype) for p, g in zip(self.params, grads) if g is not None}
 
 
-def _elements_of(view: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether ``view`` is ``param`` or a view of it that holds its elements in their order (a
-    reshape: ``gamma[:, None, None]``), so that a gradient of ``view`` is one of ``param`` reshaped."""
-    if view is param:
-        return True
-    return (view._base is param and view.numel() == param.numel() and view.dtype == param.dtype
-            and view.is_contiguous() and param.is_contiguous() and view.data_ptr() == param.data_ptr())
+def whole_view(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``view`` is a view of the whole of ``base`` holding its elements in their order (a
+    reshape: ``gamma[:, None, None]``, a 3-D ``F.linear`` output of its 2-D product), so that a
+    gradient of one is a gradient of the other reshaped."""
+    return (view._base is base and view.numel() == base.numel() and view.dtype == base.dtype
+            and view.is_contiguous() and base.is_contiguous() and view.storage_offset() == base.storage_offset())
 
 
 def _batch_axis_after_view(shape_in: Sequence[int], bd: int, merged: int, shape_out: Sequence[int]

@@ -26,7 +26,8 @@ from psg_core.grad_sample.experts import routed_experts_grad_sample
 from psg_core.grad_sample.functorch_fallback import functorch_layer_grad_sample
 from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
-from psg_core.provenance import GROUPED, MIXED, PERMUTED, UNKNOWN, active_tracker, arg_versions, is_rowwise
+from psg_core.provenance import (GROUPED, MIXED, PERMUTED, UNKNOWN, active_tracker, arg_versions, is_rowwise,
+                                 whole_view)
 from psg_core.support import is_unit, parametrized
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call", "runs_in_fallback", "separate_outputs"]
@@ -263,9 +264,8 @@ def _grad_target(output: torch.Tensor, tracker: Any) -> torch.Tensor:
     the layer returned it, in the same element order. A base the forward pass handled itself (the
     tracker followed it) might feed other ops too: the view itself is hooked then."""
     base = output._base
-    if (base is None or base.grad_fn is None or base.numel() != output.numel() or tracker is None
-            or tracker.batch_dim(base) is not None or not base.is_contiguous() or not output.is_contiguous()
-            or base.storage_offset() != output.storage_offset()):
+    if (base is None or base.grad_fn is None or tracker is None or tracker.batch_dim(base) is not None
+            or not whole_view(output, base)):
         return output
     return base
 
