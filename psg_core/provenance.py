@@ -156,6 +156,11 @@ _METADATA.update(getattr(torch.Tensor, name).__get__ for name in (
     "shape", "dtype", "device", "ndim", "requires_grad", "grad_fn", "is_leaf", "layout", "is_sparse",
     "is_cuda", "data", "grad"))
 
+#: The getters of a tensor's torch.Size, and the factories of a constant tensor of a given size
+#: (see BatchTracker._follow_size).
+_SHAPES = frozenset({torch.Tensor.size, getattr(torch.Tensor, "shape").__get__})
+_FACTORIES = frozenset({"zeros", "ones", "full", "empty", "new_zeros", "new_ones", "new_full", "new_empty"})
+
 # Pointwise ops that broadcast their operands: where a batch-free operand meets the batch it can
 # be expanded to the output's shape without changing the result.
 _POINTWISE = {
@@ -467,6 +472,11 @@ class BatchTracker(TorchFunctionMode):
         # Tables an Embedding with max_norm renormalised in place at the batch's tokens: their rows
         # looked up by those tokens are each sample's own; any other use mixes samples.
         self._renormed = _TensorMap()
+        # A batched tensor's shape, as the torch.Size object its ``size()`` or ``shape`` returned
+        # (kept alive: the id is the key) -> the tensor's batch state: a factory given that very
+        # object (``torch.zeros(input_ids.size())``, Hugging Face's default token type ids) makes
+        # a constant tensor of the batch's shape, whose rows hold the batch as the tensor's did.
+        self._sizes: dict[int, tuple[torch.Size, tuple[int, int]]] = {}
         self._params: dict[int, nn.Parameter] = {id(p): p for p in trainable_parameters(module).values()}
         self._frames: list[_Frame] = []
         #: inside a row-wise module's call (its ops are not followed).
@@ -516,6 +526,7 @@ class BatchTracker(TorchFunctionMode):
         self._mixed_by.clear()
         self._orders.clear()
         self._renormed.clear()
+        self._sizes.clear()
 
     # ------------------------------------------------------------------------------ queries
     def mark(self, tensor: torch.Tensor, batch_dim: int) -> None:
@@ -728,7 +739,10 @@ class BatchTracker(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if func in _METADATA or self._suspended:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if func in _SHAPES and not self._suspended and not kwargs and len(args) == 1:
+                self._note_size(args[0], out)
+            return out
         leaves = _tensors(args, [])
         if kwargs:
             _tensors(kwargs, leaves)
@@ -794,6 +808,8 @@ class BatchTracker(TorchFunctionMode):
                     self._origin[t] = origin
             if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
                 self._note_tiles(getattr(func, "__name__", ""), args, out)
+        if self._sizes and isinstance(out, torch.Tensor) and getattr(func, "__name__", "") in _FACTORIES:
+            self._follow_size(func, args, kwargs, out)  # (a parameter's new_zeros too: origin above)
         if self._orders.entries and isinstance(out, torch.Tensor) and leaves and leaves[0] in self._orders \
                 and getattr(func, "__name__", "") in _COPIES:
             self._orders[out] = True  # the same order on another device or dtype
@@ -1027,6 +1043,30 @@ class BatchTracker(TorchFunctionMode):
                                                  origin, where)
             terms[i] = letter + terms[i]
         return (",".join(terms) + "->" + rhs, *new_operands)
+
+    def _note_size(self, tensor: Any, size: Any) -> None:
+        """Records the ``torch.Size`` a batched tensor's ``size()`` or ``shape`` returned, with the
+        tensor's batch state (a known axis only)."""
+        if isinstance(tensor, torch.Tensor) and type(size) is torch.Size:
+            entry = self._batched.get(tensor)
+            if entry is not None and entry[0] >= 0 and entry[0] < len(size):
+                self._sizes[id(size)] = (size, entry)
+
+    def _follow_size(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+        """A factory's constant result holds the batch where its size is a batched tensor's own
+        ``torch.Size`` object (the same object, not equal numbers: a shape written out in numbers
+        says nothing about where the batch is): every row is the same value, which the per-sample
+        computation (the model on one sample) makes for its own rows, so each row is its sample's."""
+        name = func.__name__
+        if name.startswith("new_"):
+            size = args[1] if len(args) > 1 else kwargs.get("size")
+        else:
+            size = args[0] if args else kwargs.get("size")
+        if len(args) > (2 if name.startswith("new_") else 1) + (name.endswith("full")):
+            return  # sizes given one by one (torch.zeros(n, t)): numbers
+        known = self._sizes.get(id(size)) if size is not None else None
+        if known is not None and known[0] is size and tuple(out.shape) == tuple(size):
+            self._batched[out] = known[1]
 
     def _note_tiles(self, name: str, args: tuple[Any, ...], out: torch.Tensor) -> None:
         """Records a batch-free tensor made of copies of one block along axis 0 (``repeat`` on that

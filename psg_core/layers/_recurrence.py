@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 import psg_core.native as native
+from psg_core._autograd import PositionalFunction
 from psg_core.gemm import Projection, linear, linear_uses_onednn, mm_tn, onednn_linear
 
 __all__ = ["run", "known_linear", "fast_linear"]
@@ -445,7 +446,7 @@ class _Spec:
         self.order = order
 
 
-class _Recurrence(torch.autograd.Function):
+class _Recurrence(PositionalFunction):
     """Identity on the loop's results (computed without autograd); its backward is the backward
     recurrence, returning the gradients of ``gx``, ``gh`` and the initial state.
 
@@ -510,7 +511,7 @@ class _Recurrence(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------- hh with a known output
-class _KnownOutput(torch.autograd.Function):
+class _KnownOutput(PositionalFunction):
     """``F.linear(input, weight, bias)`` whose value is already known (the recurrence computed it
     step by step): returns it, and differentiates like ``F.linear``."""
 

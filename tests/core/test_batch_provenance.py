@@ -469,3 +469,95 @@ def test_the_wrapper_refuses_layers_that_disagree_on_the_rows() -> None:
     with pytest.raises(BatchLayoutError, match="called with 6 rows"):
         per_sample_gradients(Folded(), torch.randn(2, 3, 4), torch.randn(2, 2),
                              loss_fn=lambda out, t: (out - t).square().sum(1))
+
+
+# ----------------------------------------------------------------------- constants of the batch's shape
+class TypedAttention(nn.Module):
+    """Attention that reads token types (no grad sampler: its calls run per sample under torch.func,
+    so every batched input must be known to hold the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.types = nn.Parameter(torch.randn(2, 4))
+        self.proj = nn.Parameter(torch.randn(4, 4) / 2)
+
+    def forward(self, h: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:  # (B, T, 4), (B, T)
+        same = (token_types[:, :, None] == token_types[:, None, :]).to(h.dtype)  # (B, T, T)
+        scores = (h @ self.proj) @ h.transpose(1, 2) * same + F.embedding(token_types, self.types) @ h.transpose(1, 2)
+        return scores.softmax(-1) @ h
+
+
+class DefaultTokenTypes(nn.Module):
+    """Token types defaulted as Hugging Face models do: zeros of the ids' own ``size()``
+    (``numbers=True``: of a shape written out in numbers, ``zeros(B, T)``)."""
+
+    def __init__(self, numbers: bool = False) -> None:
+        super().__init__()
+        self.tokens, self.attn, self.head = nn.Embedding(11, 4), TypedAttention(), nn.Linear(4, 2)
+        self.numbers = numbers
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        types = (torch.zeros(ids.shape[0], ids.shape[1], dtype=torch.long) if self.numbers
+                 else torch.zeros(ids.size(), dtype=torch.long))
+        return self.head(self.attn(self.tokens(ids), types))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+def test_a_constant_of_the_batch_tensors_own_size_holds_the_batch(mode: str, K: int) -> None:
+    """``torch.zeros(ids.size())`` is the batch's rows (each row the value a sample's own call
+    makes), so a layer run per sample under torch.func takes it row by row; zeros of a shape
+    written in numbers say nothing about where the batch is: refused where it matters, naming the
+    layer (never split by its sizes)."""
+    torch.manual_seed(0)
+    N = 3
+    ids, y = torch.randint(0, 11, (N * K, 5)), torch.randn(N * K, 5, 2)
+    samples = [((ids[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    model = DefaultTokenTypes()
+    expected = _oracle(model, samples, _mse, "mean")
+    if mode == "ghost":
+        _assert_ghost(model, ids, y, _mse, expected, K=K, reduction="mean")
+    else:
+        _assert_grads(per_sample_gradients(model, ids, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K),
+                      expected)
+    numbers = DefaultTokenTypes(numbers=True)
+    numbers.load_state_dict(model.state_dict())
+    if mode == "functorch":  # the whole model per sample: zeros(B, T) is one sample's there
+        _assert_grads(per_sample_gradients(numbers, ids, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K),
+                      expected)
+        return
+    with pytest.raises(UnsupportedModuleError, match=r"TypedAttention"):
+        if mode == "ghost":
+            dp_gradient(numbers, ids, y, loss_fn=_mse, config=DPConfig(mode="ghost", augmentation_multiplicity=K))
+        else:
+            per_sample_gradients(numbers, ids, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K)
+
+
+def test_which_factories_follow_a_size() -> None:
+    """The tracker marks a factory's result batched only for the very ``torch.Size`` object of a
+    batched tensor (its ``size()`` or ``shape``), with that tensor's axis and merged rows."""
+    from psg_core.provenance import BatchTracker
+
+    layer = nn.Linear(3, 3)
+    x, time_major, merged = torch.randn(4, 5, 3), torch.randn(5, 4, 3), torch.randn(8, 3)
+    with BatchTracker(layer, num_samples=4, augmentation_multiplicity=1, on_meeting=lambda *_: None) as tracker:
+        tracker.mark(x, 0)
+        tracker.mark(time_major, 1)
+        rows = x.reshape(-1, 3)  # (N*T, 3): 5 rows per sample
+        size = x.size()
+        followed = {
+            "zeros(size())": torch.zeros(size), "zeros(shape, dtype)": torch.zeros(x.shape, dtype=torch.long),
+            "ones(shape)": torch.ones(x.shape), "full(shape, v)": torch.full(x.shape, 2.0),
+            "empty(size=shape)": torch.empty(size=x.shape),
+            "parameter.new_zeros(shape)": layer.weight.new_zeros(x.shape),
+            "time-major": torch.zeros(time_major.shape), "merged": torch.zeros(rows.shape),
+        }
+        not_followed = {
+            "numbers": torch.zeros(4, 5, 3), "numbers from the shape": torch.zeros(x.shape[0], 5, 3),
+            "a tuple of it": torch.zeros(tuple(x.shape)), "a slice of it": torch.zeros(x.shape[:-1]),
+            "a batch-free tensor's size": torch.zeros(layer.weight.shape),
+        }
+        axes = {name: (tracker.batch_dim(t), tracker.merged(t)) for name, t in followed.items()}
+        free = {name: tracker.batch_dim(t) for name, t in not_followed.items()}
+    assert axes == {**{name: (0, 1) for name in followed}, "time-major": (1, 1), "merged": (0, 5)}
+    assert free == {name: None for name in not_followed}

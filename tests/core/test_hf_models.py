@@ -60,6 +60,22 @@ def _check(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], wh
                                    atol=ATOL * scale, msg=lambda m, name=name: f"{where} {name}: {m}")
 
 
+def _mode_matches_the_oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+                             oracle: dict[str, torch.Tensor], *, mode: str, K: int, where: str,
+                             loss_fn: Callable[[object, torch.Tensor], torch.Tensor] = hf.loss_fn) -> None:
+    """``per_sample_gradients`` in ``mode`` gives the oracle's per-sample gradients; ``"ghost"``:
+    ``dp_gradient`` gives the oracle's clipped sum and norms (at a bound that clips)."""
+    if mode == "ghost":
+        reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
+        result = dp_gradient(model, inputs, labels, loss_fn=loss_fn,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
+        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms", rtol=RTOL, atol=ATOL)
+        _check(result.grads, reference.grads, where)
+        return
+    grads = per_sample_gradients(model, inputs, labels, loss_fn=loss_fn, mode=mode, augmentation_multiplicity=K)
+    _check(grads, oracle, where)
+
+
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("family", FAMILIES)
@@ -181,9 +197,9 @@ def test_longformer_global_tokens_of_different_counts(which: str, mode: str, K: 
 
 #: Families whose code passes numpy's axis= keyword to torch (IBert's IntLayerNorm takes
 #: ``x.mean(axis=2)``, Funnel pools with ``torch.cat(parts, axis=axis)``), which the tracker once read
-#: as an op over the batch axis. Funnel's relative token-type attention needs the token type ids,
-#: which its tokenizer returns (without them it builds a batch-sized table of zeros from the
-#: batch's shape, a batch-free tensor that the fallback cannot split per sample: refused).
+#: as an op over the batch axis. Funnel's relative token-type attention reads token type ids; given
+#: none, it makes them, ``torch.zeros(input_ids.size())``, which hold the batch (see
+#: test_funnel_defaults_its_token_type_ids).
 _AXIS_KEYWORD: dict[str, Callable[[], torch.nn.Module]] = {
     "ibert": hf._hf("IBertConfig", "IBertForSequenceClassification", **hf._ENCODER),
     "funnel": hf._hf("FunnelConfig", "FunnelForSequenceClassification", d_model=16, n_head=2, d_head=8, d_inner=32,
@@ -202,15 +218,23 @@ def test_families_using_the_axis_keyword_match_the_oracle(family: str, mode: str
     inputs["token_type_ids"] = (torch.arange(8) >= 4).long().expand(N * K, 8).clone()
     oracle = hf.oracle(model, inputs, labels, K)
     model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
-    where = f"{family}/{mode}/K={K}"
-    if mode == "ghost":
-        reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
-        result = dp_gradient(model, inputs, labels, loss_fn=hf.loss_fn,
-                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
-        _check(result.grads, reference.grads, where)
-        return
-    grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode=mode, augmentation_multiplicity=K)
-    _check(grads, oracle, where)
+    _mode_matches_the_oracle(model, inputs, labels, oracle, mode=mode, K=K, where=f"{family}/{mode}/K={K}")
+
+
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+def test_funnel_defaults_its_token_type_ids(mode: str, K: int, device: torch.device) -> None:
+    """Without token type ids Funnel makes zeros of ``input_ids.size()``, which its relative
+    attention (no grad sampler: run per sample under torch.func) reads: the tracker knows that
+    size object for the batch's, so the zeros hold the batch's rows (refused before: the fallback
+    got the whole (N*K, T) table in each sample's call)."""
+    torch.manual_seed(0)
+    model = _AXIS_KEYWORD["funnel"]().eval()
+    inputs, labels = hf.batch("funnel", N * K, steps=8)
+    assert "token_type_ids" not in inputs
+    oracle = hf.oracle(model, inputs, labels, K)
+    model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
+    _mode_matches_the_oracle(model, inputs, labels, oracle, mode=mode, K=K, where=f"funnel/{mode}/K={K}")
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta", "llama", "gpt2", "mistral"])
@@ -363,14 +387,8 @@ def test_language_models_match_the_oracle(which: str, mode: str, K: int, device:
         for name, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
             expected[name].append(g)
     oracle = {n: torch.stack(gs) for n, gs in expected.items()}
-    if mode == "ghost":
-        reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
-        result = dp_gradient(model, inputs, labels, loss_fn=loss_fn,
-                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
-        _check(result.grads, reference.grads, f"{which}/ghost/K={K}")
-        return
-    grads = per_sample_gradients(model, inputs, labels, loss_fn=loss_fn, mode=mode, augmentation_multiplicity=K)
-    _check(grads, oracle, f"{which}/{mode}/K={K}")
+    _mode_matches_the_oracle(model, inputs, labels, oracle, mode=mode, K=K, where=f"{which}/{mode}/K={K}",
+                             loss_fn=loss_fn)
 
 
 # ----------------------------------------------------------------------------- vision
@@ -440,16 +458,8 @@ def _vision_case(which: str, lora: bool, K: int, device: torch.device
 def test_image_classifiers_match_the_oracle(which: str, mode: str, variant: str, K: int,
                                             device: torch.device) -> None:
     model, pixels, labels, oracle = _vision_case(which, variant == "lora", K, device)
-    inputs = {"pixel_values": pixels}
-    if mode == "ghost":
-        reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
-        result = dp_gradient(model, inputs, labels, loss_fn=hf.loss_fn,
-                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
-        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms", rtol=RTOL, atol=ATOL)
-        _check(result.grads, reference.grads, f"{which}/{variant}/ghost/K={K}")
-        return
-    grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode=mode, augmentation_multiplicity=K)
-    _check(grads, oracle, f"{which}/{variant}/{mode}/K={K}")
+    _mode_matches_the_oracle(model, {"pixel_values": pixels}, labels, oracle, mode=mode, K=K,
+                             where=f"{which}/{variant}/{mode}/K={K}")
 
 
 # ----------------------------------------------------------------------------- sequence to sequence
@@ -494,12 +504,5 @@ def test_seq2seq_language_models_match_the_oracle(which: str, mode: str, K: int,
     inputs = {**inputs, "decoder_input_ids": decoder}
     oracle = hf.oracle(model, inputs, labels, K, loss=_token_loss)
     model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
-    if mode == "ghost":
-        reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=0.05)
-        result = dp_gradient(model, inputs, labels, loss_fn=_token_loss,
-                             config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=0.05))
-        assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms", rtol=RTOL, atol=ATOL)
-        _check(result.grads, reference.grads, f"{which}/ghost/K={K}")
-        return
-    grads = per_sample_gradients(model, inputs, labels, loss_fn=_token_loss, mode=mode, augmentation_multiplicity=K)
-    _check(grads, oracle, f"{which}/{mode}/K={K}")
+    _mode_matches_the_oracle(model, inputs, labels, oracle, mode=mode, K=K, where=f"{which}/{mode}/K={K}",
+                             loss_fn=_token_loss)
