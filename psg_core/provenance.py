@@ -881,6 +881,14 @@ class BatchTracker(TorchFunctionMode):
                 return args, kwargs
             if out_bd is None:
                 raise self._cannot(name, where, "the batch axis of its batched operand is unknown")
+        elif name == "expand_as" and len(args) == 2 and not kwargs and id(args[0]) in sources \
+                and len(batched) == 1 and args[1] is batched[0]:
+            # ``table(positions).expand_as(embeddings)`` (XLM, Flaubert): the batch-free operand
+            # broadcast to the batch's shape, as a pointwise op against the batch broadcasts it.
+            shape = tuple(args[1].shape)
+            out_bd, merged = self._broadcast_axis(batched, len(shape))
+            if out_bd is None:
+                raise self._cannot(name, where, "the batch axis of the tensor it is expanded as is unknown")
         elif name == "scaled_dot_product_attention" and _only_mask(args, kwargs, sources):
             # An additive float mask (T5's position bias) is broadcast onto the (..., Tq, Tk) scores.
             query, key = args[0], kwargs["key"] if "key" in kwargs else args[1]

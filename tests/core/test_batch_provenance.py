@@ -59,17 +59,23 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- batch-free layers
 class PositionTable(nn.Module):
-    """Token embedding plus a learned position table looked up with broadcast ``(1, T)`` ids."""
+    """Token embedding plus a learned position table looked up with broadcast ``(1, T)`` ids, added
+    by broadcasting or (``expand_as=True``, XLM's and Flaubert's way) expanded to the embeddings'
+    shape first."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, expand_as: bool = False) -> None:
         super().__init__()
         self.tokens = nn.Embedding(11, 4)
         self.positions = nn.Embedding(steps, 4)
         self.head = nn.Linear(4, 2)
+        self.expand_as = expand_as
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1])[None]  # (1, T): no batch
-        return self.head(torch.tanh(self.tokens(ids) + self.positions(positions)))  # (N*K, T, 2)
+        tokens, table = self.tokens(ids), self.positions(positions)
+        if self.expand_as:
+            table = table.expand_as(tokens)  # (N*K, T, 4), every row the same (1, T, 4) table
+        return self.head(torch.tanh(tokens + table))  # (N*K, T, 2)
 
 
 class PairBias(nn.Module):
@@ -88,15 +94,17 @@ class PairBias(nn.Module):
         return scores.softmax(-1) @ x  # (N*K, T, 3)
 
 
+@pytest.mark.parametrize("expand_as", [False, True])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("mode", ["hooks", "functorch"])
 @pytest.mark.parametrize("K", [1, 2])
-def test_position_table_with_sequence_length_equal_to_rows(mode: str, K: int, reduction: str) -> None:
-    """T == N*K: the table's (1, T) lookup has T on no batch axis, whatever the sizes say."""
+def test_position_table_with_sequence_length_equal_to_rows(mode: str, K: int, reduction: str, expand_as: bool) -> None:
+    """T == N*K: the table's (1, T) lookup has T on no batch axis, whatever the sizes say; expanded
+    as the batch's embeddings (``expand_as``), it meets the batch there, each row its sample's."""
     torch.manual_seed(0)
     N = 3
     steps = N * K
-    model = PositionTable(steps)
+    model = PositionTable(steps, expand_as=expand_as)
     ids, y = torch.randint(0, 11, (N * K, steps)), torch.randn(N * K, steps, 2)
     samples = [((ids[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
     expected = _oracle(model, samples, _mse, reduction)
@@ -106,6 +114,40 @@ def test_position_table_with_sequence_length_equal_to_rows(mode: str, K: int, re
     _assert_ghost(model, ids, y, _mse, expected, K=K, reduction=reduction)
     with pytest.raises(UnsupportedModuleError, match=r"'positions' \(Embedding\)"):
         per_sample_gradients(model, ids, y, loss_fn=_mse, mode="ew", augmentation_multiplicity=K)
+
+
+class TimeMajorPositions(nn.Module):
+    """``(T, B)`` ids; the ``(T, 1, d)`` position rows expanded as the ``(T, B, d)`` embeddings."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.tokens, self.positions, self.head = nn.Embedding(11, 4), nn.Embedding(steps, 4), nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T, B)
+        tokens = self.tokens(ids)
+        table = self.positions(torch.arange(ids.shape[0])[:, None]).expand_as(tokens)  # (T, B, 4)
+        return self.head(torch.tanh(tokens + table))  # (T, B, 2)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_expand_as_meets_a_time_major_batch_and_the_wrapper(K: int) -> None:
+    """The batch on axis 1 (batch_first=False): ``expand_as`` meets it there, in the functional
+    API, ghost and the GradSampleModule wrapper (which tracks each forward pass itself)."""
+    torch.manual_seed(3)
+    N, steps = 3, 4
+    model = TimeMajorPositions(steps)
+    ids, y = torch.randint(0, 11, (steps, N * K)), torch.randn(steps, N * K, 2)
+    samples = [((ids[:, n * K:(n + 1) * K],), y[:, n * K:(n + 1) * K]) for n in range(N)]
+    expected = _oracle(model, samples, _mse, "mean")
+    _assert_grads(per_sample_gradients(model, ids, y, loss_fn=_mse, augmentation_multiplicity=K, batch_first=False),
+                  expected)
+    _assert_ghost(model, ids, y, _mse, expected, K=K, reduction="mean", batch_first=False)
+    wrapped = psg_core.GradSampleModule(model, batch_first=False, augmentation_multiplicity=K)
+    try:
+        _mse(wrapped(ids), y).mean().backward()
+        _assert_grads({n: p.grad_sample for n, p in model.named_parameters()}, expected)
+    finally:
+        wrapped.remove_hooks()
 
 
 @pytest.mark.parametrize("K", [1, 2])

@@ -237,6 +237,29 @@ def test_funnel_defaults_its_token_type_ids(mode: str, K: int, device: torch.dev
     _mode_matches_the_oracle(model, inputs, labels, oracle, mode=mode, K=K, where=f"funnel/{mode}/K={K}")
 
 
+#: Families that add their position table expanded to the embeddings' shape first,
+#: ``position_embeddings(position_ids).expand_as(inputs_embeds)`` (refused before: expand_as was
+#: not a meeting point).
+_EXPANDED_POSITIONS: dict[str, Callable[[], torch.nn.Module]] = {
+    name: hf._hf(f"{name}Config", f"{name}ForSequenceClassification", emb_dim=16, n_layers=2, n_heads=2,
+                 dropout=0.0, attention_dropout=0.0, max_position_embeddings=20)
+    for name in ("XLM", "Flaubert")
+}
+
+
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("family", sorted(_EXPANDED_POSITIONS))
+def test_position_tables_expanded_as_the_batch_match_the_oracle(family: str, mode: str, K: int,
+                                                                 device: torch.device) -> None:
+    torch.manual_seed(0)
+    model = _EXPANDED_POSITIONS[family]().eval()
+    inputs, labels = hf.batch("bert", N * K)
+    oracle = hf.oracle(model, inputs, labels, K)
+    model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
+    _mode_matches_the_oracle(model, inputs, labels, oracle, mode=mode, K=K, where=f"{family}/{mode}/K={K}")
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta", "llama", "gpt2", "mistral"])
 def test_functorch_batches_sdpa_models(family: str, monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     """transformers' sdpa mask utilities branch on the padding mask's values, which vmap cannot
