@@ -1,0 +1,49 @@
+"""The Hugging Face sweep (``python -m tests.core.hf_sweep``) on a few types, and its verdicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.core import hf_sweep  # noqa: E402  (after the skip: the sweep imports transformers)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "flaubert", "canine"])
+def test_sweep_types_match_the_oracle(model_type: str) -> None:
+    """BERT; Flaubert (its position table expanded as the embeddings: a meeting point); CANINE
+    (its float64 run is not finite: the float32 oracle)."""
+    line = hf_sweep.sweep_type(model_type)
+    assert (line["hooks"], line["ghost"]) == ("ok", "ok"), line
+    assert line["oracle"].startswith("float32" if model_type == "canine" else "float64")
+
+
+def test_the_sweep_tells_wrong_and_non_finite_values() -> None:
+    expected = {"w": torch.tensor([[1.0, -2.0]], dtype=torch.float64), "b": torch.zeros(1, 3, dtype=torch.float64)}
+    assert hf_sweep.compare({"w": expected["w"].float(), "b": torch.zeros(1, 3)}, expected) == 0.0
+    assert hf_sweep.compare({"w": torch.tensor([[1.0, -2.1]]), "b": torch.zeros(1, 3)}, expected) \
+        == pytest.approx(0.05)
+    assert hf_sweep.compare({"w": torch.tensor([[1.0, float("nan")]]), "b": torch.zeros(1, 3)}, expected) is None
+    assert hf_sweep.compare({"w": expected["w"].float(), "b": torch.zeros(1, 3)},
+                            {**expected, "b": torch.full((1, 3), float("inf"), dtype=torch.float64)}) is None
+
+
+def test_the_sweep_reports_a_wrong_result_and_exits_1(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """An oracle off in one entry (half the largest): both modes WRONG, and main's status is 1."""
+    real = hf_sweep._oracle
+
+    def shifted(*args: object) -> tuple[dict[str, torch.Tensor], str]:
+        oracle, kind = real(*args)  # type: ignore[arg-type]
+        name = next(iter(oracle))
+        oracle[name] = oracle[name].clone()
+        oracle[name][0].view(-1)[0] += 0.5 * max(float(g.abs().max()) for g in oracle.values())
+        return oracle, kind
+
+    monkeypatch.setattr(hf_sweep, "_oracle", shifted)
+    line = hf_sweep.sweep_type("bert")
+    assert line["hooks"].startswith("WRONG") and line["ghost"].startswith("WRONG"), line
+    monkeypatch.setattr(hf_sweep, "_in_its_own_process", lambda model_type, timeout: hf_sweep.sweep_type(model_type))
+    assert hf_sweep.main(["bert"]) == 1
+    assert "WRONG 2" in capsys.readouterr().out
