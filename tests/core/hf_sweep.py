@@ -5,7 +5,7 @@ tiny, through psg's hooks and ghost modes against the microbatch oracle.
 ``MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES`` by default) from one small configuration
 (:data:`TINY`: hidden size 16, two layers, two heads, ...; a config ignores the options it does not
 know), each in a process of its own (one type's defaults can take gigabytes: a crash or an
-out-of-memory ends that type's line only), and prints one line per type:
+out-of-memory ends that type's line only; ``--memory-gib`` caps each process's address space), and prints one line per type:
 
 * ``ok``: psg's per-sample gradients (hooks) and ghost's norms and clipped sum equal the oracle's;
 * ``refused``: psg raised a :class:`psg_core.PsgError` (its message follows);
@@ -141,8 +141,8 @@ def sweep_type(model_type: str, modes: Sequence[str] = ("hooks", "ghost")) -> di
     return line
 
 
-def _in_its_own_process(model_type: str, timeout: float) -> dict[str, str]:
-    command = [sys.executable, "-m", "tests.core.hf_sweep", "--one", model_type]
+def _in_its_own_process(model_type: str, timeout: float, memory_gib: float) -> dict[str, str]:
+    command = [sys.executable, "-m", "tests.core.hf_sweep", "--one", model_type, "--memory-gib", str(memory_gib)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -162,10 +162,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("types", nargs="*", help="model types (default: every sequence classifier)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one type, one JSON line
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
+    parser.add_argument("--memory-gib", type=float, default=12.0, help="address space per type's process")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     if options.one:
+        import resource
+
         import transformers
+
+        # One type's defaults can ask for tens of gigabytes (a vocabulary, an expert count): the
+        # allocation fails in this process (the type is skipped) before the machine runs out.
+        limit = int(options.memory_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
         transformers.logging.set_verbosity_error()
         print(json.dumps(sweep_type(options.one)), flush=True)
@@ -176,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tally: dict[str, int] = {}
     bad = 0
     for model_type in types:
-        line = _in_its_own_process(model_type, options.timeout)
+        line = _in_its_own_process(model_type, options.timeout, options.memory_gib)
         outcomes = ["skipped"] if "skipped" in line else [line[m].split(" ")[0].rstrip(":") for m in ("hooks", "ghost")]
         for outcome in outcomes:
             tally[outcome] = tally.get(outcome, 0) + 1

@@ -44,6 +44,6 @@ def test_the_sweep_reports_a_wrong_result_and_exits_1(monkeypatch: pytest.Monkey
     monkeypatch.setattr(hf_sweep, "_oracle", shifted)
     line = hf_sweep.sweep_type("bert")
     assert line["hooks"].startswith("WRONG") and line["ghost"].startswith("WRONG"), line
-    monkeypatch.setattr(hf_sweep, "_in_its_own_process", lambda model_type, timeout: hf_sweep.sweep_type(model_type))
+    monkeypatch.setattr(hf_sweep, "_in_its_own_process", lambda model_type, timeout, memory_gib: hf_sweep.sweep_type(model_type))
     assert hf_sweep.main(["bert"]) == 1
     assert "WRONG 2" in capsys.readouterr().out
