@@ -47,3 +47,16 @@ def test_the_sweep_reports_a_wrong_result_and_exits_1(monkeypatch: pytest.Monkey
     monkeypatch.setattr(hf_sweep, "_in_its_own_process", lambda model_type, timeout, memory_gib: hf_sweep.sweep_type(model_type))
     assert hf_sweep.main(["bert"]) == 1
     assert "WRONG 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stdout, verdict", [
+    ('{"type": "x", "stage": "psg"}\n', "ERROR"),  # died once psg ran: psg's
+    ("", "skipped"),  # died building the model or its oracle
+])
+def test_a_process_that_dies_is_judged_by_where(stdout: str, verdict: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -11, stdout, "Segmentation fault"))
+    line = hf_sweep._in_its_own_process("x", 10.0, 1.0)
+    assert (line["hooks"].split(" ")[0] if verdict == "ERROR" else next(iter(set(line) - {"type"}))) == verdict, line
+    assert "status -11" in str(line)
