@@ -1,7 +1,7 @@
 """The Hugging Face sweep: every sequence-classification architecture transformers registers, built
 tiny, through psg's hooks and ghost modes against the microbatch oracle.
 
-``python -m tests.core.hf_sweep [TYPE ...]`` builds each model type (all of
+``python -m tests.core.hf_sweep [-K 2] [TYPE ...]`` builds each model type (all of
 ``MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES`` by default) from one small configuration
 (:data:`TINY`: hidden size 16, two layers, two heads, ...; a config ignores the options it does not
 know), each in a process of its own (one type's defaults can take gigabytes: a crash or an
@@ -39,7 +39,7 @@ import psg_core
 from psg_core import DPConfig, PsgError, dp_gradient, per_sample_gradients
 from tests.core import hf_models as hf
 
-__all__ = ["TINY", "ROWS", "compare", "sweep_type", "main"]
+__all__ = ["TINY", "SAMPLES", "compare", "sweep_type", "main"]
 
 #: One configuration for every type: the names differ by family (hidden_size, d_model, n_embd,
 #: emb_dim...), so all are given.
@@ -53,7 +53,7 @@ TINY: dict[str, Any] = dict(
     encoder_ffn_dim=32, decoder_ffn_dim=32, entity_vocab_size=40, entity_emb_size=16,
     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, dropout=0.0, attention_dropout=0.0,
     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, classifier_dropout=0.0, dropout_rate=0.0)
-ROWS = 4
+SAMPLES = 4  # N; the batch holds N*K rows, each sample's K copies together
 #: psg's values against the oracle's: the largest difference over the largest oracle entry of the
 #: model (float32 against float64 through two blocks)
 TOLERANCE = 1e-3
@@ -74,42 +74,43 @@ def compare(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
     return worst
 
 
-def _float32_oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+def _float32_oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, K: int
                     ) -> dict[str, torch.Tensor]:
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in params}
-    for n in range(labels.shape[0]):
-        loss = hf.loss_fn(model(**{k: v[n:n + 1] for k, v in inputs.items()}), labels[n:n + 1]).mean()
+    for n in range(labels.shape[0] // K):
+        own = slice(n * K, (n + 1) * K)
+        loss = hf.loss_fn(model(**{k: v[own] for k, v in inputs.items()}), labels[own]).mean()
         grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (name, p), g in zip(params.items(), grads):
             rows[name].append(torch.zeros_like(p) if g is None else g)
     return {name: torch.stack(gs).to(torch.float64) for name, gs in rows.items()}
 
 
-def _oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+def _oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, K: int
             ) -> tuple[dict[str, torch.Tensor], str]:
     try:
-        oracle = hf.oracle(model, inputs, labels, 1)
+        oracle = hf.oracle(model, inputs, labels, K)
         if all(bool(torch.isfinite(g).all()) for g in oracle.values()):
             return oracle, "float64"
         why = "float64 run not finite"
     except RuntimeError as err:
         why = f"no float64 run: {str(err)[:80]}"
-    return _float32_oracle(model, inputs, labels), f"float32 ({why})"
+    return _float32_oracle(model, inputs, labels, K), f"float32 ({why})"
 
 
 def _run_mode(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
-              oracle: dict[str, torch.Tensor], mode: str) -> str:
+              oracle: dict[str, torch.Tensor], mode: str, K: int) -> str:
     try:
         if mode == "ghost":
             reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=BOUND)
             result = dp_gradient(model, inputs, labels, loss_fn=hf.loss_fn,
-                                 config=DPConfig(mode="ghost", max_grad_norm=BOUND))
+                                 config=DPConfig(mode="ghost", max_grad_norm=BOUND, augmentation_multiplicity=K))
             grads = {**result.grads, "<norms>": result.per_sample_norms}
             expected = {**{n: g.double() for n, g in reference.grads.items()},
                         "<norms>": reference.per_sample_norms.double()}
         else:
-            grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode=mode)
+            grads = per_sample_gradients(model, inputs, labels, loss_fn=hf.loss_fn, mode=mode, augmentation_multiplicity=K)
             expected = oracle
     except PsgError as err:
         return f"refused {type(err).__name__}: {err}"
@@ -124,15 +125,16 @@ def _run_mode(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: t
     return "ok" if error < TOLERANCE else f"WRONG: off by {error:.2e} of the largest entry"
 
 
-def sweep_type(model_type: str, modes: Sequence[str] = ("hooks", "ghost"),
+def sweep_type(model_type: str, modes: Sequence[str] = ("hooks", "ghost"), *, K: int = 1,
                on_psg: Callable[[], None] | None = None) -> dict[str, str]:
-    """One type's line: ``{"type", "oracle"}`` and a result per mode, or ``{"type", "skipped"}``;
+    """One type's line: ``{"type", "oracle"}`` and a result per mode, or ``{"type", "skipped"}``, for
+    a batch of :data:`SAMPLES` samples of ``K`` copies each (augmentation multiplicity K);
     ``on_psg`` is called once the model and its oracle are ready, before psg runs."""
     import transformers
 
     line = {"type": model_type}
     torch.manual_seed(0)
-    inputs, labels = hf.batch("bert", ROWS, steps=8)
+    inputs, labels = hf.batch("bert", SAMPLES * K, steps=8)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -140,18 +142,19 @@ def sweep_type(model_type: str, modes: Sequence[str] = ("hooks", "ghost"),
             model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
             with torch.no_grad():
                 model(**inputs)
-            oracle, line["oracle"] = _oracle(model, inputs, labels)
+            oracle, line["oracle"] = _oracle(model, inputs, labels, K)
     except Exception as err:  # noqa: BLE001 (a type this configuration does not fit: not psg's)
         return {**line, "skipped": f"{type(err).__name__}: {str(err)[:160]}"}
     if on_psg is not None:
         on_psg()
     for mode in modes:
-        line[mode] = _run_mode(model, inputs, labels, oracle, mode)
+        line[mode] = _run_mode(model, inputs, labels, oracle, mode, K)
     return line
 
 
-def _in_its_own_process(model_type: str, timeout: float, memory_gib: float) -> dict[str, str]:
-    command = [sys.executable, "-m", "tests.core.hf_sweep", "--one", model_type, "--memory-gib", str(memory_gib)]
+def _in_its_own_process(model_type: str, timeout: float, memory_gib: float, K: int = 1) -> dict[str, str]:
+    command = [sys.executable, "-m", "tests.core.hf_sweep", "--one", model_type, "--memory-gib", str(memory_gib),
+               "-K", str(K)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -174,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one type, one JSON line
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
     parser.add_argument("--memory-gib", type=float, default=12.0, help="address space per type's process")
+    parser.add_argument("-K", type=int, default=1, help="augmentation multiplicity: each sample's copies in the batch")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     if options.one:
@@ -188,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         transformers.logging.set_verbosity_error()
         stage = json.dumps({"type": options.one, "stage": "psg"})
-        print(json.dumps(sweep_type(options.one, on_psg=lambda: print(stage, flush=True))), flush=True)
+        print(json.dumps(sweep_type(options.one, K=options.K, on_psg=lambda: print(stage, flush=True))), flush=True)
         return 0
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
@@ -196,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tally: dict[str, int] = {}
     bad = 0
     for model_type in types:
-        line = _in_its_own_process(model_type, options.timeout, options.memory_gib)
+        line = _in_its_own_process(model_type, options.timeout, options.memory_gib, options.K)
         outcomes = ["skipped"] if "skipped" in line else [line[m].split(" ")[0].rstrip(":") for m in ("hooks", "ghost")]
         for outcome in outcomes:
             tally[outcome] = tally.get(outcome, 0) + 1

@@ -10,11 +10,11 @@ pytest.importorskip("transformers")
 from tests.core import hf_sweep  # noqa: E402  (after the skip: the sweep imports transformers)
 
 
-@pytest.mark.parametrize("model_type", ["bert", "flaubert", "canine"])
-def test_sweep_types_match_the_oracle(model_type: str) -> None:
+@pytest.mark.parametrize("model_type, K", [("bert", 1), ("flaubert", 2), ("canine", 2)])
+def test_sweep_types_match_the_oracle(model_type: str, K: int) -> None:
     """BERT; Flaubert (its position table expanded as the embeddings: a meeting point); CANINE
-    (its float64 run is not finite: the float32 oracle)."""
-    line = hf_sweep.sweep_type(model_type)
+    (its float64 run is not finite: the float32 oracle); K copies of each sample."""
+    line = hf_sweep.sweep_type(model_type, K=K)
     assert (line["hooks"], line["ghost"]) == ("ok", "ok"), line
     assert line["oracle"].startswith("float32" if model_type == "canine" else "float64")
 
@@ -44,7 +44,7 @@ def test_the_sweep_reports_a_wrong_result_and_exits_1(monkeypatch: pytest.Monkey
     monkeypatch.setattr(hf_sweep, "_oracle", shifted)
     line = hf_sweep.sweep_type("bert")
     assert line["hooks"].startswith("WRONG") and line["ghost"].startswith("WRONG"), line
-    monkeypatch.setattr(hf_sweep, "_in_its_own_process", lambda model_type, timeout, memory_gib: hf_sweep.sweep_type(model_type))
+    monkeypatch.setattr(hf_sweep, "_in_its_own_process", lambda model_type, timeout, memory_gib, K: hf_sweep.sweep_type(model_type, K=K))
     assert hf_sweep.main(["bert"]) == 1
     assert "WRONG 2" in capsys.readouterr().out
 
