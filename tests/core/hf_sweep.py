@@ -158,12 +158,14 @@ def _in_its_own_process(model_type: str, timeout: float, memory_gib: float, K: i
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    except subprocess.TimeoutExpired:
-        return {"type": model_type, "skipped": f"over {timeout:.0f} s"}
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode == 0 and lines and "stage" not in lines[-1]:
+        stdout, why = done.stdout, (f"the process ended with status {done.returncode} "
+                                    f"({(done.stderr.strip().splitlines() or [''])[-1][:160]})")
+    except subprocess.TimeoutExpired as expired:
+        done, why = None, f"over {timeout:.0f} s"
+        stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    if done is not None and done.returncode == 0 and lines and "stage" not in lines[-1]:
         return lines[-1]  # type: ignore[no-any-return]
-    why = f"the process ended with status {done.returncode} ({(done.stderr.strip().splitlines() or [''])[-1][:160]})"
     if any(line.get("stage") == "psg" for line in lines):  # it died while psg ran: psg's
         return {"type": model_type, "hooks": f"ERROR {why}", "ghost": f"ERROR {why}"}
     return {"type": model_type, "skipped": why}

@@ -49,14 +49,26 @@ def test_the_sweep_reports_a_wrong_result_and_exits_1(monkeypatch: pytest.Monkey
     assert "WRONG 2" in capsys.readouterr().out
 
 
+def _verdict(line: dict[str, str]) -> str:
+    return "skipped" if "skipped" in line else line["hooks"].split(" ")[0]
+
+
 @pytest.mark.parametrize("stdout, verdict", [
     ('{"type": "x", "stage": "psg"}\n', "ERROR"),  # died once psg ran: psg's
     ("", "skipped"),  # died building the model or its oracle
 ])
-def test_a_process_that_dies_is_judged_by_where(stdout: str, verdict: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_process_that_dies_or_hangs_is_judged_by_where(stdout: str, verdict: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
 
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -11, stdout, "Segmentation fault"))
     line = hf_sweep._in_its_own_process("x", 10.0, 1.0)
-    assert (line["hooks"].split(" ")[0] if verdict == "ERROR" else next(iter(set(line) - {"type"}))) == verdict, line
+    assert _verdict(line) == verdict, line
     assert "status -11" in str(line)
+
+    def hangs(*args: object, **kwargs: object) -> None:
+        raise subprocess.TimeoutExpired(args, 10.0, output=stdout.encode())
+
+    monkeypatch.setattr(subprocess, "run", hangs)
+    line = hf_sweep._in_its_own_process("x", 10.0, 1.0)
+    assert _verdict(line) == verdict, line
+    assert "over 10 s" in str(line)
