@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, b
                                     trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
-from psg_core.errors import BatchLayoutError, GradAccumulationError, UnsupportedModuleError
+from psg_core.errors import BatchLayoutError, ConfigError, GradAccumulationError, UnsupportedModuleError
 from psg_core.grad_sample.registry import GRAD_SAMPLERS
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
@@ -84,6 +85,11 @@ class GradSampleModule(AbstractGradSampleModule):
         self._sources: dict[int, set[int]] = {}
         # id(parameter) -> the grad_sample tensor this wrapper summed itself (safe to add into).
         self._owned: dict[int, weakref.ref[torch.Tensor]] = {}
+        # The thread whose forward pass through the model is running, and how deep (a pass may
+        # call the model again): another thread's forward meanwhile is refused (see _new_pass).
+        self._pass_lock = threading.Lock()
+        self._pass_thread: int | None = None
+        self._pass_depth = 0
         self.add_hooks()
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -167,6 +173,18 @@ class GradSampleModule(AbstractGradSampleModule):
                             root_by_caller=implicit, meets_own=None if self.force_functorch else runs_in_fallback)
 
     def _new_pass(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        me = threading.get_ident()
+        with self._pass_lock:
+            if self._pass_thread is not None and self._pass_thread != me:
+                raise ConfigError(
+                    "GradSampleModule: a forward pass began in one thread while another thread's pass "
+                    "through the same model was running; the wrapper follows one pass at a time (its "
+                    "hooks fire for every call of the model) and keeps one batch's per-sample gradients "
+                    "(p.grad_sample on the shared parameters). Give each thread its own model and "
+                    "wrapper, take turns (a lock around forward and backward), or call "
+                    "psg_core.per_sample_gradients / dp_gradient, which run one call per model at a time")
+            self._pass_thread = me
+            self._pass_depth += 1
         self._forward_id += 1
         if (self._explicit_tracker is not None or not self._hooks_enabled or self._capture_suspended
                 or not torch.is_grad_enabled() or self._implicit_tracker is not None):
@@ -187,6 +205,12 @@ class GradSampleModule(AbstractGradSampleModule):
         tracker.push_frame(module, "'<root>' (" + type(module).__qualname__ + ")", args, kwargs)
 
     def _end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
+        with self._pass_lock:
+            if self._pass_thread != threading.get_ident():
+                return  # a call _new_pass refused (torch runs this hook after a pre-hook raised)
+            self._pass_depth -= 1
+            if self._pass_depth == 0:
+                self._pass_thread = None
         tracker, self._implicit_tracker = self._implicit_tracker, None
         if tracker is not None:
             try:

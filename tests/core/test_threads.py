@@ -107,3 +107,72 @@ def test_exclusive_serialises_one_model_not_two() -> None:
     same.join(10)
     holder.join(10)
     assert entered == ["second", "first"]
+
+
+class _Paused(nn.Module):
+    """A model whose forward can be held mid-pass (``inside`` set, waiting on ``release``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 8), nn.Linear(8, 4)
+        self.inside, self.release = threading.Event(), threading.Event()
+        self.hold = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        if self.hold:
+            self.inside.set()
+            assert self.release.wait(10)
+        return self.second(h)
+
+
+def test_the_wrapper_refuses_a_forward_while_another_threads_pass_runs() -> None:
+    """GradSampleModule keeps one pass at a time: a second thread's forward in the middle of the
+    first's is refused with a ConfigError (before, the threads' hooks ended each other's passes:
+    a raw 'pop from empty mode stack' in one thread, the others' captures crossed); the first pass
+    completes with its own per-sample gradients, and threads taking turns are served."""
+    from psg_core import ConfigError, GradSampleModule
+
+    torch.manual_seed(0)
+    model = _Paused()
+    wrapped = GradSampleModule(model)
+    x, other = torch.randn(6, 16), torch.randn(6, 16)
+
+    def grad_samples(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        for p in model.parameters():
+            p.grad_sample = p.grad = None
+        wrapped(batch).square().sum().backward()
+        return {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+
+    alone = grad_samples(x)
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    refused: list[BaseException] = []
+    model.hold = True
+    first = threading.Thread(target=lambda: got.setdefault("first", grad_samples(x)))
+    first.start()
+    assert model.inside.wait(10)
+
+    def second() -> None:
+        try:
+            wrapped(other)
+        except ConfigError as err:
+            refused.append(err)
+
+    intruder = threading.Thread(target=second)
+    intruder.start()
+    intruder.join(10)
+    model.release.set()
+    first.join(10)
+    assert len(refused) == 1 and "another thread's pass" in str(refused[0])
+    for name, want in alone.items():
+        torch.testing.assert_close(got["first"][name], want)
+    model.hold = False
+    turns: dict[int, dict[str, torch.Tensor]] = {}
+    for i, batch in enumerate((x, other)):  # one thread after another: both served
+        thread = threading.Thread(target=lambda i=i, batch=batch: turns.setdefault(i, grad_samples(batch)))
+        thread.start()
+        thread.join(10)
+    for name, want in alone.items():
+        torch.testing.assert_close(turns[0][name], want)
+    assert set(turns) == {0, 1}
+    wrapped.remove_hooks()
