@@ -37,6 +37,11 @@ def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in own_parameters(module) if p.requires_grad]
 
 
+#: Guards the wrappers' "which thread's pass is running" check and update (held for a few
+#: instructions; one lock for all, so that a wrapper holds no lock and stays copyable).
+_PASS_LOCK = threading.Lock()
+
+
 class GradSampleModule(AbstractGradSampleModule):
     """Hooks-based per-sample gradients, with augmentation multiplicity K.
 
@@ -87,7 +92,6 @@ class GradSampleModule(AbstractGradSampleModule):
         self._owned: dict[int, weakref.ref[torch.Tensor]] = {}
         # The thread whose forward pass through the model is running, and how deep (a pass may
         # call the model again): another thread's forward meanwhile is refused (see _new_pass).
-        self._pass_lock = threading.Lock()
         self._pass_thread: int | None = None
         self._pass_depth = 0
         self.add_hooks()
@@ -174,7 +178,7 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def _new_pass(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         me = threading.get_ident()
-        with self._pass_lock:
+        with _PASS_LOCK:
             if self._pass_thread is not None and self._pass_thread != me:
                 raise ConfigError(
                     "GradSampleModule: a forward pass began in one thread while another thread's pass "
@@ -205,7 +209,7 @@ class GradSampleModule(AbstractGradSampleModule):
         tracker.push_frame(module, "'<root>' (" + type(module).__qualname__ + ")", args, kwargs)
 
     def _end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
-        with self._pass_lock:
+        with _PASS_LOCK:
             if self._pass_thread != threading.get_ident():
                 return  # a call _new_pass refused (torch runs this hook after a pre-hook raised)
             self._pass_depth -= 1
