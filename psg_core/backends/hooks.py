@@ -110,10 +110,36 @@ class GradSampleModule(AbstractGradSampleModule):
                 self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True, prepend=True))
 
     def remove_hooks(self) -> None:
-        """Removes every hook this wrapper installed; the model is left exactly as it was."""
+        """Removes every hook this wrapper installed; the model is left exactly as it was (a pass
+        that a KeyboardInterrupt cut short in a direct call of the model is ended, see
+        :meth:`forward`)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._abandon_pass()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*args, **kwargs)
+        except BaseException:
+            # torch runs a forward's always-call hooks (_end_pass) on an Exception only: after a
+            # KeyboardInterrupt the pass would stay open, its batch tracker left active on this
+            # thread (every later op through it) and the wrapper held for this thread.
+            self._abandon_pass()
+            raise
+
+    def _abandon_pass(self) -> None:
+        """Ends this thread's pass if it did not end (no-op after one that did, or where another
+        thread's pass runs: a call _new_pass refused): its batch tracker is left, and the wrapper
+        is free for any thread."""
+        with _PASS_LOCK:
+            if self._pass_thread != threading.get_ident():
+                return
+            self._pass_thread, self._pass_depth = None, 0
+        tracker, self._implicit_tracker = self._implicit_tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            tracker.release()
 
     def enable_hooks(self) -> None:
         """Turns per-sample gradient capture back on (it is on by default)."""

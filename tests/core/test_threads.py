@@ -176,3 +176,54 @@ def test_the_wrapper_refuses_a_forward_while_another_threads_pass_runs() -> None
         torch.testing.assert_close(turns[0][name], want)
     assert set(turns) == {0, 1}
     wrapped.remove_hooks()
+
+
+def test_a_pass_cut_short_by_an_interrupt_ends() -> None:
+    """torch runs a forward's always-call hooks on exceptions, not on KeyboardInterrupt: the
+    wrapper's forward ends the pass itself, so no batch tracker stays active on the thread and
+    another thread's forward is served; a direct call of the model, cut short, is ended by
+    remove_hooks()."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from psg_core import ConfigError, GradSampleModule
+
+    class Interrupted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+            self.interrupt = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return self.fc(x)
+
+    model = Interrupted()
+    wrapped = GradSampleModule(model)
+    outcome: list[BaseException | torch.Tensor] = []
+
+    def other_thread() -> None:
+        try:
+            model.interrupt = False
+            outcome.append(wrapped(torch.randn(3, 4)))
+        except ConfigError as err:
+            outcome.append(err)
+        finally:
+            model.interrupt = True
+
+    for call, expected in ((wrapped, torch.Tensor), (model, ConfigError)):
+        with pytest.raises(KeyboardInterrupt):
+            call(torch.randn(3, 4))
+        assert not _get_current_function_mode_stack() if call is wrapped else _get_current_function_mode_stack()
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(10)
+        assert isinstance(outcome.pop(), expected)
+    wrapped.remove_hooks()  # ends the direct call's pass
+    assert not _get_current_function_mode_stack()
+    wrapped.add_hooks()
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join(10)
+    assert isinstance(outcome.pop(), torch.Tensor)
+    wrapped.remove_hooks()
