@@ -1066,12 +1066,10 @@ class BatchTracker(TorchFunctionMode):
         says nothing about where the batch is): every row is the same value, which the per-sample
         computation (the model on one sample) makes for its own rows, so each row is its sample's."""
         name = func.__name__
-        if name.startswith("new_"):
-            size = args[1] if len(args) > 1 else kwargs.get("size")
-        else:
-            size = args[0] if args else kwargs.get("size")
-        if len(args) > (2 if name.startswith("new_") else 1) + (name.endswith("full")):
+        first = 1 if name.startswith("new_") else 0  # a tensor method's self comes first
+        if len(args) > first + 1 + name.endswith("full"):
             return  # sizes given one by one (torch.zeros(n, t)): numbers
+        size = args[first] if len(args) > first else kwargs.get("size")
         known = self._sizes.get(id(size)) if size is not None else None
         if known is not None and known[0] is size and tuple(out.shape) == tuple(size):
             self._batched[out] = known[1]

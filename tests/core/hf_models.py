@@ -192,15 +192,15 @@ def loss_fn(outputs: object, labels: torch.Tensor) -> torch.Tensor:
 
 
 def oracle(model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, K: int, *,
-           reduction: str = "mean", loss: Callable[[object, torch.Tensor], torch.Tensor] | None = None
-           ) -> dict[str, torch.Tensor]:
-    """``{name: (N, *shape)}`` in float64: each sample's gradient from its K rows alone (``loss``:
-    the unreduced loss of the outputs, :func:`loss_fn` by default)."""
+           reduction: str = "mean", loss: Callable[[object, torch.Tensor], torch.Tensor] | None = None,
+           dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """``{name: (N, *shape)}`` in ``dtype`` (a copy of the model in it): each sample's gradient from
+    its K rows alone (``loss``: the unreduced loss of the outputs, :func:`loss_fn` by default)."""
     import copy
 
     unreduced = loss_fn if loss is None else loss
 
-    ref = copy.deepcopy(model).to(torch.float64)
+    ref = copy.deepcopy(model).to(dtype)
     params = {name: p for name, p in ref.named_parameters() if p.requires_grad}
     grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
     for n in range(labels.shape[0] // K):

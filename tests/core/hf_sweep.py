@@ -74,19 +74,6 @@ def compare(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
     return worst
 
 
-def _float32_oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, K: int
-                    ) -> dict[str, torch.Tensor]:
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    rows: dict[str, list[torch.Tensor]] = {name: [] for name in params}
-    for n in range(labels.shape[0] // K):
-        own = slice(n * K, (n + 1) * K)
-        loss = hf.loss_fn(model(**{k: v[own] for k, v in inputs.items()}), labels[own]).mean()
-        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-        for (name, p), g in zip(params.items(), grads):
-            rows[name].append(torch.zeros_like(p) if g is None else g)
-    return {name: torch.stack(gs).to(torch.float64) for name, gs in rows.items()}
-
-
 def _oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, K: int
             ) -> tuple[dict[str, torch.Tensor], str]:
     try:
@@ -96,7 +83,8 @@ def _oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: tor
         why = "float64 run not finite"
     except RuntimeError as err:
         why = f"no float64 run: {str(err)[:80]}"
-    return _float32_oracle(model, inputs, labels, K), f"float32 ({why})"
+    float32 = hf.oracle(model, inputs, labels, K, dtype=torch.float32)
+    return {name: g.to(torch.float64) for name, g in float32.items()}, f"float32 ({why})"
 
 
 def _run_mode(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
