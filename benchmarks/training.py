@@ -468,6 +468,11 @@ def run_suite(options: RunOptions) -> list[dict[str, Any]]:
                     row["memory_error"] = measured["error"]
             row.setdefault("peak_memory_mib", None)
             rows.append(row)
+        # One line per group as it finishes: a run cut short (a lent machine's time limit) still
+        # reports the groups it timed.
+        logger.info("training suite [%d/%d] %s, K=%d: %s", index, len(groups), model, K, "; ".join(
+            f"{row['method']} {_fmt(row.get('median_ms'), 2)} ms / {_fmt(row.get('peak_memory_mib'), 0)} MiB"
+            if "error" not in row else f"{row['method']} error" for row in group_rows))
     return rows
 
 

@@ -22,6 +22,7 @@ from psg_core.grad_sample.conv_strategy import (ConvStrategy, clear_conv_strateg
                                                 conv_strategy_cache, current_conv_strategy, get_conv_strategy,
                                                 set_conv_strategy)
 from tests.core.test_conv import CONV_CASES, KS, REDUCTIONS, SAME_EVEN_KERNEL, TRANSPOSE_CASES
+from tests.devices import requires_cuda
 from tests.oracle import assert_close_scaled, check_against_oracle, microbatch_oracle, mse_loss, split_samples
 
 ALL_CASES = CONV_CASES + TRANSPOSE_CASES
@@ -262,7 +263,7 @@ def test_measurement_survives_an_out_of_memory_candidate(monkeypatch: pytest.Mon
     assert list(conv_strategy_cache().values()) == [ConvStrategy.GROUPED_CONV]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 @pytest.mark.parametrize("strategy", PER_SAMPLE)
 @pytest.mark.parametrize("groups", [2, 4])  # grouped; depthwise, two output channels per input
 def test_cuda_strategies_match_cpu(strategy: str, groups: int) -> None:

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import psg_core
 from psg_core.layers import DPLSTM
+from tests.devices import DEVICES, requires_cuda
 
 ROOT = Path(psg_core.__file__).resolve().parent.parent
 #: Ops whose result needs a value (or a data-dependent size) on the host.
@@ -131,10 +132,6 @@ DP_READS: dict[str, dict[Site, int]] = {
               ("psg_core/backends/ghost.py", "_ghost_dp_gradient"): 1},  # loss_sum
 }
 
-DEVICES = [pytest.param("cpu"),
-           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("strategy", ["rule", "auto"])
@@ -164,7 +161,7 @@ def test_dp_gradient_reads_only_what_it_returns(device: str, K: int, mode: str, 
     assert dict(host_reads.sites) == DP_READS[mode], sorted(host_reads.sites.items())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cuda
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_cuda_step_copies_to_host_only_what_it_returns(mode: str) -> None:
     """torch.profiler's view: the device-to-host copies of a step are the documented reads."""

@@ -19,8 +19,9 @@ from psg_server.scheduler import ShardPlan, cut_shards
 from psg_server.step import merge_results, reply_tensors
 from psg_wire.flat import FlatTensors
 from tests.server.service_harness import MLP_KWARGS, build, local_dp, mlp_batch
+from tests.devices import requires_cuda
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = requires_cuda  # marked ``cuda`` (``pytest -m cuda``), skipped without a device
 
 
 def spec(config: DPConfig = DPConfig(max_grad_norm=0.5), session_id: str = "s") -> SessionSpec:

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from psg_wire.flat import ALIGNMENT, FlatLayout, FlatTensors
+from tests.devices import requires_cuda
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = requires_cuda  # marked ``cuda`` (``pytest -m cuda``), skipped without a device
 
 
 def test_every_tensor_starts_aligned_and_gaps_are_zero() -> None:
