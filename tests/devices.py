@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-__all__ = ["CUDA_AVAILABLE", "CUDA_REQUIRED", "DEVICES", "cuda_param", "oracle_precision", "requires_cuda",
+__all__ = ["CUDA_AVAILABLE", "CUDA_REQUIRED", "DEVICES", "cuda_param", "on_device", "oracle_precision", "requires_cuda",
            "to_device"]
 
 _T = TypeVar("_T")
@@ -64,6 +64,15 @@ def requires_cuda(test: _F) -> _F:
 
 #: Every device an oracle test runs on (see the module docstring).
 DEVICES = ["cpu", cuda_param("cuda", id="cuda")]
+
+
+def on_device(tensor: torch.Tensor, device: torch.device | str) -> bool:
+    """Whether ``tensor`` lives on ``device``; ``"cuda"`` (no index) means the current CUDA device,
+    where tensors report ``cuda:0`` (``torch.device("cuda:0") != torch.device("cuda")``)."""
+    wanted = torch.device(device)
+    if wanted.type == "cuda" and wanted.index is None:
+        wanted = torch.device("cuda", torch.cuda.current_device())
+    return tensor.device == wanted
 
 
 @contextlib.contextmanager

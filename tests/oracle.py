@@ -103,10 +103,10 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, *, name: s
     1.1e-6 after scaling)."""
     assert actual is not None, f"{name}: missing"
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    expected = expected.to(torch.float64)
+    expected = expected.detach().to("cpu", torch.float64)  # an oracle computed on another device too
     scale = expected.abs().max().item() if expected.numel() else 1.0
     scale = scale if scale > 0 else 1.0
-    torch.testing.assert_close(actual.to(torch.float64) / scale, expected / scale, rtol=rtol,
+    torch.testing.assert_close(actual.detach().to("cpu", torch.float64) / scale, expected / scale, rtol=rtol,
                                atol=atol, msg=lambda m: f"{name}: {m}")
 
 

@@ -27,6 +27,7 @@ from psg_core.grad_sample.functorch_fallback import VMAP_LIMITS
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core.backends.base import PerSampleOutput, parameters_kept, trainable_parameters
+from psg_core.grad_sample.embedding import _bag_call
 from psg_core.errors import BatchLayoutError, ConfigError, PsgError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.precision import no_autocast
@@ -74,7 +75,11 @@ def _split(flat: list[Any], dims: dict[int, int], layout: BatchLayout) -> tuple[
 
 def _restore(flat: list[Any], in_dims: list[int | None], axes: list[int], spec: Any) -> Any:
     """Inside vmap: each batched leaf is ``(K, ...)``; put its batch axis back where it was."""
-    return tree_unflatten([v.movedim(0, a) if d == 0 and a else v for v, d, a in zip(flat, in_dims, axes)], spec)
+    return tree_unflatten(_restore_flat(flat, in_dims, axes), spec)
+
+
+def _restore_flat(flat: list[Any], in_dims: list[int | None], axes: list[int]) -> list[Any]:
+    return [v.movedim(0, a) if d == 0 and a else v for v, d, a in zip(flat, in_dims, axes)]
 
 
 def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, loss_fn: LossFn, *,
@@ -130,7 +135,9 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
 
     def sample_loss(sample_params: dict[str, torch.Tensor], sample_args: list[Any],
                     sample_targets: list[Any]) -> torch.Tensor:
-        call_args, call_kwargs = _restore(sample_args, arg_in, axes_args, arg_spec)
+        restored = _restore_flat(sample_args, arg_in, axes_args)
+        where.sample_inputs = [v for v, d in zip(restored, arg_in) if d == 0]
+        call_args, call_kwargs = tree_unflatten(restored, arg_spec)
         # The sample's parameters stay swapped in while the loss runs too: a loss that reads the
         # model's parameters itself (a tied output head computed in the loss) differentiates them.
         with _reparametrize_module(module, sample_params, tie_weights=True):
@@ -259,13 +266,17 @@ def _one_at_a_time(sample_loss: Any, params: dict[str, torch.Tensor], args: list
 
 
 class _ModulePath:
-    """Remembers the innermost module whose forward raised, to name it in errors."""
+    """Remembers the innermost module whose forward raised, to name it in errors; and refuses an
+    EmbeddingBag given a sample's slice of the batch as 1-D tokens with offsets (see
+    :meth:`_check_bag`)."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
         self._stack: list[str] = []
         self.failed: str | None = None
         self._handles: list[Any] = []
+        #: The per-sample slices of the model's batch inputs in the call under way.
+        self.sample_inputs: list[Any] = []
 
     def __enter__(self) -> _ModulePath:
         try:
@@ -274,10 +285,27 @@ class _ModulePath:
                 self._handles.append(layer.register_forward_pre_hook(
                     lambda _m, _a, label=label: self._stack.append(label)))
                 self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+                if isinstance(layer, nn.EmbeddingBag):
+                    self._handles.append(layer.register_forward_pre_hook(
+                        functools.partial(self._check_bag, label), with_kwargs=True))
         except BaseException:
             self.__exit__()  # no hook left on the model
             raise
         return self
+
+    def _check_bag(self, label: str, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """1-D tokens with offsets, one of them a sample's slice of a batch input: the offsets are
+        positions in the whole batch's token list, which vmap does not split with them (a sample
+        got the wrong tokens, or all of them; torch's CPU kernel rejects such offsets, its CUDA
+        kernel reads them). Offsets the model builds itself from a sample's tokens are fine."""
+        tokens, offsets, _ = _bag_call(list(args), kwargs)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or offsets is None:
+            return
+        if any(t is tokens or t is offsets for t in self.sample_inputs):
+            raise UnsupportedModuleError(
+                f"{_WHERE}: module {label} takes 1-D tokens with offsets from the batch: the offsets "
+                "are positions in the whole batch's token list, which vmap cannot split per sample; "
+                "use mode='hooks' or 'ghost' (or pass 2-D bags)")
 
     def _pop(self, _m: nn.Module, _a: Any, _o: Any) -> None:
         if self._stack:

@@ -155,6 +155,17 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], list[str]]] = {
 }
 
 
+#: Older transformers releases name some attention projections ``query``/``value`` (DINOv2 in 5.17).
+_TARGET_ALIASES = {"q_proj": "query", "v_proj": "value"}
+
+
+def lora_targets(model: nn.Module, targets: list[str]) -> list[str]:
+    """``targets`` as this transformers release names them in ``model`` (an alias where a name is
+    absent), for peft's ``target_modules``."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return [t if t in names or t not in _TARGET_ALIASES else _TARGET_ALIASES[t] for t in targets]
+
+
 def build(family: str, *, lora: bool, seed: int = 0) -> nn.Module:
     """The family's tiny classifier in eval mode (no dropout), optionally with a LoRA adapter."""
     torch.manual_seed(seed)
@@ -162,7 +173,7 @@ def build(family: str, *, lora: bool, seed: int = 0) -> nn.Module:
     model = builder().eval()
     if lora:
         peft = __import__("pytest").importorskip("peft")
-        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, lora_dropout=0.0,
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=lora_targets(model, targets), lora_dropout=0.0,
                                  fan_in_fan_out=family == "gpt2")  # GPT-2's Conv1D stores W as (in, out)
         model = peft.get_peft_model(model, config).eval()
         # peft leaves the lora_B matrices at zero: randomise them so every gradient is non-trivial.

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from psg_core.clipping import AUTOMATIC_STABILITY, FLAT_EPSILON, ClipResult, clip_and_sum
 from psg_core.errors import ConfigError
+from tests.devices import on_device
 
 
 def scaled_rows(norms: list[float], dim: int = 4, *, seed: int = 0) -> torch.Tensor:
@@ -136,7 +137,7 @@ def test_norms_are_fp32_and_sums_keep_dtype(dtype: torch.dtype, device: torch.de
     result = clip_and_sum(per_sample, max_grad_norm=1.0)
     assert result.per_sample_norms.dtype == torch.float32
     assert result.clip_factors.dtype == torch.float32
-    assert all(g.dtype == dtype and g.device == device for g in result.grads.values())
+    assert all(g.dtype == dtype and on_device(g, device) for g in result.grads.values())
     expected = torch.tensor([math.hypot(3.0, math.sqrt(0.5)), math.hypot(0.25, math.sqrt(0.5))], device=device)
     tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
     torch.testing.assert_close(result.per_sample_norms, expected, rtol=tol, atol=tol)
@@ -157,7 +158,7 @@ def test_empty_batch_gives_zeros(clipping: str, device: torch.device) -> None:
     assert result.per_sample_norms.shape == (0,) and result.per_sample_norms.dtype == torch.float32
     assert result.num_clipped == 0
     assert result.grads["w"].shape == (3, 2) and result.grads["b"].shape == (3,)
-    assert result.per_sample_norms.device == device and all(g.device == device for g in result.grads.values())
+    assert on_device(result.per_sample_norms, device) and all(on_device(g, device) for g in result.grads.values())
     assert all(torch.equal(g, torch.zeros_like(g)) for g in result.grads.values())
 
 

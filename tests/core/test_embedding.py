@@ -257,6 +257,50 @@ def test_embedding_bag_offsets_rejected_by_functorch_fallback() -> None:
         model(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 3])).sum().backward()
 
 
+class _BagOfTokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 3, mode="mean")
+
+    def forward(self, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.bag(tokens, offsets)
+
+
+class _BagsBuiltPerSample(nn.Module):
+    """2-D bags flattened inside the model, with offsets built from a sample's own shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 3, mode="mean")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows, length = tokens.shape
+        return self.bag(tokens.reshape(-1), torch.arange(0, rows * length, length, device=tokens.device))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap loops over embedding_bag
+@pytest.mark.parametrize("K", [1, 2])
+def test_functorch_refuses_batch_offsets_itself(K: int, device: torch.device) -> None:
+    """Undeclared 1-D tokens and offsets: the offsets (one per row) are split per sample but stay
+    positions in the whole batch's token list. psg refuses before the kernel runs: torch's CPU
+    kernel rejects a sample's offsets (not starting at 0), its CUDA kernel read them and returned
+    wrong gradients (seen on an H200). Offsets the model builds from a sample's tokens are fine."""
+    torch.manual_seed(0)
+    rows = 3 * K
+    tokens, offsets = torch.randint(0, 10, (2 * rows,), device=device), torch.arange(0, 2 * rows, 2, device=device)
+    targets = torch.randn(rows, 3, device=device)
+    with pytest.raises(UnsupportedModuleError, match=r"'bag' \(EmbeddingBag\) takes 1-D tokens with offsets"):
+        psg_core.per_sample_gradients(_BagOfTokens().to(device), (tokens, offsets), targets, loss_fn=mse_loss("none"),
+                                      mode="functorch", augmentation_multiplicity=K)
+    model = _BagsBuiltPerSample().to(device)
+    square = tokens.reshape(rows, 2)
+    grads = psg_core.per_sample_gradients(model, square, targets, loss_fn=mse_loss("none"), mode="functorch",
+                                          augmentation_multiplicity=K)
+    expected = psg_core.per_sample_gradients(model, square, targets, loss_fn=mse_loss("none"), mode="hooks",
+                                             augmentation_multiplicity=K)
+    torch.testing.assert_close(grads["bag.weight"], expected["bag.weight"])
+
+
 def test_embedding_bag_scale_grad_by_freq_is_rejected() -> None:
     # Refused when wrapped, naming the layer (its gradient scales by counts over the whole batch).
     with pytest.raises(UnsupportedModuleError, match=r"'<root>' \(EmbeddingBag\).*scale_grad_by_freq"):

@@ -50,7 +50,7 @@ def _site() -> Site:
     return "<outside psg_core>", ""
 
 
-def _reads_host(func: Any, args: tuple[Any, ...]) -> bool:
+def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     name = func._schema.name
     if name in READING_OPS:
         return True
@@ -59,9 +59,10 @@ def _reads_host(func: Any, args: tuple[Any, ...]) -> bool:
     if name in ("aten::index", "aten::index_put", "aten::index_put_") and len(args) > 1:
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
     if name in ("aten::_to_copy", "aten::copy_") and args:
+        # A copy off the device to the host (a dtype cast on the device reads nothing).
         source = args[1] if name == "aten::copy_" else args[0]
-        return isinstance(source, torch.Tensor) and source.device.type != "cpu" and (
-            name == "aten::_to_copy" or args[0].device.type == "cpu")
+        target = args[0].device if name == "aten::copy_" else kwargs.get("device") or source.device
+        return isinstance(source, torch.Tensor) and source.device.type != "cpu" and torch.device(target).type == "cpu"
     return False
 
 
@@ -74,7 +75,7 @@ class HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        if _reads_host(func, args):
+        if _reads_host(func, args, kwargs or {}):
             self.sites[_site()] += 1
         return func(*args, **(kwargs or {}))
 
@@ -162,6 +163,7 @@ def test_dp_gradient_reads_only_what_it_returns(device: str, K: int, mode: str, 
 
 
 @requires_cuda
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events at the end of each cycle:UserWarning")
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_cuda_step_copies_to_host_only_what_it_returns(mode: str) -> None:
     """torch.profiler's view: the device-to-host copies of a step are the documented reads."""
@@ -192,3 +194,20 @@ def test_the_counter_sees_each_kind_of_read(host_reads: HostReads) -> None:
         x * 2 + 1  # no read
         x.repeat_interleave(2)  # int repeats: no read
     assert sum(host_reads.sites.values()) == 7, host_reads.sites
+
+
+@requires_cuda
+def test_the_counter_tells_a_cast_from_a_copy_to_the_host(host_reads: HostReads) -> None:
+    """A dtype cast on the device reads nothing (it counted as a read once: the EmbeddingBag
+    sampler's two casts looked like host syncs on an H200); a copy to the CPU does."""
+    x = torch.tensor([0.0, 1.0, 2.0], device="cuda")
+    with host_reads:
+        x.to(torch.float64)
+        x.bool().float()
+        x.to("cuda", torch.float16)
+    assert dict(host_reads.sites) == {}
+    with host_reads:
+        x.cpu()
+        x.to("cpu", torch.float64)
+        torch.empty(3).copy_(x)
+    assert sum(host_reads.sites.values()) == 3, host_reads.sites
