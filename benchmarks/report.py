@@ -156,9 +156,12 @@ def render_markdown(documents: list[dict[str, Any]], *, out_dir: Path, markdown_
         "",
         "On a GPU machine without network access (the lent H100/H200): `bash benchmarks/gpu/prepare.sh` "
         "here fetches the cp312 wheels it lacks into `.whl/` (Ray trimmed to ~40 MB), then "
-        "`bash benchmarks/gpu/on_device.sh tests` and `... bench` there (carrying `.whl`) run the CUDA "
-        "tests and the GPU training suite, each within one 10-minute call; copy the JSON it writes into "
-        "`benchmarks/results/` and run `python -m benchmarks.run --report-only` to add its section.",
+        "`bash benchmarks/gpu/on_device.sh all` there (carrying `.whl`) runs the GPU training suite "
+        "(about 100 s on an H200) and then the CUDA tests over the machine's cores (about 160 s), in one "
+        "machine start; `tests`, `bench` and `profile` (torch.profiler over the suite's steps: wall against "
+        "kernel time, launches, device-to-host copies) run parts, several in one call. Copy the JSON it "
+        "writes into `benchmarks/results/` and run `python -m benchmarks.run --report-only` to add its "
+        "section.",
         "",
         "Timing: median of the timed steps after warm-up steps (min–max shown too). Peak memory: see each "
         "machine's *memory method*. Per-sample gradient memory: bytes of the per-sample gradient tensors "
