@@ -8,6 +8,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -111,8 +112,8 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def remove_hooks(self) -> None:
         """Removes every hook this wrapper installed; the model is left exactly as it was (a pass
-        that a KeyboardInterrupt cut short in a direct call of the model is ended, see
-        :meth:`forward`)."""
+        that a KeyboardInterrupt cut short in a direct call of the model is ended, as the thread's
+        next call of the model ends it; see :meth:`forward`)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -204,6 +205,11 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def _new_pass(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         me = threading.get_ident()
+        if self._pass_thread == me and not self._outer_call_running():
+            # This thread's pass is open, but no call of the model runs on its stack: a direct
+            # call cut short by a KeyboardInterrupt (torch ran no always-call hook). It ends here,
+            # or its stale tracker would follow this pass and the wrapper stay held.
+            self._abandon_pass()
         with _PASS_LOCK:
             if self._pass_thread is not None and self._pass_thread != me:
                 raise ConfigError(
@@ -215,6 +221,8 @@ class GradSampleModule(AbstractGradSampleModule):
                     "psg_core.per_sample_gradients / dp_gradient, which run one call per model at a time")
             self._pass_thread = me
             self._pass_depth += 1
+            if self._pass_depth > 1:
+                return  # the model called again inside its pass: the same pass, the same tracker
         self._forward_id += 1
         if (self._explicit_tracker is not None or not self._hooks_enabled or self._capture_suspended
                 or not torch.is_grad_enabled() or self._implicit_tracker is not None):
@@ -234,13 +242,28 @@ class GradSampleModule(AbstractGradSampleModule):
             tracker.mark(tensor, dim)
         tracker.push_frame(module, "'<root>' (" + type(module).__qualname__ + ")", args, kwargs)
 
+    def _outer_call_running(self) -> bool:
+        """Whether a call of the wrapped model other than the one starting runs on this thread's
+        stack (a pass calling the model again). Asked only while this thread holds a pass."""
+        code = nn.Module._call_impl.__code__
+        calls = 0
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is code and frame.f_locals.get("self") is self._module:
+                calls += 1
+                if calls == 2:
+                    return True
+            frame = frame.f_back
+        return False
+
     def _end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         with _PASS_LOCK:
             if self._pass_thread != threading.get_ident():
                 return  # a call _new_pass refused (torch runs this hook after a pre-hook raised)
             self._pass_depth -= 1
-            if self._pass_depth == 0:
-                self._pass_thread = None
+            if self._pass_depth > 0:
+                return  # a call inside the pass ended; the pass (and its tracker) goes on
+            self._pass_thread = None
         tracker, self._implicit_tracker = self._implicit_tracker, None
         if tracker is not None:
             try:

@@ -227,3 +227,77 @@ def test_a_pass_cut_short_by_an_interrupt_ends() -> None:
     thread.join(10)
     assert isinstance(outcome.pop(), torch.Tensor)
     wrapped.remove_hooks()
+
+
+def test_the_next_call_ends_a_direct_call_cut_short() -> None:
+    """A direct call of the wrapped model cut short by a KeyboardInterrupt leaves its pass open
+    (torch runs no always-call hook then): the thread's next call of the model ends it, so that
+    pass gets its own batch tracking (a new input tensor: the oracle's per-sample gradients), no
+    tracker stays on the thread and another thread is served; a model that calls itself inside
+    its pass is one pass (its per-sample gradients the oracle's; each call counted as a pass of
+    its own, the second backward was refused as accumulation)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from psg_core import GradSampleModule
+
+    class Stoppable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+            self.interrupt = False
+
+        def forward(self, x: torch.Tensor, inner: bool = False) -> torch.Tensor:
+            h = self.a(x)
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return self.b(torch.tanh(h)) if inner else self(x, inner=True) + self.b(h)
+
+    torch.manual_seed(0)
+    model = Stoppable()
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    x = torch.randn(5, 3)
+    wrapped.disable_hooks()
+    expected = {name: torch.stack(grads) for name, grads in zip(
+        [name for name, _ in model.named_parameters()],
+        zip(*(torch.autograd.grad(model(x[n:n + 1]).sum(), list(model.parameters())) for n in range(5))))}
+    wrapped.enable_hooks()
+    model(x).sum().backward()  # the model calls itself: one pass
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_sample, expected[name], msg=name)
+        p.grad_sample, p.grad = None, None
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(5, 3))
+    assert _get_current_function_mode_stack()  # the cut-short pass is still open
+    model.interrupt = False
+    model(x.clone()).sum().backward()  # a new tensor: unmarked by the cut-short pass's tracker
+    assert not _get_current_function_mode_stack()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_sample, expected[name], msg=name)
+    served: list[object] = []
+    thread = threading.Thread(target=lambda: served.append(model(torch.randn(2, 3))))
+    thread.start()
+    thread.join(10)
+    assert len(served) == 1 and isinstance(served[0], torch.Tensor)
+    wrapped.remove_hooks()
+
+
+def test_a_model_calling_itself_is_tracked_to_the_end_of_its_pass() -> None:
+    """The inner call's end does not end the pass's batch tracking: rows mixed after it (a
+    batch mean) are refused, naming the layer."""
+    from psg_core import GradSampleModule, UnsupportedModuleError
+
+    class Centred(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, inner: bool = False) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(torch.tanh(h)) if inner else self(x, inner=True) + self.b(h - h.mean(0))
+
+    model = Centred()
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    with pytest.raises(UnsupportedModuleError, match=r"'b' \(Linear\) receives values that mix samples"):
+        model(torch.randn(5, 3)).sum().backward()
+    wrapped.remove_hooks()
