@@ -50,7 +50,8 @@ def profile_case(model: str, method: str, *, steps: int, size: str, device: str)
         step()
     _sync(device)
     wall = (time.perf_counter() - started) / steps * 1e3
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         _sync(device)

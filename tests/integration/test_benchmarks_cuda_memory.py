@@ -88,3 +88,18 @@ def test_only_memory_children_pin_the_mmap_threshold(pin: bool, monkeypatch: pyt
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
     result = run_isolated(f"{__name__}:allocator_setting", {}, timeout_s=120, pin_mmap=pin)
     assert result == {"threshold": "65536" if pin else None}
+
+
+def test_the_step_profile_reports_wall_kernels_and_copies(tmp_path: Any) -> None:
+    """benchmarks/gpu/profile_step.py (the GPU profiles in benchmarks/results) on the CPU: one file
+    per model, a timing line and the op tables per method, a failing method reported beside the
+    others."""
+    from benchmarks.gpu.profile_step import main
+
+    assert main(["--device", "cpu", "--size", "tiny", "--models", "embedding_bag", "--methods", "non-private",
+                 "psg-ghost", "no-such-method", "--steps", "1", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "profile_embedding_bag.txt").read_text()
+    assert report.count("### embedding_bag / ") == 3
+    assert "wall " in report and "kernel launches/step" in report and "device-to-host copies/step" in report
+    assert "aten::embedding_bag" in report or "aten::_embedding_bag" in report
+    assert "### embedding_bag / no-such-method\nerror: KeyError" in report
