@@ -137,10 +137,7 @@ class GradSampleModule(AbstractGradSampleModule):
             if self._pass_thread != threading.get_ident():
                 return
             self._pass_thread, self._pass_depth = None, 0
-        tracker, self._implicit_tracker = self._implicit_tracker, None
-        if tracker is not None:
-            tracker.__exit__(None, None, None)
-            tracker.release()
+        self._end_tracking()
 
     def enable_hooks(self) -> None:
         """Turns per-sample gradient capture back on (it is on by default)."""
@@ -264,17 +261,23 @@ class GradSampleModule(AbstractGradSampleModule):
             if self._pass_depth > 0:
                 return  # a call inside the pass ended; the pass (and its tracker) goes on
             self._pass_thread = None
+        self._end_tracking(output)
+
+    def _end_tracking(self, output: Any = None) -> None:
+        """Exits and releases the pass's own tracker (if it has one), first checking ``output``,
+        when given and no exception is under way."""
         tracker, self._implicit_tracker = self._implicit_tracker, None
-        if tracker is not None:
-            try:
-                if output is not None and sys.exc_info()[0] is None:
-                    # The loss is the caller's, out of sight: an output whose rows already mix
-                    # samples (an op after the last layer, a head reading a table the batch's
-                    # lookups renormalised) is refused here, before any per-sample gradient.
-                    tracker.check_outputs(output, "the model's output")
-            finally:
-                tracker.__exit__(None, None, None)
-                tracker.release()
+        if tracker is None:
+            return
+        try:
+            if output is not None and sys.exc_info()[0] is None:
+                # The loss is the caller's, out of sight: an output whose rows already mix
+                # samples (an op after the last layer, a head reading a table the batch's
+                # lookups renormalised) is refused here, before any per-sample gradient.
+                tracker.check_outputs(output, "the model's output")
+        finally:
+            tracker.__exit__(None, None, None)
+            tracker.release()
 
     def _on_meeting(self, point: MeetingPoint, view: torch.Tensor, layout: BatchLayout, forward_id: int) -> None:
         """A batch-free tensor computed from parameters meets the batch: its per-sample
