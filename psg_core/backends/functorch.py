@@ -160,7 +160,7 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
             except RuntimeError as err:
                 # vmap cannot batch the model (data-dependent control flow, .item(), an in-place op
                 # into an unbatched tensor, a data-dependent shape): one sample at a time instead.
-                if not any(sign in str(err) for sign in VMAP_LIMITS):
+                if isinstance(err, PsgError) or not any(sign in str(err) for sign in VMAP_LIMITS):
                     raise
                 _warn_loop(module, where.failed, err)
                 per_sample_grads, losses = _one_at_a_time(sample_loss, detached, split_args, arg_in,

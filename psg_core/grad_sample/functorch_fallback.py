@@ -16,6 +16,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from psg_core.errors import PsgError
 from psg_core.layout import fold_rows
 from psg_core.support import GLOBAL_ATTENTION_NAMES, is_unit, parametrized
 
@@ -124,7 +125,7 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
             per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
                               randomness="different")(params, batched_inputs, batched_bps)
         except RuntimeError as err:
-            if not any(sign in str(err) for sign in VMAP_LIMITS):
+            if isinstance(err, PsgError) or not any(sign in str(err) for sign in VMAP_LIMITS):
                 raise
             # vmap cannot batch the layer (an in-place write into a tensor it creates, a
             # data-dependent shape): the same function, one sample at a time.

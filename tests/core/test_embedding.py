@@ -280,7 +280,8 @@ class _BagsBuiltPerSample(nn.Module):
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap loops over embedding_bag
 @pytest.mark.parametrize("K", [1, 2])
-def test_functorch_refuses_batch_offsets_itself(K: int, device: torch.device) -> None:
+def test_functorch_refuses_batch_offsets_itself(K: int, device: torch.device, caplog: pytest.LogCaptureFixture
+                                                ) -> None:
     """Undeclared 1-D tokens and offsets: the offsets (one per row) are split per sample but stay
     positions in the whole batch's token list. psg refuses before the kernel runs: torch's CPU
     kernel rejects a sample's offsets (not starting at 0), its CUDA kernel read them and returned
@@ -292,6 +293,8 @@ def test_functorch_refuses_batch_offsets_itself(K: int, device: torch.device) ->
     with pytest.raises(UnsupportedModuleError, match=r"'bag' \(EmbeddingBag\) takes 1-D tokens with offsets"):
         psg_core.per_sample_gradients(_BagOfTokens().to(device), (tokens, offsets), targets, loss_fn=mse_loss("none"),
                                       mode="functorch", augmentation_multiplicity=K)
+    # refused at once, not taken for a limit of vmap's (no one-sample-at-a-time retry)
+    assert "one sample at a time" not in caplog.text
     model = _BagsBuiltPerSample().to(device)
     square = tokens.reshape(rows, 2)
     grads = psg_core.per_sample_gradients(model, square, targets, loss_fn=mse_loss("none"), mode="functorch",
