@@ -119,6 +119,8 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
             f"{_WHERE}: module '<root>' ({type(module).__qualname__}) takes a PackedSequence or an "
             "EmbeddingBag's offsets, whose samples are not slices of one axis, so vmap cannot split "
             "them per sample; use mode='hooks' or 'ghost' (or pad the sequences, or pass 2-D bags)")
+    if len(batch) > 1:
+        _check_batch_inputs(module, inputs, batch, layout)
     flat_targets, tgt_spec = tree_flatten(targets)
     tgt_dims = {id(t): layout.target_dim(t) for t in flat_targets
                 if isinstance(t, torch.Tensor) and t.dim() and t.shape[layout.target_dim(t)] == layout.rows}
@@ -172,6 +174,29 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
                                      f"{err}") from err
     return PerSampleOutput(grads=dict(per_sample_grads), per_sample_losses=losses.detach(),
                            num_samples=layout.num_samples)
+
+
+def _check_batch_inputs(module: nn.Module, inputs: ModelInputs, batch: list[tuple[torch.Tensor, int]],
+                        layout: BatchLayout) -> None:
+    """Several inputs have the batch's N*K rows: vmap would split each of them per sample. One that
+    holds no samples (a ``(T,)`` position vector whose T equals N*K) would be split too, each
+    sample given a slice of it: a wrong gradient and nothing inside vmap to show it. A forward pass
+    (no gradients) under psg's batch tracker, these inputs marked as the batch, refuses where they
+    pair rows of different samples or the output's rows mix samples, as hooks and ghost refuse;
+    the message names ``batch_free``, which declares such an input."""
+    # (imported here: capture imports the functorch fallback, which this module's callers load)
+    from psg_core.backends.capture import runs_in_fallback
+    from psg_core.provenance import BatchTracker
+
+    with torch.no_grad(), parameters_kept(module), BatchTracker(
+            module, num_samples=layout.num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
+            on_meeting=lambda *_: None, meets_own=runs_in_fallback) as tracker:
+        for tensor, dim in batch:
+            tracker.mark(tensor, dim)
+        try:
+            tracker.check_outputs(module(*inputs.args, **inputs.kwargs), "the model's output")
+        finally:
+            tracker.release()
 
 
 @contextlib.contextmanager

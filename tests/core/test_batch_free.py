@@ -1,8 +1,9 @@
 """Inputs declared with ``psg_core.batch_free`` are never taken for batch tensors.
 
 Without the declaration an input with N*K entries on the batch dimension is a batch tensor: a
-``(T, T)`` bias matrix whose T equals N*K would be split into samples (functorch) or seen as pairing
-rows of different samples (hooks, ghost and ew refuse it, with a hint naming ``batch_free``).
+``(T, T)`` bias matrix whose T equals N*K is seen as pairing rows of different samples, and every
+mode refuses it with a hint naming ``batch_free`` (functorch, which would split it into samples,
+follows its batch inputs through one forward pass first when there are several).
 """
 
 from __future__ import annotations
@@ -71,13 +72,43 @@ def test_dp_gradient_with_a_batch_free_keyword_input(mode: str) -> None:
         assert_close_scaled(got.grads[name], value.sum(0).to(torch.float32), name=name)
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost", "ew"])
-def test_undeclared_it_is_refused_with_a_hint_to_declare_it(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "ew", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_undeclared_it_is_refused_with_a_hint_to_declare_it(mode: str, K: int) -> None:
     model = RelativeMix()
-    x, rel, y = _batch(2)
+    x, rel, y = _batch(K)
     with pytest.raises(UnsupportedModuleError, match=r"psg_core\.batch_free"):
         dp_gradient(model, (x, rel), y, loss_fn=_loss,
-                    config=DPConfig(mode=mode, augmentation_multiplicity=2, max_grad_norm=1.0))
+                    config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=1.0))
+
+
+class Positions(nn.Module):
+    """Adds a position table's rows, looked up from a ``(T,)`` position vector passed in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions, self.head = nn.Embedding(10, D), nn.Embedding(8, D), nn.Linear(D, 3)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # ids (B, T)
+        return self.head((self.tokens(ids) + self.positions(positions)).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+def test_a_position_vector_as_long_as_the_batch_is_refused_undeclared(mode: str) -> None:
+    """functorch split the undeclared positions into one per sample and returned wrong gradients
+    (nothing inside vmap shows it); declared, every mode gets the oracle's."""
+    torch.manual_seed(0)
+    model = Positions()
+    rows = 4
+    ids, positions, y = torch.randint(0, 10, (rows, rows)), torch.arange(rows), torch.randint(0, 3, (rows,))
+    config = DPConfig(mode=mode, max_grad_norm=1e9)
+    with pytest.raises(UnsupportedModuleError, match=r"psg_core\.batch_free"):
+        dp_gradient(model, (ids, positions), y, loss_fn=_loss, config=config)
+    got = dp_gradient(model, (ids, batch_free(positions)), y, loss_fn=_loss, config=config)
+    expected = microbatch_oracle(model, [((ids[n:n + 1], positions), y[n:n + 1]) for n in range(rows)],
+                                 lambda out, t: _loss(out, t).mean())
+    for name, value in expected.items():
+        assert_close_scaled(got.grads[name], value.sum(0).to(torch.float32), name=name)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ew", "functorch"])
