@@ -188,15 +188,26 @@ def _check_batch_inputs(module: nn.Module, inputs: ModelInputs, batch: list[tupl
     from psg_core.backends.capture import runs_in_fallback
     from psg_core.provenance import BatchTracker
 
-    with torch.no_grad(), parameters_kept(module), BatchTracker(
-            module, num_samples=layout.num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
-            on_meeting=lambda *_: None, meets_own=runs_in_fallback) as tracker:
-        for tensor, dim in batch:
-            tracker.mark(tensor, dim)
+    # What a forward pass changes in place is put back (running statistics, a max_norm table's
+    # renormalised rows): this pass only looks.
+    state = [t for t in module.buffers() if t.is_floating_point() or t.dtype == torch.long]
+    state += [layer.weight for layer in module.modules()
+              if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None]
+    with torch.no_grad():
+        saved = [(t, t.clone()) for t in state]
         try:
-            tracker.check_outputs(module(*inputs.args, **inputs.kwargs), "the model's output")
+            with parameters_kept(module), BatchTracker(
+                    module, num_samples=layout.num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
+                    on_meeting=lambda *_: None, meets_own=runs_in_fallback) as tracker:
+                for tensor, dim in batch:
+                    tracker.mark(tensor, dim)
+                try:
+                    tracker.check_outputs(module(*inputs.args, **inputs.kwargs), "the model's output")
+                finally:
+                    tracker.release()
         finally:
-            tracker.release()
+            for tensor, copy in saved:
+                tensor.copy_(copy)
 
 
 @contextlib.contextmanager

@@ -145,3 +145,26 @@ def test_physical_batches_keep_it_whole_and_a_dp_step_equals_one_call() -> None:
 def test_only_tensors_can_be_declared() -> None:
     with pytest.raises(ConfigError, match="expected a tensor"):
         batch_free([1, 2])  # type: ignore[arg-type]
+
+
+def test_functorch_s_look_at_several_batch_inputs_changes_nothing() -> None:
+    """The forward pass that follows several batch inputs before vmap puts back what it changed in
+    place: an InstanceNorm's running statistics (functorch then refuses the layer: the refused
+    call leaves the model as it was)."""
+
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.head = nn.InstanceNorm1d(D, track_running_stats=True), nn.Linear(D, 3)
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # x (B, D, L), scale (B, 1)
+            return self.head(self.norm(x).mean(2) * scale)
+
+    torch.manual_seed(0)
+    model = Normed().train()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    x, scale, y = torch.randn(4, D, 5) * 3 + 1, torch.rand(4, 1), torch.randint(0, 3, (4,))
+    with pytest.raises(UnsupportedModuleError, match="'norm' \\(InstanceNorm1d\\)"):
+        per_sample_gradients(model, (x, scale), y, loss_fn=_loss, mode="functorch")
+    for name, value in model.named_buffers():
+        assert torch.equal(value, before[name]), name
