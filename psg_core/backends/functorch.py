@@ -194,7 +194,7 @@ def _check_batch_inputs(module: nn.Module, inputs: ModelInputs, batch: list[tupl
     state += [layer.weight for layer in module.modules()
               if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None]
     with torch.no_grad():
-        saved = [(t, t.clone()) for t in state]
+        saved = [(t, t._version, t.clone()) for t in state]
         try:
             with parameters_kept(module), BatchTracker(
                     module, num_samples=layout.num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
@@ -206,8 +206,9 @@ def _check_batch_inputs(module: nn.Module, inputs: ModelInputs, batch: list[tupl
                 finally:
                     tracker.release()
         finally:
-            for tensor, copy in saved:
-                tensor.copy_(copy)
+            for tensor, version, copy in saved:
+                if tensor._version != version:  # written in place (an expanded buffer never is)
+                    tensor.copy_(copy)
 
 
 @contextlib.contextmanager
