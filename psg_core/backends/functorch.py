@@ -27,10 +27,12 @@ from psg_core.grad_sample.functorch_fallback import VMAP_LIMITS
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core.backends.base import PerSampleOutput, parameters_kept, trainable_parameters
+from psg_core.backends.capture import runs_in_fallback
 from psg_core.grad_sample.embedding import _bag_call
 from psg_core.errors import BatchLayoutError, ConfigError, PsgError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.precision import no_autocast
+from psg_core.provenance import BatchTracker
 from psg_core.losses import LossFn
 from psg_core.modes import LossReduction
 from psg_core.support import NOT_VMAPPABLE, reject_batch_mixing, reject_fused
@@ -184,13 +186,9 @@ def _check_batch_inputs(module: nn.Module, inputs: ModelInputs, batch: list[tupl
     (no gradients) under psg's batch tracker, these inputs marked as the batch, refuses where they
     pair rows of different samples or the output's rows mix samples, as hooks and ghost refuse;
     the message names ``batch_free``, which declares such an input."""
-    # (imported here: capture imports the functorch fallback, which this module's callers load)
-    from psg_core.backends.capture import runs_in_fallback
-    from psg_core.provenance import BatchTracker
-
     # What a forward pass changes in place is put back (running statistics, a max_norm table's
     # renormalised rows): this pass only looks.
-    state = [t for t in module.buffers() if t.is_floating_point() or t.dtype == torch.long]
+    state = list(module.buffers())
     state += [layer.weight for layer in module.modules()
               if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None]
     with torch.no_grad():
