@@ -123,7 +123,7 @@ def _noise_generator(case: Case) -> torch.Generator:
     return torch.Generator(device=case.device).manual_seed(case.seed)
 
 
-def _apply_private_gradient(model: nn.Module, summed: dict[str, torch.Tensor], num_samples: int,
+def _apply_private_gradient(params: dict[str, nn.Parameter], summed: dict[str, torch.Tensor], num_samples: int,
                             case: Case, generator: torch.Generator,
                             optimizer: torch.optim.Optimizer) -> None:
     """Noise once on the clipped sum, divide by N, hand it to the optimizer: the DP-SGD update as
@@ -134,7 +134,7 @@ def _apply_private_gradient(model: nn.Module, summed: dict[str, torch.Tensor], n
                           sample_rate=1.0, normaliser=float(num_samples))
     # The step owns the clipped sum and needs only the released gradient (as a trainer does).
     released = privacy.noise_and_normalise(summed, generator=generator, in_place=True)
-    for name, p in _trainable(model).items():
+    for name, p in params.items():  # (the model's trainable parameters, listed once, as Opacus' steps do)
         p.grad = released[name]
     optimizer.step()
 
@@ -156,7 +156,7 @@ def _psg_functional(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Te
         from psg_core import per_sample_gradients
         from psg_core.clipping import clip_and_sum
 
-        optimizer, generator = _sgd(model, case), _noise_generator(case)
+        optimizer, generator, params = _sgd(model, case), _noise_generator(case), _trainable(model)
         loss_fn = nn.CrossEntropyLoss(reduction="none")
         num_samples = targets.shape[0] // case.K
         held: dict[str, int] = {"bytes": 0}
@@ -168,7 +168,7 @@ def _psg_functional(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Te
             held["bytes"] = _nbytes(list(per_sample.values()))
             clipped = clip_and_sum(per_sample, max_grad_norm=MAX_GRAD_NORM)
             del per_sample
-            _apply_private_gradient(model, clipped.grads, num_samples, case, generator, optimizer)
+            _apply_private_gradient(params, clipped.grads, num_samples, case, generator, optimizer)
 
         return Step(run, lambda: held["bytes"], model)
 
@@ -180,13 +180,13 @@ def _psg_ghost(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor,
     from psg_core.dp import dp_gradient
 
     config = DPConfig(mode="ghost", augmentation_multiplicity=case.K, max_grad_norm=MAX_GRAD_NORM)
-    optimizer, generator = _sgd(model, case), _noise_generator(case)
+    optimizer, generator, params = _sgd(model, case), _noise_generator(case), _trainable(model)
     loss_fn = nn.CrossEntropyLoss(reduction="none")
 
     def run() -> None:
         optimizer.zero_grad(set_to_none=True)
         result = dp_gradient(model, inputs, targets, loss_fn=loss_fn, config=config)
-        _apply_private_gradient(model, result.grads, result.num_samples, case, generator, optimizer)
+        _apply_private_gradient(params, result.grads, result.num_samples, case, generator, optimizer)
 
     return Step(run, lambda: None, model)
 

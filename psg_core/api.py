@@ -19,7 +19,7 @@ from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced
 from psg_core.modes import GradSampleMode, LossReduction, parse_enum
 from psg_core.precision import no_autocast, with_loss_scale
-from psg_core.support import exclusive
+from psg_core.support import exclusive, one_walk
 
 __all__ = ["PerSampleOutput", "per_sample_gradients", "compute_per_sample", "BACKENDS"]
 
@@ -44,8 +44,9 @@ def compute_per_sample(module: nn.Module, inputs: Any, targets: torch.Tensor, *,
         layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=augmentation_multiplicity,
                                      batch_first=batch_first, where=where)
     # One thread at a time on a model, its parameter list read inside too (another thread's ew call
-    # has ExpandedWeights standing in for them): see psg_core.support.exclusive.
-    with exclusive(module):
+    # has ExpandedWeights standing in for them): see psg_core.support.exclusive. The call's checks,
+    # hooks and parameter lists share one walk of the tree (as dp_gradient's do).
+    with exclusive(module), one_walk(module):
         if layout.num_samples == 0:
             return empty_output(trainable_parameters(module))
         return _compute(module, model_inputs, targets, as_unreduced(loss_fn), backend, layout, reduction)

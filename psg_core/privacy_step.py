@@ -37,6 +37,31 @@ from psg_core.noise import add_noise, add_noise_, check_noise_arguments
 __all__ = ["PrivacyStep"]
 
 
+def _scaled_(grads: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """``grads``' tensors multiplied by ``scale`` in place (returned by name): the float32 and float64
+    ones by one multi-tensor kernel (a launch or two on a GPU, not one per parameter), the same
+    values as ``grad.mul_(scale)`` on each; half-precision ones by ``mul_`` (the multi-tensor
+    kernel rounds their products differently)."""
+    single = [g for g in grads.values() if g.dtype in _FOREACH_DTYPES]
+    if single:  # (the multi-tensor kernel refuses an empty list)
+        torch._foreach_mul_(single, scale)
+    for grad in grads.values():
+        if grad.dtype not in _FOREACH_DTYPES:
+            grad.mul_(scale)
+    return dict(grads)
+
+
+def _scaled(grads: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """:func:`_scaled_` into new tensors."""
+    names = [n for n, g in grads.items() if g.dtype in _FOREACH_DTYPES]
+    out = dict(zip(names, torch._foreach_mul([grads[n] for n in names], scale))) if names else {}
+    return {n: out[n] if n in out else torch.mul(g, scale) for n, g in grads.items()}
+
+
+#: dtypes whose products :func:`torch._foreach_mul_` rounds as ``mul_`` does (checked in the tests)
+_FOREACH_DTYPES = (torch.float32, torch.float64)
+
+
 @dataclass(frozen=True)
 class PrivacyStep:
     """Everything a step does around the clipped sum: budget check, noise, normalisation, accounting.
@@ -94,19 +119,17 @@ class PrivacyStep:
             sigma, bound = check_noise_arguments(clipped_sum, noise_multiplier=self.noise_multiplier,
                                                  sensitivity=self.sensitivity, generator=generator,
                                                  secure_rng=secure_rng)
-            if sigma == 0.0:
-                return {name: grad.mul_(scale) for name, grad in clipped_sum.items()}
-            noised = add_noise_(clipped_sum, noise_multiplier=sigma, sensitivity=bound, generator=generator,
-                                secure_rng=secure_rng)
-            return {name: grad.mul_(scale) for name, grad in noised.items()}
+            noised = clipped_sum if sigma == 0.0 else add_noise_(
+                clipped_sum, noise_multiplier=sigma, sensitivity=bound, generator=generator, secure_rng=secure_rng)
+            return _scaled_(noised, scale)
         if self.noise_multiplier == 0.0:
             # One pass per tensor (add_noise would copy, then the copy be divided).
             check_noise_arguments(clipped_sum, noise_multiplier=0.0, sensitivity=self.sensitivity,
                                   generator=generator, secure_rng=secure_rng)
-            return {name: torch.mul(grad, scale) for name, grad in clipped_sum.items()}
+            return _scaled(clipped_sum, scale)
         noised = add_noise(clipped_sum, noise_multiplier=self.noise_multiplier, sensitivity=self.sensitivity,
                            generator=generator, secure_rng=secure_rng)
-        return {name: grad.mul_(scale) for name, grad in noised.items()}
+        return _scaled_(noised, scale)
 
     def account(self, accountant: PrivacyAccountant | None) -> None:
         """Records the step in ``accountant`` (after :meth:`noise_and_normalise`)."""

@@ -73,6 +73,9 @@ def one_walk(module: nn.Module) -> Iterator[None]:
     step's checks, hooks and parameter lists (each of which used to walk the tree itself) share
     one walk. The tree must not change inside the block (a step does not change it)."""
     previous = getattr(_WALK, "held", None)
+    if previous is not None and previous.module is module:
+        yield  # held already (dp_gradient's walk, in per_sample_gradients): the same tree
+        return
     _WALK.held = _Walk(module, tuple(module.named_modules()))
     try:
         yield

@@ -132,8 +132,8 @@ class AbstractGradSampleModule(nn.Module, abc.ABC):
         self.augmentation_multiplicity = augmentation_multiplicity
         # Every trainable parameter has the attribute (None until a backward pass reaches it), so
         # that reading p.grad_sample for each one is safe after a pass that did not use some.
-        for p in module.parameters():
-            if p.requires_grad and get_grad_sample(p) is None:
+        for p in trainable_parameters(module).values():  # (one walk of the tree shared within a step)
+            if get_grad_sample(p) is None:
                 set_grad_sample(p, None)
         #: ids of the running forward call's :func:`~psg_core.batch_free` tensors.
         self._call_free: frozenset[int] = frozenset()

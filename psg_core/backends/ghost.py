@@ -75,7 +75,7 @@ from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_los
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.precision import as_dtype, compute_dtype, no_autocast, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
-from psg_core.support import exclusive, hooked_modules, own_parameters, reject_per_layer_unsupported
+from psg_core.support import exclusive, hooked_modules, modules_of, own_parameters, reject_per_layer_unsupported
 
 __all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
 
@@ -184,7 +184,7 @@ class _GhostBookkeeping:
         """``'path' (Type)`` of a layer, for messages (the names are listed at the first one asked:
         a model whose layers all take ghost norms never lists them)."""
         if self._names is None:
-            self._names = {id(m): p for p, m in self._module.named_modules()}
+            self._names = {id(m): p for p, m in modules_of(self._module)}  # (the step's walk, when held)
         return f"'{self._names.get(id(layer), '?') or '<root>'}' ({type(layer).__qualname__})"
 
     def remove(self) -> None:

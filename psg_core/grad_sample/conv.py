@@ -297,7 +297,7 @@ def _per_sample_by_unfold(layer: _ConvLayer | _ConvTransposeLayer, activation: t
                           backprop: torch.Tensor, K: int) -> torch.Tensor:
     """``(N, *weight)`` from the folded factors: one batched matmul over copies and positions."""
     patches, other = conv_weight_factors(layer, activation, backprop, K)  # (N, G, I, K*L), (N, G, O, K*L)
-    grad = contract("ngoj,ngij->ngoi", other, patches)  # (N, G, O, I)
+    grad = torch.matmul(other, patches.transpose(-1, -2))  # (N, G, O, I): one batched product
     return grad.reshape(grad.shape[0], *layer.weight.shape)  # (N, *weight)
 
 

@@ -11,7 +11,6 @@ import math
 from typing import Any, Protocol
 
 import torch
-from opt_einsum import contract
 from torch import nn
 
 from psg_core.gemm import mm_tn
@@ -100,7 +99,7 @@ def linear_grad_sample(layer: nn.Linear, activations: list[torch.Tensor], backpr
     x, g = _rows(activations[0], backprops, K)  # (N, K*T, d_in), (N, K*T, d_out)
     out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(layer.weight):
-        out[layer.weight] = contract("njo,nji->noi", g, x)  # (N, d_out, d_in)
+        out[layer.weight] = torch.matmul(g.transpose(1, 2), x)  # (N, d_out, d_in): one batched product
     return out | _bias(layer, g)
 
 
@@ -139,7 +138,7 @@ def conv1d_grad_sample(layer: _AffineLayer, activations: list[torch.Tensor], bac
     x, g = _rows(activations[0], backprops, K)  # (N, K*T, d_in), (N, K*T, d_out)
     out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(layer.weight):
-        out[layer.weight] = contract("nji,njo->nio", x, g)  # (N, d_in, d_out)
+        out[layer.weight] = torch.matmul(x.transpose(1, 2), g)  # (N, d_in, d_out)
     return out | _bias(layer, g)
 
 

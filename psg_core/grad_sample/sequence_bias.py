@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from opt_einsum import contract
 
 from psg_core.grad_sample._utils import wants_grad
 from psg_core.grad_sample.registry import register_grad_sampler
@@ -18,4 +17,4 @@ def sequence_bias_grad_sample(layer: SequenceBias, activations: list[torch.Tenso
     if not wants_grad(layer.bias):
         return {}
     g = fold_rows(backprops[:, -1], K)  # (N, K, E): backprops arrive batch-first, (N*K, T+1, E)
-    return {layer.bias: contract("nke->ne", g)}  # (N, E)
+    return {layer.bias: g.sum(1)}  # (N, E)

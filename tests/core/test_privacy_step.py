@@ -61,6 +61,25 @@ def test_in_place_release_has_the_same_values_and_reuses_the_sums_tensors(sigma:
 
 
 @pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("normaliser", [8.0, 3.0, 1000.0])
+def test_release_is_each_tensor_times_the_reciprocal_bit_for_bit_in_every_dtype(
+        device: torch.device, in_place: bool, normaliser: float) -> None:
+    # The release scales all tensors in one multi-tensor call where that rounds as mul_ does
+    # (float32, float64) and by mul_ elsewhere: the values of a per-tensor mul_, in every dtype.
+    privacy = PrivacyStep(noise_multiplier=0.0, sensitivity=0.5, sample_rate=0.1, normaliser=normaliser)
+    generator = torch.Generator().manual_seed(3)
+    sums = {f"p{i}": torch.randn(257, 3, generator=generator).to(device=device, dtype=dtype)
+            for i, dtype in enumerate([torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.float32])}
+    sums["transposed"] = torch.randn(5, 9, generator=generator).to(device).t()
+    expected = {name: t.clone().mul_(1.0 / normaliser) for name, t in sums.items()}
+    released = privacy.noise_and_normalise(sums, in_place=in_place)
+    assert list(released) == list(sums)
+    for name, t in expected.items():
+        assert released[name].dtype == t.dtype and torch.equal(released[name], t), name
+    assert privacy.noise_and_normalise({}, in_place=in_place) == {}
+
+
+@pytest.mark.parametrize("in_place", [False, True])
 def test_release_without_noise_still_checks_its_arguments(in_place: bool) -> None:
     privacy = PrivacyStep(noise_multiplier=0.0, sensitivity=0.5, sample_rate=0.1, normaliser=8.0)
     with pytest.raises(ConfigError, match="not both"):
