@@ -226,12 +226,15 @@ def _multiply_adds(kind: str, tensors: tuple[torch.Tensor | None, ...]) -> int:
 def _use_onednn(kind: str, tensors: tuple[torch.Tensor | None, ...], aten: Callable[[], Any],
                 onednn: Callable[[], Any]) -> bool:
     kernel = current_gemm_kernel()
-    if kernel is GemmKernel.ATEN or not _applies(*tensors) or not onednn_available():
+    if kernel is GemmKernel.ATEN or (kernel is GemmKernel.RULE
+                                     and _multiply_adds(kind, tensors) < RULE_MIN_MULTIPLY_ADDS):
+        return False  # (the rule's small products decided first: they are most calls, on every layer)
+    if not _applies(*tensors) or not onednn_available():
         return False
     if kernel is GemmKernel.ONEDNN:
         return True
     if kernel is GemmKernel.RULE:
-        return _rule_prefers_onednn() and _multiply_adds(kind, tensors) >= RULE_MIN_MULTIPLY_ADDS
+        return _rule_prefers_onednn()
     present = [t for t in tensors if t is not None]
     return _measured(_signature(kind, *present), aten, onednn)
 

@@ -558,6 +558,8 @@ class BatchTracker(TorchFunctionMode):
 
     def is_batched(self, value: Any) -> bool:
         """Whether ``value`` is a tensor that carries the batch (or a structure holding one)."""
+        if isinstance(value, torch.Tensor):  # (the common case: no list built)
+            return value in self._batched
         return any(t in self._batched for t in _tensors(value, []))
 
     def batch_dim(self, tensor: torch.Tensor) -> int | None:
@@ -565,6 +567,11 @@ class BatchTracker(TorchFunctionMode):
         the tensor is batch-free."""
         entry = self._batched.get(tensor)
         return None if entry is None else entry[0]
+
+    def state(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """``(batch axis, entries per row)`` of a batched tensor (:meth:`batch_dim` and
+        :meth:`merged` in one lookup), None when it is batch-free."""
+        return self._batched.get(tensor)  # type: ignore[no-any-return]
 
     def merged(self, tensor: torch.Tensor) -> int:
         """How many entries of its batch axis each batch row spans (1 unless a view merged the batch

@@ -268,7 +268,15 @@ class _OutputGrads:
         self._count = len(tensors)
         # graph task id -> (gradients so far, how many arrived)
         self._tasks: dict[int, tuple[list[torch.Tensor | None], list[int]]] = {}
-        self._handles = [t.register_hook(functools.partial(self._arrive, i)) for i, t in enumerate(tensors)]
+        if self._count == 1:
+            # One tensor (a layer's one output, the common case): its hook runs once per backward
+            # pass, with the whole gradient, so the gradients need no gathering by pass.
+            self._handles = [tensors[0].register_hook(self._arrive_one)]
+        else:
+            self._handles = [t.register_hook(functools.partial(self._arrive, i)) for i, t in enumerate(tensors)]
+
+    def _arrive_one(self, grad: torch.Tensor) -> None:
+        self._fn([grad])
 
     def _arrive(self, index: int, grad: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -151,17 +151,16 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         # input_values=...): its rows are those of the first batched one.
         first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)
                       and (tracker is None or tracker.is_batched(v))), first)
-    if tracker is not None and first is not None:
-        if tracker.batch_dim(first) in (MIXED, GROUPED, PERMUTED):
-            # Rows whose values mix samples, or rows a mask picked from every sample: refused.
-            tracker.check_rows(first, f"module {tracker.current_module()}")
+    # (axis, entries per row) of the first input as the tracker followed it (one lookup)
+    state = tracker.state(first) if tracker is not None and first is not None else None
+    if tracker is not None and state is not None and state[0] in (MIXED, GROUPED, PERMUTED):
+        # Rows whose values mix samples, or rows a mask picked from every sample: refused.
+        tracker.check_rows(cast(torch.Tensor, first), f"module {tracker.current_module()}")
     if getattr(type(layer), ALWAYS_BATCH_FIRST, False) or (entry is not None and entry.batch_first_only):
         batch_dim = 0
-    elif tracker is not None and first is not None:
-        followed = tracker.batch_dim(first)
-        if followed is not None and followed >= 0:
-            batch_dim = followed  # where the batch really is (e.g. a time-major model's last step)
-    merged = tracker.merged(first) if tracker is not None and first is not None else 1
+    elif state is not None and state[0] >= 0:
+        batch_dim = state[0]  # where the batch really is (e.g. a time-major model's last step)
+    merged = 1 if state is None else int(state[1])
     if merged > 1 and tracker is not None and tracker.merged(flat[index[0]]) != merged:
         # The output does not keep the merge (an EmbeddingBag pools flattened tokens into bags):
         # the layer's rows are its own (its sampler counts them), not split tokens.

@@ -74,7 +74,7 @@ class GradSampleModule(AbstractGradSampleModule):
                          augmentation_multiplicity=augmentation_multiplicity)
         self.strict = bool(strict)
         self.force_functorch = bool(force_functorch)
-        self.validate(module, strict=strict, force_functorch=force_functorch)
+        self.validate(module, strict=strict, force_functorch=force_functorch, report_missing=strict)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooks_enabled = True
         self._capture_suspended = False
@@ -306,12 +306,14 @@ class GradSampleModule(AbstractGradSampleModule):
 
     @classmethod
     def validate(cls, module: nn.Module, *, strict: bool = False,
-                 force_functorch: bool = False) -> list[UnsupportedModuleError]:
+                 force_functorch: bool = False, report_missing: bool = True) -> list[UnsupportedModuleError]:
         """Checks that every trainable parameter of ``module`` can get a per-sample gradient.
 
         Returns the list of problems, or raises the first one when ``strict``. Layers that mix
         samples (BatchNorm in training or with trainable parameters) and fused recurrent and
         attention layers are always reported; use :func:`psg_core.fix_model` for them.
+        ``report_missing=False`` (not ``strict``) leaves out the layers without a grad sampler (the
+        torch.func fallback's; a wrapper built on every step has no use for the list).
         """
         errors: list[UnsupportedModuleError] = []
         for path, layer in hooked_modules(module):
@@ -336,8 +338,8 @@ class GradSampleModule(AbstractGradSampleModule):
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} is a fused layer; swap it for its DP "
                     "rewrite with psg_core.fix_model"))
-            elif (_own_trainable(layer) and not force_functorch and GRAD_SAMPLERS.lookup(layer) is None
-                  and not is_unit(layer)):
+            elif ((report_missing or strict) and not force_functorch and _own_trainable(layer)
+                  and GRAD_SAMPLERS.lookup(layer) is None and not is_unit(layer)):
                 errors.append(UnsupportedModuleError(
                     f"GradSampleModule: module {where} has trainable parameters but no registered "
                     f"grad sampler; register one with @register_grad_sampler({type(layer).__name__}), "
@@ -383,9 +385,11 @@ class GradSampleModule(AbstractGradSampleModule):
             raise UnsupportedModuleError(
                 f"GradSampleModule: {type(layer).__qualname__} was called without a batched "
                 "tensor as its first argument, so its rows cannot be attributed to samples")
-        check_rows(call.rows, self.augmentation_multiplicity,
-                   where=f"GradSampleModule ({type(layer).__qualname__})")
         explicit = self._explicit_tracker
+        if explicit is None or call.rows != explicit.num_samples * explicit.K:
+            # (the batch's own N*K rows, of a validated layout, need no check)
+            check_rows(call.rows, self.augmentation_multiplicity,
+                       where=f"GradSampleModule ({type(layer).__qualname__})")
         if explicit is None:
             # The wrapper knows no N: every layer of one forward pass must see the same rows (a view
             # that folds another axis into the batch's, (N, C, T) -> (N*C, T), which the tracker
@@ -419,7 +423,7 @@ class GradSampleModule(AbstractGradSampleModule):
 
         on_output_grads(outputs, on_grads)
         if self._edge_log is not None:
-            self._edge_log.extend(get_gradient_edge(t) for t in outputs)
+            self._edge_log.extend([get_gradient_edge(t) for t in outputs])
         return replaced
 
     def _on_backprops(self, call: LayerCall, backprops: list[torch.Tensor | None], forward_id: int) -> None:
