@@ -15,8 +15,10 @@
 #          Every part logs as it goes, so a part cut short still reports what it finished.
 # "profile": benchmarks/gpu/profile_step.py (torch.profiler over the suite's steps: wall time
 #          against kernel time, launches, device-to-host copies, the top kernels and host ops).
+# "host":  benchmarks/host_overhead.py --device cuda (each method's host cost per hooked layer and
+#          per step, on MLPs whose kernels cost next to nothing).
 # Several parts run in one call in the order given (e.g. "tests profile"); each part's time limit
-# is BENCH_S, TESTS_S or PROFILE_S seconds.
+# is BENCH_S, TESTS_S, PROFILE_S or HOST_S seconds.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/psg-out}
@@ -47,6 +49,9 @@ cuda_tests() {
 profile() {
   timeout "$1" python3 -m benchmarks.gpu.profile_step --out "$out" 2>&1 | grep -v "^USDT"
 }
+host() {
+  timeout "$1" python3 -m benchmarks.host_overhead --device cuda --rounds 100 2>&1 | tee "$out/host_overhead.txt"
+}
 [ $# -gt 0 ] || set -- tests
 for what in "$@"; do
   case "$what" in
@@ -54,6 +59,7 @@ for what in "$@"; do
     bench) bench "${BENCH_S:-570}" ;;
     tests) cuda_tests "${TESTS_S:-560}" ;;
     profile) profile "${PROFILE_S:-300}" ;;
-    *) echo "usage: on_device.sh [all|bench|tests|profile]..." >&2; exit 2 ;;
+    host) host "${HOST_S:-120}" ;;
+    *) echo "usage: on_device.sh [all|bench|tests|profile|host]..." >&2; exit 2 ;;
   esac
 done

@@ -114,6 +114,22 @@ class AbstractGradSampleModule(nn.Module, abc.ABC):
     Subclasses implement one backend each; see :func:`psg_core.wrap_model`.
     """
 
+    #: The wrappers' own plain state (flags, counters, trackers, logs: never a parameter, buffer or
+    #: submodule), set without nn.Module's registration checks: the functional API builds a
+    #: wrapper on every step and updates these on every pass, and each check asks Parameter's
+    #: Python-level isinstance hook. Stored in the instance's ``__dict__`` as nn.Module stores them.
+    _PLAIN_STATE: frozenset[str] = frozenset({
+        "batch_first", "loss_reduction", "augmentation_multiplicity", "strict", "force_functorch", "config",
+        "_call_free", "_handles", "_hooks_enabled", "_capture_suspended", "_accumulation_allowed", "_forward_id",
+        "_pass_rows", "_edge_log", "_explicit_tracker", "_implicit_tracker", "_sources", "_owned",
+        "_pass_thread", "_pass_depth"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in AbstractGradSampleModule._PLAIN_STATE:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def __init__(self, module: nn.Module, *, batch_first: bool = True,
                  loss_reduction: str | LossReduction = "mean",
                  augmentation_multiplicity: int = 1) -> None:

@@ -121,6 +121,32 @@ def test_ghost_floor_releases_psg_ghost_gradient(size: str) -> None:
     for name, grad in expected.grads.items():
         torch.testing.assert_close(grads[name], grad / samples, rtol=1e-4, atol=1e-7, msg=name)
 
+def test_host_overhead_methods_take_the_same_private_step() -> None:
+    """benchmarks.host_overhead compares like with like: on its MLP every private method releases
+    the same clipped, averaged gradient (no noise), and the slope it reports is per block."""
+    from benchmarks.host_overhead import HOST_METHODS, host_step, mlp, per_layer_costs
+
+    assert [type(m).__name__ for m in mlp(2, 8)] == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    released = {}
+    for method in HOST_METHODS[1:]:
+        if not METHODS[method].available():
+            continue
+        step = host_step(method, 3, width=8, batch=6, learning_rate=0.0)
+        step()
+        released[method] = {name: p.grad.clone() for name, p in step.model.named_parameters()}
+    reference = released.pop("psg-hooks")
+    for method, grads in released.items():
+        for name, grad in reference.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"{method} {name}")
+    costs = per_layer_costs((1, 3), width=8, batch=2, rounds=2, methods=("non-private", "psg-ghost"))
+    assert set(costs) == {"non-private", "psg-ghost"}
+    for row in costs.values():
+        assert set(row) == {"per_block_us", "fixed_us", "step_us@1", "step_us@3"}
+        assert row["per_block_us"] == pytest.approx((row["step_us@3"] - row["step_us@1"]) / 2)
+    with pytest.raises(ValueError, match="two increasing"):
+        per_layer_costs((3, 1))
+
+
 def test_isolated_case_reports_peak_memory() -> None:
     row = run_isolated("benchmarks.training:run_case_in_child",
                        Case(model="cnn", method="psg-hooks", K=2, size="tiny", warmup=0, repeats=1).to_json(),
