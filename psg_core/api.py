@@ -18,7 +18,7 @@ from psg_core.errors import ConfigError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced
 from psg_core.modes import GradSampleMode, LossReduction, parse_enum
-from psg_core.precision import no_autocast, with_loss_scale
+from psg_core.precision import as_dtype, no_autocast, with_loss_scale
 from psg_core.support import exclusive, one_walk
 
 __all__ = ["PerSampleOutput", "per_sample_gradients", "compute_per_sample", "BACKENDS"]
@@ -60,9 +60,11 @@ def _compute(module: nn.Module, model_inputs: ModelInputs, targets: torch.Tensor
         scaled = unreduced if scale == 1.0 else (lambda outputs, y: unreduced(outputs, y) * scale)
         out = backend(module, model_inputs, targets, scaled, layout=layout, reduction=reduction)
         # Each parameter's per-sample gradients in its own dtype (psg_core.precision), unscaled.
+        if scale == 1.0:  # (no autocast loss scale: nothing to divide, on every step)
+            return PerSampleOutput(grads={name: as_dtype(g, params[name].dtype) for name, g in out.grads.items()},
+                                   per_sample_losses=out.per_sample_losses, num_samples=out.num_samples)
         with no_autocast():
-            return PerSampleOutput(grads={name: (g if scale == 1.0 else g / scale).to(params[name].dtype)
-                                          for name, g in out.grads.items()},
+            return PerSampleOutput(grads={name: (g / scale).to(params[name].dtype) for name, g in out.grads.items()},
                                    per_sample_losses=out.per_sample_losses / scale, num_samples=out.num_samples)
 
     return with_loss_scale(run, lambda out: all(bool(torch.isfinite(g).all()) for g in out.grads.values()))

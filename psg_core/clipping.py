@@ -25,6 +25,7 @@ import torch
 
 from psg_core.errors import ConfigError
 from psg_core.modes import Clipping, parse_enum
+from psg_core.precision import as_dtype
 
 __all__ = ["ClipResult", "clip_and_sum", "clip_factors", "dropped_samples", "zero_dropped", "count_dropped", "FLAT_EPSILON",
            "AUTOMATIC_STABILITY"]
@@ -96,7 +97,7 @@ def _per_layer_bounds(names: Sequence[str], max_grad_norm: float,
 def _weighted_sum(factors: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``sum_n factors[n] * grad[n]`` without materialising the scaled (N, ...) tensor."""
     flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))  # (N, numel)
-    summed = factors.to(flat.dtype) @ flat  # (numel,)
+    summed = as_dtype(factors, flat.dtype) @ flat  # (numel,)
     return summed.reshape(grad.shape[1:])
 
 
