@@ -38,28 +38,29 @@ __all__ = ["PrivacyStep"]
 
 
 def _scaled_(grads: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """``grads``' tensors multiplied by ``scale`` in place (returned by name): the float32 and float64
-    ones by one multi-tensor kernel (a launch or two on a GPU, not one per parameter), the same
-    values as ``grad.mul_(scale)`` on each; half-precision ones by ``mul_`` (the multi-tensor
-    kernel rounds their products differently)."""
-    single = [g for g in grads.values() if g.dtype in _FOREACH_DTYPES]
-    if single:  # (the multi-tensor kernel refuses an empty list)
-        torch._foreach_mul_(single, scale)
+    """``grads``' tensors multiplied by ``scale`` in place (returned by name): the dense float32 and
+    float64 ones by one multi-tensor kernel (a launch or two on a GPU, not one per parameter), the
+    same values as ``grad.mul_(scale)`` on each; the others by ``mul_`` (the multi-tensor kernel
+    rounds half-precision products differently, and takes dense tensors only)."""
+    batched = [g for g in grads.values() if _foreach_ok(g)]
+    if batched:  # (the multi-tensor kernel refuses an empty list)
+        torch._foreach_mul_(batched, scale)
     for grad in grads.values():
-        if grad.dtype not in _FOREACH_DTYPES:
+        if not _foreach_ok(grad):
             grad.mul_(scale)
     return dict(grads)
 
 
 def _scaled(grads: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """:func:`_scaled_` into new tensors."""
-    names = [n for n, g in grads.items() if g.dtype in _FOREACH_DTYPES]
+    names = [n for n, g in grads.items() if _foreach_ok(g)]
     out = dict(zip(names, torch._foreach_mul([grads[n] for n in names], scale))) if names else {}
     return {n: out[n] if n in out else torch.mul(g, scale) for n, g in grads.items()}
 
 
-#: dtypes whose products :func:`torch._foreach_mul_` rounds as ``mul_`` does (checked in the tests)
-_FOREACH_DTYPES = (torch.float32, torch.float64)
+def _foreach_ok(grad: torch.Tensor) -> bool:
+    """Whether :func:`torch._foreach_mul_` gives ``grad.mul_``'s values (checked in the tests)."""
+    return grad.layout is torch.strided and grad.dtype in (torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)

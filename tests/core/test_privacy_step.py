@@ -71,11 +71,13 @@ def test_release_is_each_tensor_times_the_reciprocal_bit_for_bit_in_every_dtype(
     sums = {f"p{i}": torch.randn(257, 3, generator=generator).to(device=device, dtype=dtype)
             for i, dtype in enumerate([torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.float32])}
     sums["transposed"] = torch.randn(5, 9, generator=generator).to(device).t()
+    sums["sparse"] = torch.randn(4, 3, generator=generator).to(device).relu().to_sparse()
     expected = {name: t.clone().mul_(1.0 / normaliser) for name, t in sums.items()}
     released = privacy.noise_and_normalise(sums, in_place=in_place)
     assert list(released) == list(sums)
     for name, t in expected.items():
-        assert released[name].dtype == t.dtype and torch.equal(released[name], t), name
+        assert released[name].dtype == t.dtype and released[name].layout == t.layout, name
+        assert torch.equal(released[name].to_dense(), t.to_dense()), name
     assert privacy.noise_and_normalise({}, in_place=in_place) == {}
 
 
