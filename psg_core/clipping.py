@@ -97,7 +97,7 @@ def _per_layer_bounds(names: Sequence[str], max_grad_norm: float,
 def _weighted_sum(factors: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``sum_n factors[n] * grad[n]`` without materialising the scaled (N, ...) tensor."""
     flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))  # (N, numel)
-    summed = as_dtype(factors, flat.dtype) @ flat  # (numel,)
+    summed = torch.mv(flat.t(), as_dtype(factors, flat.dtype))  # (numel,): matmul's product, fewer dispatches
     return summed.reshape(grad.shape[1:])
 
 

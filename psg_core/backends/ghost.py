@@ -434,7 +434,7 @@ class _GhostBookkeeping:
         for param, grad_sample in self._materialised.items():
             weights = as_dtype(factors[param], grad_sample.dtype)  # (N,)
             flat = zero_dropped(grad_sample.reshape(self.num_samples, -1), dropped)  # (N, numel)
-            sums[param] = (weights @ flat).view(param.shape)
+            sums[param] = torch.mv(flat.t(), weights).view(param.shape)  # (matmul's product, fewer dispatches)
         self._materialised = {}
         # Output gradients scaled by their rows' factors, by (gradient, factors): layers fed one
         # output gradient (a DP LSTM's ih and hh) under one factor vector scale it once.

@@ -197,7 +197,11 @@ def _gram(rows: torch.Tensor) -> torch.Tensor:
     ``(N, d)`` inputs has: its squared norm, without a batched matmul of 1 x 1 products)."""
     if rows.shape[-2] == 1:
         return (rows * rows).sum(-1, keepdim=True)  # (..., 1, 1)
-    return rows @ rows.transpose(-1, -2)
+    # one bmm over the leading axes merged: the product matmul makes of them, without its
+    # broadcasting ops (each op costs the host a dispatch; on a GPU that is the step's cost)
+    positions, width = rows.shape[-2], rows.shape[-1]
+    flat = rows.reshape(-1, positions, width)  # (B, T, D), a view for the factors' layouts
+    return torch.bmm(flat, flat.transpose(1, 2)).view(*rows.shape[:-2], positions, positions)
 
 
 class TensorMemo:
