@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -97,6 +97,8 @@ def _ghost_is_cheaper(layer: nn.Module, positions: int) -> bool:
 
 # ------------------------------------------------------------------------------ bookkeeping
 _HALF_OR_SINGLE = frozenset({torch.float16, torch.bfloat16, torch.float32})  # promoted with fp32: fp32
+#: up to this many materialised norms, each is squared on its own (batching them costs ~4 ops)
+_SQUARED_ONE_BY_ONE = 4
 
 @dataclass
 class _Call:
@@ -172,6 +174,9 @@ class _GhostBookkeeping:
         self.sq_norms: dict[torch.Tensor, torch.Tensor] = {}
         # (N, *shape) per-sample gradients of the parameters that are not ghost weights.
         self._materialised: dict[torch.Tensor, torch.Tensor] = {}
+        # (N,) norms, not squared, of the materialised parameters that have no other contribution:
+        # squared together when the total is read (see total_sq_norm).
+        self._norms: dict[torch.Tensor, torch.Tensor] = {}
         # The latest output gradient's Gram matrix, by the tensor it came from: layers fed one
         # output gradient (a DP LSTM's ih and hh, normed one after the other) compute it once;
         # one held at a time (a long sequence's Gram is large).
@@ -200,6 +205,7 @@ class _GhostBookkeeping:
         self.edges.clear()
         self._layers.clear()
         self._materialised.clear()
+        self._norms.clear()
         self._shared_factors.clear()
         self._grams.clear()
         self._left_grams.clear()
@@ -359,14 +365,31 @@ class _GhostBookkeeping:
             self.finish_layer(layer)
 
     def _add_sq_norm(self, param: torch.Tensor, sq_norm: torch.Tensor) -> None:
-        current = self.sq_norms.get(param)
+        pending = self._norms.pop(param, None) if self._norms else None
+        current = self.sq_norms.get(param) if pending is None else pending.square()
         sq_norm = as_dtype(sq_norm, self.norm_dtype)
         self.sq_norms[param] = sq_norm if current is None else current + sq_norm
 
     def sq_norm(self, param: torch.Tensor) -> torch.Tensor:
         """``(N,)`` squared norms of ``param``'s per-sample gradients (zeros where no call reached it)."""
+        pending = self._norms.get(param) if self._norms else None
+        if pending is not None:
+            return pending.square()
         current = self.sq_norms.get(param)
         return torch.zeros(self.num_samples, dtype=self.norm_dtype, device=param.device) if current is None else current
+
+    def total_sq_norm(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
+        """``(N,)``: the sum of :meth:`sq_norm` over ``params``, the materialised parameters' norms
+        squared together (one product for all of them, not one square each: on a GPU every op
+        is a launch the host pays for)."""
+        params = list(params)
+        norms = [self._norms[p] for p in params if p in self._norms] if self._norms else []
+        if len(norms) <= _SQUARED_ONE_BY_ONE:
+            return torch.stack([self.sq_norm(p) for p in params], 1).sum(1)
+        squared = [self.sq_norm(p) for p in params if p not in self._norms]
+        stacked = torch.stack(norms, 1)  # (N, P')
+        total = (stacked * stacked).sum(1)
+        return total if not squared else torch.stack(squared, 1).sum(1) + total
 
     def _add(self, param: torch.Tensor, grad_sample: torch.Tensor) -> None:
         current = self._materialised.get(param)
@@ -402,7 +425,11 @@ class _GhostBookkeeping:
                 flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)
                 # a reduction in the norms' dtype: no (N, numel) product or cast, whose fresh pages
                 # would cost more than the arithmetic (a CNN's materialised conv weights: 37 MB a step)
-                self._add_sq_norm(param, torch.linalg.vector_norm(flat, dim=1, dtype=self.norm_dtype).square())
+                norm = torch.linalg.vector_norm(flat, dim=1, dtype=self.norm_dtype)
+                if param in self.sq_norms:  # it has Gram contributions too: summed squared
+                    self._add_sq_norm(param, norm.square())
+                else:  # squared with the others' when the total is read (total_sq_norm)
+                    self._norms[param] = norm
 
     def backward(self, total_loss: torch.Tensor) -> None:
         """The one backward pass: ``total_loss`` through the hooked outputs only (no parameter
@@ -554,12 +581,13 @@ def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter
                   loss_scale: float = 1.0) -> tuple[dict[torch.Tensor, torch.Tensor], torch.Tensor, int]:
     """Each parameter's ``(N,)`` clipping factors, the ``(N,)`` total norms and the clip count."""
     names = list(params)
-    squared = torch.stack([bookkeeping.sq_norm(params[n]) for n in names], 1)  # (N, P)
     layer_norms = total = None
     if config.clipping is Clipping.PER_LAYER:
+        squared = torch.stack([bookkeeping.sq_norm(params[n]) for n in names], 1)  # (N, P)
         layer_norms = squared.sqrt() if loss_scale == 1.0 else squared.sqrt() / loss_scale
     else:  # the total norm from the squared ones, no per-layer norm taken
-        total = squared.sum(1).sqrt() if loss_scale == 1.0 else squared.sum(1).sqrt() / loss_scale
+        summed = bookkeeping.total_sq_norm(params.values())  # (N,)
+        total = summed.sqrt() if loss_scale == 1.0 else summed.sqrt() / loss_scale
     factors, norms, clipped = clip_factors(layer_norms, names, max_grad_norm=config.max_grad_norm,
                                            clipping=config.clipping,
                                            per_layer_max_grad_norms=config.per_layer_max_grad_norms, norms=total)
