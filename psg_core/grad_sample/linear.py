@@ -99,7 +99,7 @@ def linear_grad_sample(layer: nn.Linear, activations: list[torch.Tensor], backpr
     x, g = _rows(activations[0], backprops, K)  # (N, K*T, d_in), (N, K*T, d_out)
     out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(layer.weight):
-        out[layer.weight] = torch.matmul(g.transpose(1, 2), x)  # (N, d_out, d_in): one batched product
+        out[layer.weight] = torch.bmm(g.transpose(1, 2), x)  # (N, d_out, d_in): one batched product
     return out | _bias(layer, g)
 
 
@@ -138,7 +138,7 @@ def conv1d_grad_sample(layer: _AffineLayer, activations: list[torch.Tensor], bac
     x, g = _rows(activations[0], backprops, K)  # (N, K*T, d_in), (N, K*T, d_out)
     out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(layer.weight):
-        out[layer.weight] = torch.matmul(x.transpose(1, 2), g)  # (N, d_in, d_out)
+        out[layer.weight] = torch.bmm(x.transpose(1, 2), g)  # (N, d_in, d_out)
     return out | _bias(layer, g)
 
 
