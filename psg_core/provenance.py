@@ -790,7 +790,11 @@ class BatchTracker(TorchFunctionMode):
             return batched, origin, "", args, kwargs, None
         name = getattr(func, "__name__", "")
         if torch.is_grad_enabled():
-            free = [t for t in leaves if t.requires_grad and not any(t is b for b, _ in batched)]
+            if len(batched) == 1:  # (the common case: one batched operand, no generator per leaf)
+                only = batched[0][0]
+                free = [t for t in leaves if t is not only and t.requires_grad]
+            else:
+                free = [t for t in leaves if t.requires_grad and not any(t is b for b, _ in batched)]
             if free:
                 met = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
                 if isinstance(met, _Computed):
