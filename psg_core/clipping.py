@@ -57,9 +57,16 @@ class ClipResult:
     num_dropped: int = 0
 
 
+#: the floating dtypes that promote with float32 to float32
+_BELOW_SINGLE = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
 def _norm_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     # fp32 at least; fp64 gradients keep fp64 norms so their factors stay exact.
-    return functools.reduce(torch.promote_types, dtypes, torch.float32)
+    distinct = set(dtypes)  # (each promotion is a dispatch: asked once per distinct dtype, not per tensor)
+    if distinct <= _BELOW_SINGLE:
+        return torch.float32
+    return functools.reduce(torch.promote_types, distinct, torch.float32)
 
 
 def _check_per_sample(per_sample: Mapping[str, torch.Tensor]) -> int:
