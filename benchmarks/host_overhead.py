@@ -36,12 +36,14 @@ HOST_METHODS = ("non-private", "psg-hooks", "psg-ghost", "opacus-hooks", "opacus
 
 
 def mlp(blocks: int, width: int, classes: int = 4, *, seed: int = 0) -> nn.Sequential:
-    """``blocks`` x (``Linear(width, width)``, ReLU), then a ``Linear(width, classes)`` head."""
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for _ in range(blocks):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, classes))
+    """``blocks`` x (``Linear(width, width)``, ReLU), then a ``Linear(width, classes)`` head,
+    initialised from ``seed`` (the global generator's state is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        for _ in range(blocks):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(width, classes))
 
 
 def host_step(method: str, blocks: int, *, width: int = 16, batch: int = 4,
