@@ -16,16 +16,15 @@ sample whose gradient is not finite is dropped (factor 0, counted in ``num_dropp
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from psg_core.errors import ConfigError
 from psg_core.modes import Clipping, parse_enum
-from psg_core.precision import as_dtype
+from psg_core.precision import as_dtype, norm_dtype as promoted_norm_dtype
 
 __all__ = ["ClipResult", "clip_and_sum", "clip_factors", "dropped_samples", "zero_dropped", "count_dropped", "FLAT_EPSILON",
            "AUTOMATIC_STABILITY"]
@@ -55,18 +54,6 @@ class ClipResult:
     #: Number of samples dropped because their gradient was not finite (NaN or infinity, e.g.
     #: from overflowing inputs): they contribute nothing, so one record cannot poison the sum.
     num_dropped: int = 0
-
-
-#: the floating dtypes that promote with float32 to float32
-_BELOW_SINGLE = frozenset({torch.float16, torch.bfloat16, torch.float32})
-
-
-def _norm_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    # fp32 at least; fp64 gradients keep fp64 norms so their factors stay exact.
-    distinct = set(dtypes)  # (each promotion is a dispatch: asked once per distinct dtype, not per tensor)
-    if distinct <= _BELOW_SINGLE:
-        return torch.float32
-    return functools.reduce(torch.promote_types, distinct, torch.float32)
 
 
 def _check_per_sample(per_sample: Mapping[str, torch.Tensor]) -> int:
@@ -201,7 +188,7 @@ def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float
     num_samples = _check_per_sample(per_sample)
     names = list(per_sample)
     first = per_sample[names[0]]
-    norm_dtype = _norm_dtype(g.dtype for g in per_sample.values())
+    norm_dtype = promoted_norm_dtype(g.dtype for g in per_sample.values())
 
     layer_norms = torch.stack([
         torch.linalg.vector_norm(per_sample[name].reshape(num_samples, math.prod(per_sample[name].shape[1:])),

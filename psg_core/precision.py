@@ -68,6 +68,24 @@ class no_autocast:  # noqa: N801 (a context manager used like a function: ``with
             stack.__exit__(*exc)
 
 
+#: the floating dtypes that promote with float32 to float32
+_SINGLE_OR_BELOW = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+def norm_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype per-sample norms are taken in: float32 at least, the promotion of float32 and
+    ``dtypes`` (float64 gradients keep float64 norms, so their clipping factors stay exact).
+    Promoted once per distinct dtype: each promotion is a dispatch.
+
+    >>> norm_dtype([torch.bfloat16, torch.float16]), norm_dtype([torch.float32, torch.float64])
+    (torch.float32, torch.float64)
+    """
+    distinct = set(dtypes)
+    if distinct <= _SINGLE_OR_BELOW:
+        return torch.float32
+    return functools.reduce(torch.promote_types, distinct, torch.float32)
+
+
 def compute_dtype(params: Iterable[torch.Tensor]) -> torch.dtype:
     """The dtype per-sample arithmetic runs in: the promotion of the parameters' floating dtypes
     (fp32 when there is none).

@@ -23,7 +23,7 @@ from torch.func import grad_and_value, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.stateless import _reparametrize_module
 
-from psg_core.grad_sample.functorch_fallback import VMAP_LIMITS
+from psg_core.grad_sample.functorch_fallback import is_vmap_limit
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core.backends.base import PerSampleOutput, parameters_kept, trainable_parameters
@@ -164,7 +164,7 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
             except RuntimeError as err:
                 # vmap cannot batch the model (data-dependent control flow, .item(), an in-place op
                 # into an unbatched tensor, a data-dependent shape): one sample at a time instead.
-                if isinstance(err, PsgError) or not any(sign in str(err) for sign in VMAP_LIMITS):
+                if not is_vmap_limit(err):
                     raise
                 _warn_loop(module, where.failed, err)
                 per_sample_grads, losses = _one_at_a_time(sample_loss, detached, split_args, arg_in,

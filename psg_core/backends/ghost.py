@@ -73,7 +73,7 @@ from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, FactorKind, GhostFacto
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
-from psg_core.precision import as_dtype, compute_dtype, no_autocast, to_compute, with_loss_scale
+from psg_core.precision import as_dtype, compute_dtype, no_autocast, norm_dtype, to_compute, with_loss_scale
 from psg_core.provenance import BatchTracker, MeetingPoint
 from psg_core.support import exclusive, hooked_modules, modules_of, own_parameters, reject_per_layer_unsupported
 
@@ -96,7 +96,6 @@ def _ghost_is_cheaper(layer: nn.Module, positions: int) -> bool:
 
 
 # ------------------------------------------------------------------------------ bookkeeping
-_HALF_OR_SINGLE = frozenset({torch.float16, torch.bfloat16, torch.float32})  # promoted with fp32: fp32
 #: up to this many materialised norms, each is squared on its own (batching them costs ~4 ops)
 _SQUARED_ONE_BY_ONE = 4
 
@@ -166,9 +165,7 @@ class _GhostBookkeeping:
         self._shared_factors: dict[torch.Tensor, list[tuple[WeightLayout, GhostFactors]]] = {}
         self.edges: list[GradientEdge] = []
         # norms in (at least) fp32: the promotion of fp32 and the trainable parameters' dtypes
-        dtypes = {p.dtype for p in self._owners_left}
-        self.norm_dtype = torch.float32 if dtypes <= _HALF_OR_SINGLE else functools.reduce(
-            torch.promote_types, dtypes, torch.float32)
+        self.norm_dtype = norm_dtype(p.dtype for p in self._owners_left)
         # (N,) per parameter, summed as the contributions come (a parameter no call reached has
         # none: zero norm, see sq_norm).
         self.sq_norms: dict[torch.Tensor, torch.Tensor] = {}

@@ -125,7 +125,7 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
             per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
                               randomness="different")(params, batched_inputs, batched_bps)
         except RuntimeError as err:
-            if isinstance(err, PsgError) or not any(sign in str(err) for sign in VMAP_LIMITS):
+            if not is_vmap_limit(err):
                 raise
             # vmap cannot batch the layer (an in-place write into a tensor it creates, a
             # data-dependent shape): the same function, one sample at a time.
@@ -155,6 +155,13 @@ _SAMPLE_CALLS = dict.fromkeys(GLOBAL_ATTENTION_NAMES, _own_global_attention)
 #: Messages of the errors vmap raises for a function it cannot batch (torch.func's own, or an op
 #: without a batching rule), which a loop over samples computes.
 VMAP_LIMITS = ("data-dependent control flow", ".item()", "vmap:", "vmap ", "Batching rule not implemented")
+
+
+def is_vmap_limit(err: RuntimeError) -> bool:
+    """Whether ``err`` is vmap's refusal to batch a function (a loop over samples computes it),
+    not psg's own refusal raised inside vmap (a :class:`~psg_core.errors.PsgError`, which must reach
+    the caller as it is) or another error."""
+    return not isinstance(err, PsgError) and any(sign in str(err) for sign in VMAP_LIMITS)
 
 
 def _num_samples(inputs: list[Any], in_dims: Sequence[int | None], bps: list[torch.Tensor | None]) -> int:
