@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from psg_core._layout import STATE_BATCH_AXIS
+from psg_core._module_hooks import ModuleHooks
 from psg_core.errors import UnsupportedModuleError
 from psg_core.support import is_unit, known_rowwise, modules_of, own_parameters, trainable_parameters
 
@@ -481,26 +482,32 @@ class BatchTracker(TorchFunctionMode):
         self._frames: list[_Frame] = []
         #: inside a row-wise module's call (its ops are not followed).
         self._suspended = False
-        self._handles: list[Any] = []
+        # one pre-hook and one forward hook per module (and a row-wise or own-meeting one where
+        # needed), taken off at exit
+        self._hooks = ModuleHooks()
+        self._paths: dict[nn.Module, str] = {}  # each hooked module's path in the model
+        # layer -> (label, ids of its own trainable parameters, row-wise), read at its first call
+        self._info: dict[nn.Module, tuple[str, frozenset[int], bool]] = {}
         self._module = module
         self.meetings: list[MeetingPoint] = []
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> BatchTracker:
+        hooks = self._hooks
         for path, layer in modules_of(self._module):
             if layer is self._module and self._root_by_caller:
                 continue
-            label = f"'{path or '<root>'}' ({type(layer).__qualname__})"
-            self._handles.append(layer.register_forward_pre_hook(self._push(layer, label), with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+            self._paths[layer] = path
+            hooks.pre(layer, self._push_hook, with_kwargs=True)
+            hooks.forward(layer, self._pop, always_call=True)
             if is_rowwise(layer):
                 # Ahead of every hook (the backends' were registered before the tracker's): a
                 # backend capturing the call must find its outputs holding the batch.
-                self._handles.append(layer.register_forward_hook(self._rowwise_outputs, prepend=True))
-            elif self._meets_own is not None and _own_params(layer) and self._meets_own(layer):
+                hooks.forward(layer, self._rowwise_outputs, prepend=True)
+            elif self._meets_own is not None and self._layer_info(layer)[1] and self._meets_own(layer):
                 # Ahead of the backends' hooks too: they ask met_own() when capturing the call.
                 self._own_meeters.add(layer)
-                self._handles.append(layer.register_forward_hook(self._resolve_own, prepend=True))
+                hooks.forward(layer, self._resolve_own, prepend=True)
         stack = getattr(_TLS, "stack", None)
         if stack is None:
             stack = _TLS.stack = []
@@ -510,9 +517,9 @@ class BatchTracker(TorchFunctionMode):
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         _TLS.stack.pop()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
+        self._paths.clear()
+        self._info.clear()
         self._frames.clear()
         self._own_meeters.clear()
         self._suspended = False
@@ -626,14 +633,21 @@ class BatchTracker(TorchFunctionMode):
         return self._frames[-1].path if self._frames else "<outside any module>"
 
     # ------------------------------------------------------------------------------ module stack
-    def _push(self, layer: nn.Module, label: str) -> Callable[..., None]:
-        with _NO_SUBCLASS():  # once per tracker and layer, not per call (a recurrent cell runs T times)
-            own_params = _own_params(layer)
-        row_wise = is_rowwise(layer)
+    def _layer_info(self, layer: nn.Module) -> tuple[str, frozenset[int], bool]:
+        """``(label, ids of its own trainable parameters, row-wise)`` of a hooked layer, read once
+        per tracker (a recurrent cell runs T times)."""
+        info = self._info.get(layer)
+        if info is None:
+            path = self._paths.get(layer, "?")
+            with _NO_SUBCLASS():
+                own_params = _own_params(layer)
+            info = self._info[layer] = (f"'{path or '<root>'}' ({type(layer).__qualname__})", own_params,
+                                        is_rowwise(layer))
+        return info
 
-        def hook(_layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.push_frame(layer, label, args, kwargs, own_params, row_wise)
-        return hook
+    def _push_hook(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        label, own_params, row_wise = self._layer_info(layer)
+        self.push_frame(layer, label, args, kwargs, own_params, row_wise)
 
     def push_frame(self, layer: nn.Module, label: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                    own_params: frozenset[int] | None = None, row_wise: bool | None = None) -> None:

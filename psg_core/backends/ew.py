@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, check_rows, get_grad_sample,
                                    parameters_kept, set_grad_sample, trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
+from psg_core._module_hooks import ModuleHooks
 from psg_core.errors import BatchLayoutError, GradAccumulationError, PsgError, UnsupportedModuleError
 from psg_core.layout import BatchLayout, ModelInputs, fold_rows, unwrap_batch_free
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
@@ -72,12 +73,12 @@ class _ModuleTracker:
 
     def __init__(self, module: nn.Module) -> None:
         self._stack: list[tuple[str, nn.Module]] = []
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooks = ModuleHooks()
         for path, layer in module.named_modules():
             label = f"'{path or '<root>'}' ({type(layer).__qualname__})"
-            self._handles.append(layer.register_forward_pre_hook(self._push(label)))
+            self._hooks.pre(layer, self._push(label))
             # Not always_call: when a forward raises, the stack keeps the failing module's path.
-            self._handles.append(layer.register_forward_hook(self._pop))
+            self._hooks.forward(layer, self._pop)
 
     def _push(self, label: str) -> Any:
         def hook(layer: nn.Module, _args: Any) -> None:
@@ -98,9 +99,7 @@ class _ModuleTracker:
         return self._stack[-1][1] if self._stack else None
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
 
 
 #: F.instance_norm's parameters, in order (modules pass some positionally, torch's dispatch as keywords).

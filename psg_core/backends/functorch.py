@@ -26,6 +26,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from psg_core.grad_sample.functorch_fallback import is_vmap_limit
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from psg_core._module_hooks import ModuleHooks
 from psg_core.backends.base import PerSampleOutput, parameters_kept, trainable_parameters
 from psg_core.backends.capture import runs_in_fallback
 from psg_core.grad_sample.embedding import _bag_call
@@ -309,7 +310,7 @@ class _ModulePath:
         self._module = module
         self._stack: list[str] = []
         self.failed: str | None = None
-        self._handles: list[Any] = []
+        self._hooks = ModuleHooks()
         #: The per-sample slices of the model's batch inputs in the call under way.
         self.sample_inputs: list[Any] = []
 
@@ -317,12 +318,10 @@ class _ModulePath:
         try:
             for path, layer in self._module.named_modules():
                 label = f"'{path or '<root>'}' ({type(layer).__qualname__})"
-                self._handles.append(layer.register_forward_pre_hook(
-                    lambda _m, _a, label=label: self._stack.append(label)))
-                self._handles.append(layer.register_forward_hook(self._pop, always_call=True))
+                self._hooks.pre(layer, lambda _m, _a, label=label: self._stack.append(label))
+                self._hooks.forward(layer, self._pop, always_call=True)
                 if isinstance(layer, nn.EmbeddingBag):
-                    self._handles.append(layer.register_forward_pre_hook(
-                        functools.partial(self._check_bag, label), with_kwargs=True))
+                    self._hooks.pre(layer, functools.partial(self._check_bag, label), with_kwargs=True)
         except BaseException:
             self.__exit__()  # no hook left on the model
             raise
@@ -349,6 +348,4 @@ class _ModulePath:
                 self.failed = label
 
     def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()

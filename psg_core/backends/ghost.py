@@ -62,6 +62,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import psg_core.native as native
+from psg_core._module_hooks import ModuleHooks
 from psg_core.backends.base import (AbstractGradSampleModule, backward_to_edges, on_output_grads,
                                     trainable_parameters)
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
@@ -148,7 +149,8 @@ class _GhostBookkeeping:
         self._layers: dict[nn.Module, _LayerState] = {}
         self._owners_left: dict[torch.Tensor, int] = {}  # counts down as owning layers finish
         self._owner_layers: dict[torch.Tensor, list[nn.Module]] = {}
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # the output gradients' tensor hooks
+        self._module_hooks = ModuleHooks()
         for _, layer in hooked_modules(module):
             params = own_parameters(layer)
             own = [p for p in params if p.requires_grad]
@@ -157,7 +159,7 @@ class _GhostBookkeeping:
                 for p in own:
                     self._owners_left[p] = self._owners_left.get(p, 0) + 1
                     self._owner_layers.setdefault(p, []).append(layer)
-                self._handles.append(layer.register_forward_hook(self._capture, with_kwargs=True, prepend=True))
+                self._module_hooks.forward(layer, self._capture, with_kwargs=True, prepend=True)
         self._owners = dict(self._owners_left)
         # A weight of several modules: whether its owners take its norm from their factors
         # (decided once, at the first owner's backward), and each finished owner's factors.
@@ -196,6 +198,7 @@ class _GhostBookkeeping:
         back to this object: a cycle through C++ objects that Python's garbage collector cannot
         see, so it is cut here, or every step would leak its activations.
         """
+        self._module_hooks.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
