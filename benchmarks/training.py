@@ -191,6 +191,26 @@ def _psg_ghost(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor,
     return Step(run, lambda: None, model)
 
 
+def _psg_ghost_captured(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
+    from psg_core.capture import CapturedStep
+    from psg_core.config import DPConfig
+
+    config = DPConfig(mode="ghost", augmentation_multiplicity=case.K, max_grad_norm=MAX_GRAD_NORM)
+    optimizer, generator, params = _sgd(model, case), _noise_generator(case), _trainable(model)
+    captured = CapturedStep(model, loss_fn=nn.CrossEntropyLoss(reduction="none"), config=config)
+
+    def run() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        result = captured(inputs, targets)
+        _apply_private_gradient(params, result.grads, result.num_samples, case, generator, optimizer)
+
+    for _ in range(3):  # eager, recorded, checked against eager: a trainer's first steps; then replays
+        run()
+    if captured.stats["validated"] != 1:
+        raise RuntimeError(f"psg-ghost-captured: the step was not captured: {captured.refusals}")
+    return Step(run, lambda: None, model)
+
+
 def _opacus_per_sample(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]:
     def prepare(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
         from opacus.grad_sample import GradSampleModule as OpacusGradSampleModule
@@ -246,6 +266,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "psg per_sample_gradients(mode='functorch')"),
     Method("psg-ew", "psg", Variant.PSG, _psg_functional("ew"), "psg per_sample_gradients(mode='ew')"),
     Method("psg-ghost", "psg", Variant.PSG, _psg_ghost, "psg ghost clipping (dp_gradient, mode='ghost')"),
+    Method("psg-ghost-captured", "psg", Variant.PSG, _psg_ghost_captured,
+           "psg ghost clipping recorded once and replayed (psg_core.capture.CapturedStep)"),
     Method("opacus-hooks", "opacus", Variant.OPACUS, _opacus_per_sample("hooks"),
            "Opacus GradSampleModule (hooks) + DPOptimizer"),
     Method("opacus-functorch", "opacus", Variant.OPACUS, _opacus_per_sample("functorch"),

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from psg_core._host import capturing, host_int
 from psg_core.errors import ConfigError
 from psg_core.modes import Clipping, parse_enum
 from psg_core.precision import as_dtype, norm_dtype as promoted_norm_dtype
 
-__all__ = ["ClipResult", "clip_and_sum", "clip_factors", "dropped_samples", "zero_dropped", "count_dropped", "FLAT_EPSILON",
+__all__ = ["ClipResult", "clip_and_sum", "clip_factors", "dropped_samples", "zero_dropped", "count_dropped", "kept_sum", "FLAT_EPSILON",
            "AUTOMATIC_STABILITY"]
 
 #: Added to the norm in the flat and per-layer factors so that a zero gradient gives factor 1.
@@ -136,8 +137,11 @@ def clip_factors(layer_norms: torch.Tensor | None, names: Sequence[str], *, max_
 def dropped_samples(norms: torch.Tensor) -> torch.Tensor | None:
     """``(N,)`` bool: the samples whose gradient is not finite, which clipping drops (factor 0,
     rows zeroed before the sum) and the results count in ``num_dropped``; None when there is
-    none (the common case, decided with one device-to-host read per step)."""
+    none (the common case, decided with one device-to-host read per step). While a step is
+    recorded (:mod:`psg_core.capture`) the mask is always returned: no read decides the path."""
     finite = norms < math.inf  # (a norm is >= 0: isfinite in one comparison)
+    if capturing():
+        return ~finite
     return None if bool(finite.all()) else ~finite
 
 
@@ -149,9 +153,16 @@ def zero_dropped(grad: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tens
                        grad)
 
 
+def kept_sum(losses: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:
+    """The sum of the ``(N,)`` per-sample ``losses`` of the samples :func:`dropped_samples` kept
+    (a dropped sample's loss may be NaN), with no read of which those are."""
+    return losses.sum() if dropped is None else torch.where(dropped, torch.zeros((), dtype=losses.dtype,
+                                                                                 device=losses.device), losses).sum()
+
+
 def count_dropped(dropped: torch.Tensor | None) -> int:
     """How many samples :func:`dropped_samples` dropped."""
-    return 0 if dropped is None else int(dropped.sum().item())
+    return 0 if dropped is None else host_int(dropped.sum())
 
 
 def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float,
@@ -203,5 +214,5 @@ def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float
     else:
         grads = {name: _weighted_sum(factors, zero_dropped(per_sample[name], dropped)) for name in names}
     return ClipResult(grads=grads, per_sample_norms=norms.to(torch.float32),
-                      num_clipped=int(clipped.sum().item()), clip_factors=factors.to(torch.float32),
+                      num_clipped=host_int(clipped.sum()), clip_factors=factors.to(torch.float32),
                       num_dropped=count_dropped(dropped))

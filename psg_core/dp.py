@@ -11,7 +11,8 @@ from torch import nn
 from psg_core.api import compute_per_sample
 from psg_core.backends.base import trainable_parameters
 from psg_core.backends.registry import BACKENDS
-from psg_core.clipping import clip_and_sum, dropped_samples
+from psg_core._host import capturing, host_float
+from psg_core.clipping import clip_and_sum, dropped_samples, kept_sum
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import ConfigError, NonFiniteInputError
 from psg_core.layout import BatchLayout, ModelInputs
@@ -105,7 +106,8 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
         model_inputs = ModelInputs.parse(inputs, where="dp_gradient")
         if not isinstance(targets, torch.Tensor):
             raise ConfigError(f"dp_gradient: targets must be a tensor, got {type(targets).__name__}")
-        _check_finite(model_inputs, targets)
+        if not capturing():  # (a recorded step's caller checks each batch before its replay)
+            _check_finite(model_inputs, targets)
         params = trainable_parameters(module)
         if not params:
             raise ConfigError("dp_gradient: the module has no trainable parameters")
@@ -128,8 +130,7 @@ def dp_gradient(module: nn.Module, inputs: Any, targets: torch.Tensor, *, loss_f
             clipped = clip_and_sum(out.grads, max_grad_norm=config.max_grad_norm, clipping=config.clipping,
                                    per_layer_max_grad_norms=config.per_layer_max_grad_norms)
         dropped = dropped_samples(clipped.per_sample_norms)
-        losses = out.per_sample_losses if dropped is None else out.per_sample_losses[~dropped]  # theirs may be NaN
         return DPGradient(grads={name: g.to(params[name].dtype) for name, g in clipped.grads.items()},
                           per_sample_norms=clipped.per_sample_norms,
-                          loss_sum=float(losses.sum().item()), num_samples=out.num_samples,
+                          loss_sum=host_float(kept_sum(out.per_sample_losses, dropped)), num_samples=out.num_samples,
                           num_clipped=clipped.num_clipped, num_dropped=clipped.num_dropped)

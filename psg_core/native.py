@@ -63,6 +63,7 @@ from pathlib import Path
 
 import torch
 
+from psg_core._host import capturing
 from psg_core._settings import ProcessSetting
 
 __all__ = ["NativeKernels", "ENVIRONMENT_VARIABLE", "set_native_kernels", "native_kernels", "library",
@@ -279,8 +280,10 @@ def _load() -> ctypes.CDLL | None:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None: turned off (``PSG_NATIVE=off``) or not buildable here (see
-    :func:`build_error`). The first call builds or loads the library; later calls return it."""
-    if _SETTING.current(NativeKernels.AUTO) is NativeKernels.OFF:
+    :func:`build_error`). The first call builds or loads the library; later calls return it.
+    None too while a step is recorded (:mod:`psg_core.capture`): a graph sees torch's ops only,
+    and a kernel called through ctypes would leave its result out of the replays."""
+    if _SETTING.current(NativeKernels.AUTO) is NativeKernels.OFF or capturing():
         return None
     lib = _state.get("lib")
     if lib is None and "tried" not in _state:

@@ -62,11 +62,12 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import psg_core.native as native
+from psg_core._host import host_float, host_int
 from psg_core._module_hooks import ModuleHooks
 from psg_core.backends.base import (AbstractGradSampleModule, backward_to_edges, on_output_grads,
                                     trainable_parameters)
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
-from psg_core.clipping import clip_factors, count_dropped, dropped_samples, zero_dropped
+from psg_core.clipping import clip_factors, count_dropped, dropped_samples, kept_sum, zero_dropped
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError
 from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, FactorKind, GhostFactors, GhostNormEntry, TensorMemo,
@@ -596,7 +597,7 @@ def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter
         by_param = {params[n]: factors[:, i] for i, n in enumerate(names)}
     else:
         by_param = {p: factors for p in params.values()}
-    return by_param, norms, int(clipped.sum().item())
+    return by_param, norms, host_int(clipped.sum())
 
 
 def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,
@@ -688,7 +689,7 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
         grads[name] = native.contiguous(as_dtype(grad.detach() if grad.requires_grad else grad, p.dtype))
     return DPGradient(grads=grads, per_sample_norms=as_dtype(norms.detach() if norms.requires_grad else norms,
                                                              torch.float32),
-                      loss_sum=float((losses if dropped is None else losses[~dropped]).detach().sum()),
+                      loss_sum=host_float(kept_sum(losses.detach(), dropped)),
                       num_samples=num_samples, num_clipped=num_clipped, num_dropped=count_dropped(dropped))
 
 

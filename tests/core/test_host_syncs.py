@@ -42,10 +42,10 @@ Site = tuple[str, str]  # (file relative to the repository, function)
 
 
 def _site() -> Site:
-    """The innermost psg_core frame that led to the read."""
+    """The innermost psg_core frame that led to the read (psg_core._host's readers name their caller)."""
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename).resolve()
-        if path.is_relative_to(ROOT / "psg_core"):
+        if path.is_relative_to(ROOT / "psg_core") and path != ROOT / "psg_core" / "_host.py":
             return str(path.relative_to(ROOT)), frame.name
     return "<outside psg_core>", ""
 

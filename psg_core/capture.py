@@ -1,0 +1,381 @@
+"""A DP step recorded once and replayed: :func:`~psg_core.dp_gradient` without psg's per-step Python.
+
+An eager :func:`~psg_core.dp_gradient` runs a lot of Python around the model's own ops: the batch
+tracker follows every torch function of the forward pass, hooks capture each layer's call, the
+ghost book-keeping builds its norms and sums layer by layer. On a model whose kernels are small (a
+GPU's step, a CPU's small layers) that Python is most of the step. :class:`CapturedStep` runs the
+step eagerly once, then records a second batch's step into a graph of torch's operators
+(``torch.fx``, real tensors: all of psg's checks and decisions run while it records), checks the
+graph against an eager step on a third batch, and from then on replays the graph: the same
+operators on the new batch, no tracker, no hooks, no book-keeping.
+
+The contract is the one every recorded-graph runtime has (CUDA graphs, ``torch.compile``): for
+batches of one signature (the inputs' structure, shapes, dtypes and devices, the parameters and
+the modules' training flags, the configuration) the step must run the same operators whatever
+the values. psg checks what it can, and runs the step eagerly where the check fails:
+
+* reading a value into Python while recording (``.item()``, ``bool(t)``, ``.tolist()``,
+  ``.numpy()``, a data pointer, a data-dependent shape such as ``x[mask]``) refuses the recording:
+  the value would be baked into every replay. psg's own reads (how many were clipped, the loss sum)
+  are deferred to the replay's outputs (:mod:`psg_core._host`), and its clipping takes a path that
+  no value chooses;
+* the graph is checked against the eager step on a different batch (same random draws): a
+  mismatch refuses it;
+* each replay first checks the batch is finite, as :func:`~psg_core.dp_gradient` does.
+
+A refused signature runs eagerly from then on; :attr:`CapturedStep.refusals` says why. What psg
+cannot see is Python state the forward reads besides the training flags (an attribute changed
+between steps, a global): such a model must not be captured.
+
+>>> from psg_core.config import DPConfig
+>>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+<torch._C.Generator object at ...>
+>>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+>>> step = CapturedStep(model, loss_fn=nn.CrossEntropyLoss(), config=DPConfig(mode="ghost", max_grad_norm=1.0))
+>>> for _ in range(4):
+...     out = step(torch.randn(6, 4), torch.randint(0, 2, (6,)))
+>>> step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 1, "refused": 0}
+True
+>>> out.num_samples, sorted(out.grads), out.per_sample_norms.shape
+(6, ['0.bias', '0.weight', '2.bias', '2.weight'], torch.Size([6]))
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from psg_core._host import Deferred, recording
+from psg_core.config import DPConfig, DPGradient
+from psg_core.dp import _check_finite, dp_gradient
+from psg_core.errors import ConfigError
+from psg_core.layout import ModelInputs
+from psg_core.losses import LossFn
+from psg_core.precision import fp16_autocast
+from psg_core.support import exclusive
+
+__all__ = ["CapturedStep"]
+
+logger = logging.getLogger(__name__)
+
+_WHERE = "CapturedStep"
+
+#: Tensor methods that read values into Python (``tolist`` and ``numpy`` without an operator a graph
+#: could see). A data pointer is an address, not a value (psg's memos key on it); the one way it
+#: leads to values, a kernel called through ctypes, psg turns off while recording (its native
+#: kernels), and the check on another batch catches a model's own.
+_HOST_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.item,
+                         torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__})
+
+
+class _Refused(Exception):
+    """The step cannot be recorded (the message says why)."""
+
+
+class _NoHostReads(TorchFunctionMode):
+    """Refuses reads of tensor values into Python while a step is recorded."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func in _HOST_READS:
+            raise _Refused(f"the step reads a tensor's values into Python ({getattr(func, '__name__', func)}), "
+                           "which a recorded graph would replay as the recording batch's values")
+        return func(*args, **(kwargs or {}))
+
+
+#: Operators whose result's shape depends on values (a replay would reuse the recording's sizes
+#: wherever the step read one), and those that read values on the host.
+_VALUE_SHAPED = frozenset({"aten::nonzero", "aten::nonzero_static", "aten::masked_select", "aten::_unique",
+                           "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+                           "aten::unique_dim_consecutive", "aten::bincount", "aten::histc", "aten::equal",
+                           "aten::is_nonzero", "aten::_local_scalar_dense"})
+
+
+def _value_shaped(func: Any, args: tuple[Any, ...]) -> bool:
+    name = func._schema.name
+    if name in _VALUE_SHAPED:
+        return True
+    if name == "aten::repeat_interleave" and args and isinstance(args[0], torch.Tensor) and len(args) == 1:
+        return True  # repeats given as a tensor
+    if name in ("aten::index", "aten::index_put", "aten::index_put_") and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+    return False
+
+
+class _NoValueShapes(TorchDispatchMode):
+    """Refuses operators whose result's shape depends on values while a step is recorded."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if _value_shaped(func, args):
+            raise _Refused(f"the step runs {func._schema.name}, whose result's size (or value on the host) "
+                           "depends on the batch's values")
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class _Entry:
+    """What is known of one batch signature."""
+
+    graph: Any = None  # the recorded torch.fx.GraphModule
+    #: the batch's non-tensor leaves (baked into the graph) and where its tensors go
+    spec: Any = None
+    names: tuple[str, ...] = ()
+    num_samples: int = 0
+    #: DPGradient's counts and loss sum: the index of their deferred tensor in the graph's
+    #: numbers output, or their constant value
+    numbers: dict[str, tuple[bool, Any]] = field(default_factory=dict)
+    validated: bool = False
+    refused: str | None = None
+
+
+def _leaf_signature(leaf: Any) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", type(leaf), tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.layout,
+                leaf.requires_grad)
+    try:
+        hash(leaf)
+    except TypeError:
+        raise _Refused(f"a batch input of type {type(leaf).__name__} is not hashable, so batches cannot be told "
+                       "apart by signature") from None
+    return ("value", type(leaf), leaf)
+
+
+class CapturedStep:
+    """:func:`~psg_core.dp_gradient` of ``module`` with ``loss_fn`` and ``config``, recorded per batch
+    signature and replayed (see the module docstring).
+
+    Args:
+        module: the model (its parameters may be updated in place between calls, as optimizers
+            do; a parameter or buffer replaced by another tensor makes a new signature).
+        loss_fn: as for :func:`~psg_core.dp_gradient`.
+        config: as for :func:`~psg_core.dp_gradient`.
+        max_signatures: how many batch signatures are remembered (least recently used dropped):
+            each one costs an eager step, a recording and a checked step before it replays, so
+            batches should come in a few fixed shapes (a loader with ``drop_last``, padded
+            sequences).
+        validate: check each graph against an eager step before replaying it (default; turning it
+            off trusts the recording).
+
+    Calling it returns what :func:`~psg_core.dp_gradient` returns for the batch (up to float
+    rounding: a replay runs the same operators, but psg's native CPU kernels are not recorded, so
+    a replay takes their torch-op path).
+    """
+
+    def __init__(self, module: nn.Module, *, loss_fn: LossFn | nn.Module, config: DPConfig,
+                 max_signatures: int = 16, validate: bool = True) -> None:
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"{_WHERE}: expected an nn.Module, got {type(module).__name__}")
+        if not isinstance(config, DPConfig):
+            raise ConfigError(f"{_WHERE}: config must be a DPConfig, got {type(config).__name__}")
+        if not isinstance(max_signatures, int) or isinstance(max_signatures, bool) or max_signatures < 1:
+            raise ConfigError(f"{_WHERE}: max_signatures must be a positive int, got {max_signatures!r}")
+        self.module, self.loss_fn, self.config = module, loss_fn, config
+        self.max_signatures = max_signatures
+        self.validate = bool(validate)
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        #: how many calls ran each way (``refused``: eager calls of refused signatures)
+        self.stats = {"eager": 0, "recorded": 0, "validated": 0, "replayed": 0, "refused": 0}
+        #: why signatures were refused, in order
+        self.refusals: list[str] = []
+
+    # ------------------------------------------------------------------------------ the call
+    def __call__(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
+        try:
+            key, leaves, spec = self._signature(inputs, targets)
+        except _Refused as refused:
+            self._refuse_call(str(refused))
+            return self._eager(inputs, targets)
+        entry = self._entries.get(key)
+        if entry is None:
+            result = self._eager(inputs, targets)  # raises as dp_gradient does; warms psg's decisions
+            self._remember(key, _Entry())
+            self.stats["eager"] += 1
+            return result
+        self._entries.move_to_end(key)
+        if entry.refused is not None:
+            self.stats["refused"] += 1
+            return self._eager(inputs, targets)
+        if entry.graph is None:
+            return self._record(entry, inputs, targets, leaves, spec)
+        self._check_finite(inputs, targets)
+        if not entry.validated:
+            return self._validate(entry, inputs, targets, leaves)
+        self.stats["replayed"] += 1
+        return self._replay(entry, leaves)
+
+    # ------------------------------------------------------------------------------ internals
+    def _eager(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
+        return dp_gradient(self.module, inputs, targets, loss_fn=self.loss_fn, config=self.config)
+
+    def _remember(self, key: Hashable, entry: _Entry) -> None:
+        self._entries[key] = entry
+        while len(self._entries) > self.max_signatures:
+            self._entries.popitem(last=False)
+
+    def _refuse_call(self, reason: str) -> None:
+        self.stats["refused"] += 1
+        if reason not in self.refusals:
+            self.refusals.append(reason)
+            logger.warning("%s: running eagerly: %s", _WHERE, reason)
+
+    def _refuse(self, entry: _Entry, reason: str) -> None:
+        entry.graph, entry.refused = None, reason
+        self.refusals.append(reason)
+        logger.warning("%s: this batch signature runs eagerly: %s", _WHERE, reason)
+
+    def _check_finite(self, inputs: Any, targets: torch.Tensor) -> None:
+        _check_finite(ModelInputs.parse(inputs, where=_WHERE), targets)
+
+    def _signature(self, inputs: Any, targets: torch.Tensor) -> tuple[Hashable, list[Any], Any]:
+        """The batch's signature (what a graph is valid for), its leaves and their structure."""
+        if fp16_autocast():
+            raise _Refused("float16 autocast scales the loss and retries on overflow, a decision on values")
+        leaves, spec = tree_flatten((inputs, targets))
+        params = tuple((id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad)
+                       for p in self.module.parameters())
+        buffers = tuple(id(b) for b in self.module.buffers())
+        training = tuple(m.training for m in self.module.modules())
+        autocast = tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                         for device in ("cpu", "cuda") if torch.is_autocast_enabled(device))
+        key = (str(spec), tuple(_leaf_signature(leaf) for leaf in leaves), params, buffers, training, autocast,
+               torch.is_grad_enabled(), torch.get_default_dtype(), id(self.loss_fn))
+        return key, leaves, spec
+
+    def _record(self, entry: _Entry, inputs: Any, targets: torch.Tensor, leaves: list[Any], spec: Any) -> DPGradient:
+        """Records this batch's step into a graph, which also computes its result."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        self._check_finite(inputs, targets)
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaves[i] for i in positions]
+        holder: dict[str, Any] = {}
+
+        def step(*flat: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+            full = list(leaves)
+            for i, t in zip(positions, flat):
+                full[i] = t
+            batch_inputs, batch_targets = tree_unflatten(full, spec)
+            with recording() as deferred, _NoHostReads(), _NoValueShapes():
+                out = dp_gradient(self.module, batch_inputs, batch_targets, loss_fn=self.loss_fn, config=self.config)
+            numbers = (torch.stack([t.to(torch.float64) for t in deferred]) if deferred
+                       else torch.zeros(0, dtype=torch.float64, device=out.per_sample_norms.device))
+            holder["out"], holder["numbers"] = out, numbers
+            return list(out.grads.values()), out.per_sample_norms, numbers
+
+        try:
+            with exclusive(self.module):
+                graph = make_fx(step, tracing_mode="real")(*tensors)
+        except Exception as error:  # noqa: BLE001 - any failure to record means: run eagerly
+            result = self._eager(inputs, targets)  # a genuine error of this batch raises here
+            self._refuse(entry, _describe(error))
+            self.stats["refused"] += 1
+            return result
+        graph.graph.eliminate_dead_code()
+        graph.recompile()
+        out: DPGradient = holder["out"]
+        entry.graph, entry.spec = graph, (positions, spec)
+        entry.names, entry.num_samples = tuple(out.grads), out.num_samples
+        entry.numbers = {name: _number_source(getattr(out, name))
+                         for name in ("loss_sum", "num_clipped", "num_dropped")}
+        entry.validated = not self.validate
+        self.stats["recorded"] += 1
+        return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, holder["numbers"].tolist()))
+
+    def _run(self, entry: _Entry, leaves: list[Any]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        positions, _ = entry.spec
+        with exclusive(self.module), torch.no_grad():
+            grads, norms, numbers = entry.graph(*[leaves[i] for i in positions])
+        return grads, norms, numbers
+
+    def _replay(self, entry: _Entry, leaves: list[Any]) -> DPGradient:
+        grads, norms, numbers = self._run(entry, leaves)
+        return self._result(entry, dict(zip(entry.names, grads)), norms,
+                            _numbers(entry, numbers.tolist()))
+
+    def _validate(self, entry: _Entry, inputs: Any, targets: torch.Tensor, leaves: list[Any]) -> DPGradient:
+        """The eager step and the graph's on this batch, with the same random draws; the graph is
+        kept when they agree."""
+        devices = sorted({t.device.index or 0 for t in leaves if isinstance(t, torch.Tensor) and t.is_cuda})
+        cpu_state = torch.get_rng_state()
+        cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+        eager = self._eager(inputs, targets)
+        after_cpu = torch.get_rng_state()
+        after_cuda = [torch.cuda.get_rng_state(d) for d in devices]
+        torch.set_rng_state(cpu_state)
+        for d, state in zip(devices, cuda_states):
+            torch.cuda.set_rng_state(state, d)
+        try:
+            replayed = self._replay(entry, leaves)
+            mismatch = _mismatch(eager, replayed)
+        except Exception as error:  # noqa: BLE001 - a graph that cannot replay is refused
+            mismatch = f"its replay failed: {_describe(error)}"
+        torch.set_rng_state(after_cpu)
+        for d, state in zip(devices, after_cuda):
+            torch.cuda.set_rng_state(state, d)
+        if mismatch is not None:
+            self._refuse(entry, f"the recorded graph disagrees with the eager step on another batch ({mismatch}): "
+                                "the step depends on values it does not read through torch's operators")
+            self.stats["refused"] += 1
+        else:
+            entry.validated = True
+            self.stats["validated"] += 1
+        return eager
+
+    def _result(self, entry: _Entry, grads: dict[str, torch.Tensor], norms: torch.Tensor,
+                numbers: dict[str, Any]) -> DPGradient:
+        return DPGradient(grads=grads, per_sample_norms=norms, loss_sum=float(numbers["loss_sum"]),
+                          num_samples=entry.num_samples, num_clipped=int(numbers["num_clipped"]),
+                          num_dropped=int(numbers["num_dropped"]))
+
+
+def _number_source(value: Any) -> tuple[bool, Any]:
+    """(deferred, slot) for a stand-in number, (False, value) for a constant."""
+    if isinstance(value, Deferred):
+        return True, value.slot
+    return False, value
+
+
+def _numbers(entry: _Entry, graph_numbers: list[float]) -> dict[str, Any]:
+    """DPGradient's counts and loss sum from the graph's numbers output (the deferred reads)."""
+    return {name: graph_numbers[source] if deferred else source
+            for name, (deferred, source) in entry.numbers.items()}
+
+
+def _mismatch(eager: DPGradient, replayed: DPGradient) -> str | None:
+    """Where a replay differs from the eager step beyond float rounding (None: nowhere)."""
+    if (eager.num_clipped, eager.num_dropped, eager.num_samples) != (
+            replayed.num_clipped, replayed.num_dropped, replayed.num_samples):
+        return "the counts of clipped or dropped samples"
+    if not math.isclose(eager.loss_sum, replayed.loss_sum, rel_tol=1e-3, abs_tol=1e-6):
+        return "the loss sum"
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor | None]] = [
+        ("per-sample norms", eager.per_sample_norms, replayed.per_sample_norms)]
+    pairs += [(f"the gradient of {name!r}", g, replayed.grads.get(name)) for name, g in eager.grads.items()]
+    for what, a, b in pairs:
+        if b is None or a.shape != b.shape or a.dtype != b.dtype:
+            return what
+        a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+        finite = torch.isfinite(a64)
+        if not torch.equal(finite, torch.isfinite(b64)) or not torch.equal(a64[~finite].nan_to_num(), b64[~finite].nan_to_num()):
+            return f"{what} (where they are not finite)"
+        a64, b64 = a64[finite], b64[finite]
+        rel = 2e-2 if a.dtype in (torch.float16, torch.bfloat16) else 1e-4
+        if a64.numel() and float((a64 - b64).abs().max()) > rel * float(a64.abs().max()) + 1e-7:
+            return what
+    return None
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).split("\n")[0]
+    return text if isinstance(error, _Refused) else f"{type(error).__name__}: {text[:300]}"

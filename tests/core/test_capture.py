@@ -1,0 +1,207 @@
+"""psg_core.capture.CapturedStep: replays equal the eager dp_gradient, and what cannot be replayed
+runs eagerly (with the reason)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.models import MODELS, Variant
+from psg_core.capture import CapturedStep
+from psg_core.config import DPConfig, DPGradient
+from psg_core.dp import dp_gradient
+from psg_core.errors import ConfigError, NonFiniteInputError
+
+CE = nn.CrossEntropyLoss(reduction="none")
+
+
+def _assert_same(actual: DPGradient, expected: DPGradient) -> None:
+    assert (actual.num_samples, actual.num_clipped, actual.num_dropped) == (
+        expected.num_samples, expected.num_clipped, expected.num_dropped)
+    assert actual.loss_sum == pytest.approx(expected.loss_sum, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(actual.per_sample_norms, expected.per_sample_norms, rtol=1e-5, atol=1e-6,
+                               equal_nan=True)
+    assert actual.grads.keys() == expected.grads.keys()
+    for name, grad in expected.grads.items():
+        torch.testing.assert_close(actual.grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _sgd_(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """An optimizer's in-place update, from the eager twin's gradient."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in grads:
+                p.sub_(0.5 * grads[name] / max(1.0, float(grads[name].norm())))
+
+
+def _run_against_eager(model: nn.Module, batches: list[tuple[tuple, torch.Tensor]], config: DPConfig,
+                       loss_fn=CE) -> CapturedStep:
+    """Each batch through a CapturedStep and through dp_gradient on a copy of the model, both
+    models updated in place alike after each step."""
+    twin = copy.deepcopy(model)
+    step = CapturedStep(model, loss_fn=loss_fn, config=config)
+    for inputs, targets in batches:
+        actual = step(inputs, targets)
+        expected = dp_gradient(twin, inputs, targets, loss_fn=loss_fn, config=config)
+        _assert_same(actual, expected)
+        _sgd_(model, expected.grads)
+        _sgd_(twin, expected.grads)
+    return step
+
+
+def _benchmark_batches(name: str, count: int, K: int = 1) -> tuple[nn.Module, list]:
+    spec = MODELS[name]
+    model = spec.build(Variant.PSG, "tiny", seed=0)
+    batches = [spec.make_batch(rows=spec.samples("tiny") * K, size="tiny", generator=torch.Generator().manual_seed(s))
+               for s in range(count)]
+    return model, batches
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("name", ["transformer", "cnn", "lstm", "embedding_bag"])
+def test_replays_equal_the_eager_step_on_new_batches_as_the_parameters_change(name: str, mode: str) -> None:
+    model, batches = _benchmark_batches(name, 5)
+    step = _run_against_eager(model, batches, DPConfig(mode=mode, max_grad_norm=0.5))
+    assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 2, "refused": 0}, step.refusals
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_replays_hold_with_k_copies_every_reduction_and_clipping_rule(clipping: str, reduction: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    batches = [((torch.randn(8, 6),), torch.randint(0, 3, (8,))) for _ in range(5)]
+    config = DPConfig(mode="ghost", max_grad_norm=0.3, augmentation_multiplicity=2, loss_reduction=reduction,
+                      clipping=clipping)
+    step = _run_against_eager(model, batches, config, loss_fn=nn.CrossEntropyLoss(reduction=reduction))
+    assert step.stats["replayed"] == 2
+
+
+def test_dropout_draws_as_the_eager_step_does() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 3))
+    twin = copy.deepcopy(model)
+    config = DPConfig(mode="ghost", max_grad_norm=1.0)
+    step = CapturedStep(model, loss_fn=CE, config=config)
+    for seed in range(5):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        torch.manual_seed(100 + seed)
+        actual = step((x,), y)
+        torch.manual_seed(100 + seed)
+        _assert_same(actual, dp_gradient(twin, (x,), y, loss_fn=CE, config=config))
+    assert step.stats["replayed"] == 2
+
+
+class _Branchy(nn.Module):
+    """Chooses a path from a value: the recording would bake it."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.read == "bool" and h.sum() > 0:
+            h = h * 2
+        if self.read == "tolist":
+            h = h * (1 + len([v for v in h.sum(1).tolist() if v > 0]))
+        if self.read == "mask":
+            h = h * (h > 0).sum(1, keepdim=True)  # a value per row, but through torch's ops: fine
+        return self.second(h)
+
+
+@pytest.mark.parametrize("read", ["bool", "tolist"])
+def test_a_forward_that_reads_values_runs_eagerly_with_the_reason(read: str) -> None:
+    torch.manual_seed(0)
+    model = _Branchy(read)
+    batches = [((torch.randn(6, 4),), torch.randint(0, 2, (6,))) for _ in range(4)]
+    step = _run_against_eager(model, batches, DPConfig(mode="ghost", max_grad_norm=1.0))
+    assert step.stats == {"eager": 1, "recorded": 0, "validated": 0, "replayed": 0, "refused": 3}
+    assert len(step.refusals) == 1 and ("reads a tensor's values" in step.refusals[0]
+                                        or "_local_scalar_dense" in step.refusals[0]), step.refusals
+
+
+def test_values_used_through_torch_ops_are_replayed() -> None:
+    torch.manual_seed(0)
+    batches = [((torch.randn(6, 4),), torch.randint(0, 2, (6,))) for _ in range(4)]
+    step = _run_against_eager(_Branchy("mask"), batches, DPConfig(mode="ghost", max_grad_norm=1.0))
+    assert step.stats["replayed"] == 1 and not step.refusals
+
+
+class _Selecting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * x[x > 0].numel()
+
+
+def test_value_dependent_sizes_run_eagerly() -> None:
+    torch.manual_seed(0)
+    batches = [((torch.randn(6, 4),), torch.randint(0, 2, (6,))) for _ in range(3)]
+    step = _run_against_eager(_Selecting(), batches, DPConfig(mode="ghost", max_grad_norm=1.0))
+    assert step.stats["replayed"] == 0 and "depends on the batch's values" in step.refusals[0]
+
+
+def test_new_signatures_start_over_and_old_ones_are_remembered() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.0), nn.Linear(8, 2))
+    step = CapturedStep(model, loss_fn=CE, config=DPConfig(mode="ghost"), max_signatures=2)
+
+    def batch(rows: int) -> tuple[tuple, torch.Tensor]:
+        return (torch.randn(rows, 4),), torch.randint(0, 2, (rows,))
+
+    for _ in range(4):
+        step(*batch(6))
+    assert step.stats["replayed"] == 1
+    step(*batch(5))  # another batch size: eager first
+    assert step.stats["eager"] == 2
+    model.eval()  # the training flags are part of the signature
+    step(*batch(6))
+    assert step.stats["eager"] == 3
+    model.train()  # six rows in training mode was dropped (two signatures kept): eager again
+    step(*batch(6))
+    assert step.stats["eager"] == 4
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone())  # a new parameter: a new signature
+    step(*batch(6))
+    assert step.stats["eager"] == 5
+
+
+def test_a_replay_still_refuses_non_finite_inputs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    step = CapturedStep(model, loss_fn=CE, config=DPConfig(mode="ghost"))
+    for _ in range(4):
+        step(torch.randn(6, 4), torch.randint(0, 2, (6,)))
+    assert step.stats["replayed"] == 1
+    bad = torch.randn(6, 4)
+    bad[2, 1] = float("nan")
+    with pytest.raises(NonFiniteInputError, match="NaN"):
+        step(bad, torch.randint(0, 2, (6,)))
+
+
+def test_a_non_finite_gradient_is_dropped_in_a_replay_as_in_the_eager_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    config = DPConfig(mode="ghost")
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return CE(out, y) * y.float().reciprocal()  # a target 0 makes that sample's loss infinite
+
+    batches = [((torch.randn(6, 4),), torch.randint(1, 3, (6,)) - 1) for _ in range(5)]
+    step = _run_against_eager(model, batches, config, loss_fn=loss_fn)
+    assert step.stats["replayed"] == 2
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ConfigError, match="nn.Module"):
+        CapturedStep("model", loss_fn=CE, config=DPConfig())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="DPConfig"):
+        CapturedStep(nn.Linear(2, 2), loss_fn=CE, config={"mode": "ghost"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_signatures"):
+        CapturedStep(nn.Linear(2, 2), loss_fn=CE, config=DPConfig(), max_signatures=0)
