@@ -191,24 +191,28 @@ def _psg_ghost(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor,
     return Step(run, lambda: None, model)
 
 
-def _psg_ghost_captured(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
-    from psg_core.capture import CapturedStep
-    from psg_core.config import DPConfig
+def _psg_captured(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]:
+    """psg's step recorded once and replayed (psg_core.capture.CapturedStep) with backend ``mode``."""
+    def prepare(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
+        from psg_core.capture import CapturedStep
+        from psg_core.config import DPConfig
 
-    config = DPConfig(mode="ghost", augmentation_multiplicity=case.K, max_grad_norm=MAX_GRAD_NORM)
-    optimizer, generator, params = _sgd(model, case), _noise_generator(case), _trainable(model)
-    captured = CapturedStep(model, loss_fn=nn.CrossEntropyLoss(reduction="none"), config=config)
+        config = DPConfig(mode=mode, augmentation_multiplicity=case.K, max_grad_norm=MAX_GRAD_NORM)
+        optimizer, generator, params = _sgd(model, case), _noise_generator(case), _trainable(model)
+        captured = CapturedStep(model, loss_fn=nn.CrossEntropyLoss(reduction="none"), config=config)
 
-    def run() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        result = captured(inputs, targets)
-        _apply_private_gradient(params, result.grads, result.num_samples, case, generator, optimizer)
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            result = captured(inputs, targets)
+            _apply_private_gradient(params, result.grads, result.num_samples, case, generator, optimizer)
 
-    for _ in range(3):  # eager, recorded, checked against eager: a trainer's first steps; then replays
-        run()
-    if captured.stats["validated"] != 1:
-        raise RuntimeError(f"psg-ghost-captured: the step was not captured: {captured.refusals}")
-    return Step(run, lambda: None, model)
+        for _ in range(3):  # eager, recorded, checked against eager (a trainer's first steps); then replays
+            run()
+        if captured.stats["validated"] != 1:
+            raise RuntimeError(f"the step was not captured: {'; '.join(captured.refusals)}")
+        return Step(run, lambda: None, model)
+
+    return prepare
 
 
 def _opacus_per_sample(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]:
@@ -266,8 +270,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "psg per_sample_gradients(mode='functorch')"),
     Method("psg-ew", "psg", Variant.PSG, _psg_functional("ew"), "psg per_sample_gradients(mode='ew')"),
     Method("psg-ghost", "psg", Variant.PSG, _psg_ghost, "psg ghost clipping (dp_gradient, mode='ghost')"),
-    Method("psg-ghost-captured", "psg", Variant.PSG, _psg_ghost_captured,
+    Method("psg-ghost-captured", "psg", Variant.PSG, _psg_captured("ghost"),
            "psg ghost clipping recorded once and replayed (psg_core.capture.CapturedStep)"),
+    Method("psg-hooks-captured", "psg", Variant.PSG, _psg_captured("hooks"),
+           "psg hooks + clipped sum (dp_gradient, mode='hooks') recorded once and replayed (CapturedStep)"),
     Method("opacus-hooks", "opacus", Variant.OPACUS, _opacus_per_sample("hooks"),
            "Opacus GradSampleModule (hooks) + DPOptimizer"),
     Method("opacus-functorch", "opacus", Variant.OPACUS, _opacus_per_sample("functorch"),
@@ -552,6 +558,17 @@ def suite_targets(rows: Sequence[dict[str, Any]]) -> list[TargetCheck]:
                 checks.append(_check("psg ghost time <= 1.5 x non-private on the same (DP) layers", subject,
                                      _ratio(rows, model, K, "psg-ghost", "non-private-dp-layers", "median_ms"),
                                      1.5))
+    # The same bounds for psg's recorded-and-replayed steps (psg_core.capture), where they ran.
+    captured = {row["method"] for row in rows} & {"psg-hooks-captured", "psg-ghost-captured"}
+    for model in models:
+        for K in multiplicities:
+            subject = f"{model}, K={K}"
+            if "psg-hooks-captured" in captured:
+                checks.append(_check("psg hooks, captured step: time <= 0.8 x Opacus hooks", subject,
+                                     _ratio(rows, model, K, "psg-hooks-captured", "opacus-hooks", "median_ms"), 0.8))
+            if "psg-ghost-captured" in captured and model in gpu_shapes:
+                checks.append(_check("psg ghost, captured step: time <= 1.5 x non-private", subject,
+                                     _ratio(rows, model, K, "psg-ghost-captured", "non-private", "median_ms"), 1.5))
     for K in multiplicities:
         if "transformer" in models:
             subject = f"transformer, K={K}"

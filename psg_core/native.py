@@ -60,6 +60,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -281,9 +282,15 @@ def _load() -> ctypes.CDLL | None:
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None: turned off (``PSG_NATIVE=off``) or not buildable here (see
     :func:`build_error`). The first call builds or loads the library; later calls return it.
-    None too while a step is recorded (:mod:`psg_core.capture`): a graph sees torch's ops only,
-    and a kernel called through ctypes would leave its result out of the replays."""
-    if _SETTING.current(NativeKernels.AUTO) is NativeKernels.OFF or capturing():
+    None too while a step is recorded (:mod:`psg_core.capture`): a graph sees torch's operators
+    only, and a kernel called through ctypes would leave its result out of the replays (the
+    lookup-table kernels are registered as operators, ``torch.ops.psg``, and recorded as such)."""
+    return None if capturing() else _loaded()
+
+
+def _loaded() -> ctypes.CDLL | None:
+    """:func:`library`, also while a step is recorded (for the kernels recorded as torch operators)."""
+    if _SETTING.current(NativeKernels.AUTO) is NativeKernels.OFF:
         return None
     lib = _state.get("lib")
     if lib is None and "tried" not in _state:
@@ -434,7 +441,7 @@ def _table_library(*tensors: torch.Tensor | None) -> ctypes.CDLL | None:
     for t in tensors:
         if t is not None and (t.dim() == 0 or t.stride(-1) != 1 or not plain_cpu_tensor(t, grad_mode)):
             return None
-    return library()
+    return _loaded()
 
 
 def bag_entries(tokens: torch.Tensor, offsets: torch.Tensor | None, *, bags: int, include_last_offset: bool,
@@ -462,6 +469,22 @@ def bag_entries(tokens: torch.Tensor, offsets: torch.Tensor | None, *, bags: int
     lib = _table_library(tokens, offsets, per_sample_weights)
     if lib is None or (offsets is None and bags < 1):
         return None
+    if capturing():
+        ids, weight = torch.ops.psg.bag_entries(tokens, offsets, bags, include_last_offset, mean, padding_idx,
+                                                per_sample_weights, K, table_rows, dtype)
+    else:
+        found = _bag_entries(lib, tokens, offsets, bags, include_last_offset, mean, padding_idx, per_sample_weights,
+                             K, table_rows, dtype)
+        if found is None:
+            return None
+        ids, weight = found
+    return ids[:2], ids[2], weight
+
+
+def _bag_entries(lib: ctypes.CDLL, tokens: torch.Tensor, offsets: torch.Tensor | None, bags: int,
+                 include_last_offset: bool, mean: bool, padding_idx: int | None,
+                 per_sample_weights: torch.Tensor | None, K: int, table_rows: int, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     count = tokens.shape[0]
     ids = torch.empty(3, count, dtype=torch.int64)  # sample, table row, bag
     weight = torch.empty(count, dtype=dtype)
@@ -469,9 +492,7 @@ def bag_entries(tokens: torch.Tensor, offsets: torch.Tensor | None, *, bags: int
         count, bags, _pointer(offsets), 0 if offsets is None else offsets.shape[0], int(include_last_offset),
         int(mean), -1 if padding_idx is None else padding_idx, tokens.data_ptr(), _pointer(per_sample_weights), K,
         table_rows, ids.data_ptr(), ids.data_ptr() + 8 * count, ids.data_ptr() + 16 * count, weight.data_ptr())
-    if status != 0:
-        return None
-    return ids[:2], ids[2], weight
+    return (ids, weight) if status == 0 else None
 
 
 def keyed_sq_norms(left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
@@ -492,8 +513,15 @@ def keyed_sq_norms(left: torch.Tensor, source: torch.Tensor, weight: torch.Tenso
     lib = _table_library(left, source, weight, rows)
     if lib is None:
         return None
-    out = torch.empty(samples, dtype=dtype)
-    status = getattr(lib, f"psg_{_DTYPES[dtype]}_keyed_sq_norms")(
+    if capturing():
+        return torch.ops.psg.keyed_sq_norms(left, source, weight, rows, samples)  # type: ignore[no-any-return]
+    return _keyed_sq_norms(lib, left, source, weight, rows, samples)
+
+
+def _keyed_sq_norms(lib: ctypes.CDLL, left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor,
+                    rows: torch.Tensor, samples: int) -> torch.Tensor | None:
+    out = torch.empty(samples, dtype=rows.dtype)
+    status = getattr(lib, f"psg_{_DTYPES[rows.dtype]}_keyed_sq_norms")(
         left.shape[1], samples, rows.shape[0] // samples, rows.shape[1], left.data_ptr(),
         left.data_ptr() + 8 * left.stride(0), source.data_ptr(), weight.data_ptr(), rows.data_ptr(), rows.stride(0),
         _threads(), out.data_ptr())
@@ -517,12 +545,56 @@ def keyed_table_sum(left: torch.Tensor, source: torch.Tensor, weight: torch.Tens
     lib = _table_library(left, source, weight, rows, factors)
     if lib is None:
         return None
-    out = torch.zeros(table_rows, rows.shape[1], dtype=dtype)
-    status = getattr(lib, f"psg_{_DTYPES[dtype]}_keyed_table_sum")(
+    if capturing():
+        return torch.ops.psg.keyed_table_sum(left, source, weight, rows, factors, table_rows)  # type: ignore[no-any-return]
+    return _keyed_table_sum(lib, left, source, weight, rows, factors, table_rows)
+
+
+def _keyed_table_sum(lib: ctypes.CDLL, left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor,
+                     rows: torch.Tensor, factors: torch.Tensor, table_rows: int) -> torch.Tensor | None:
+    out = torch.zeros(table_rows, rows.shape[1], dtype=rows.dtype)
+    status = getattr(lib, f"psg_{_DTYPES[rows.dtype]}_keyed_table_sum")(
         left.shape[1], factors.shape[0], rows.shape[1], table_rows, rows.shape[0], left.data_ptr(),
         left.data_ptr() + 8 * left.stride(0), source.data_ptr(), weight.data_ptr(), factors.data_ptr(),
         rows.data_ptr(), rows.stride(0), out.data_ptr())
     return out if status == 0 else None
+
+
+# ------------------------------------------------------------------------------ as torch operators
+# The lookup-table kernels as operators of the ``psg`` namespace, which a recorded step
+# (psg_core.capture) keeps in its graph: a replay calls the kernel on the new batch. They are
+# reached only while recording (an eager step calls the kernels directly, without the operator
+# dispatch), once the eligibility checks above have passed.
+def _required(result: Any, what: str) -> Any:
+    if result is None:
+        raise RuntimeError(f"psg's native {what} kernel failed on this batch (it succeeded on the recorded one)")
+    return result
+
+
+def _required_library() -> ctypes.CDLL:
+    return _required(_loaded(), "library")  # type: ignore[no-any-return]
+
+
+@torch.library.custom_op("psg::bag_entries", mutates_args=())
+def _bag_entries_op(tokens: torch.Tensor, offsets: torch.Tensor | None, bags: int, include_last_offset: bool,
+                    mean: bool, padding_idx: int | None, per_sample_weights: torch.Tensor | None, K: int,
+                    table_rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _required(_bag_entries(_required_library(), tokens, offsets, bags, include_last_offset, mean, padding_idx,
+                                  per_sample_weights, K, table_rows, dtype), "bag_entries")  # type: ignore[no-any-return]
+
+
+@torch.library.custom_op("psg::keyed_sq_norms", mutates_args=())
+def _keyed_sq_norms_op(left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
+                       samples: int) -> torch.Tensor:
+    return _required(_keyed_sq_norms(_required_library(), left, source, weight, rows, samples),  # type: ignore[no-any-return]
+                     "keyed_sq_norms")
+
+
+@torch.library.custom_op("psg::keyed_table_sum", mutates_args=())
+def _keyed_table_sum_op(left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
+                        factors: torch.Tensor, table_rows: int) -> torch.Tensor:
+    return _required(_keyed_table_sum(_required_library(), left, source, weight, rows, factors,  # type: ignore[no-any-return]
+                                      table_rows), "keyed_table_sum")
 
 
 #: below this many elements torch's own copy costs no more than the call into the library

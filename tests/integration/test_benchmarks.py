@@ -81,7 +81,7 @@ def _private_gradient(model: str, method: str, K: int) -> dict[str, torch.Tensor
 def test_psg_methods_compute_the_same_step(model: str) -> None:
     """Every psg row does the same work: the same clipped, averaged gradient at K = 2."""
     reference = _private_gradient(model, "psg-hooks", 2)
-    for method in ("psg-functorch", "psg-ew", "psg-ghost"):
+    for method in ("psg-functorch", "psg-ew", "psg-ghost", "psg-ghost-captured", "psg-hooks-captured"):
         if (model, method) in KNOWN_UNSUPPORTED:
             continue
         grads = _private_gradient(model, method, 2)
@@ -212,6 +212,22 @@ def test_ghost_targets_on_every_model_and_against_the_dp_layers() -> None:
     # The GPU-speed issue states these targets at its shapes only: the full-size rows keep their own.
     full = [dict(row, size="full") for row in rows]
     assert not any(c.target.startswith("psg ghost time <= 1.5") for c in suite_targets(full))
+
+
+def test_captured_steps_get_the_same_bounds_where_they_ran() -> None:
+    rows = [
+        {"model": "cnn", "method": "non-private", "K": 1, "median_ms": 10.0, "size": "gpu16"},
+        {"model": "cnn", "method": "opacus-hooks", "K": 1, "median_ms": 30.0, "size": "gpu16"},
+        {"model": "cnn", "method": "psg-ghost", "K": 1, "median_ms": 20.0, "size": "gpu16"},
+        {"model": "cnn", "method": "psg-ghost-captured", "K": 1, "median_ms": 14.0, "size": "gpu16"},
+        {"model": "cnn", "method": "psg-hooks-captured", "K": 1, "median_ms": 27.0, "size": "gpu16"},
+    ]
+    checks = {(c.target, c.subject): c for c in suite_targets(rows)}
+    assert checks[("psg ghost, captured step: time <= 1.5 x non-private", "cnn, K=1")].value == pytest.approx(1.4)
+    assert checks[("psg ghost, captured step: time <= 1.5 x non-private", "cnn, K=1")].met is True
+    assert checks[("psg hooks, captured step: time <= 0.8 x Opacus hooks", "cnn, K=1")].met is False
+    plain = [row for row in rows if not row["method"].endswith("-captured")]
+    assert not any("captured" in c.target for c in suite_targets(plain))
 
 
 def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
