@@ -51,6 +51,7 @@ _LAZY = {
     "calibrate_noise_multiplier": "psg_core.calibration",
     "steps_for_epochs": "psg_core.calibration",
     "DPStep": "psg_core.dp_step",
+    "CapturedStep": "psg_core.capture",
 }
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from psg_core.accumulate import GradientAccumulator, split_batch
     from psg_core.adaptive_clipping import QuantileClipping
     from psg_core.calibration import calibrate_noise_multiplier, steps_for_epochs
+    from psg_core.capture import CapturedStep
     from psg_core.dp_step import DPStep
 
 
@@ -76,6 +78,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AbstractGradSampleModule",
     "AccountingMethod",
+    "CapturedStep",
     "ClipResult",
     "DPStep",
     "GradientAccumulator",

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -188,9 +189,14 @@ class CapturedStep:
         self.stats = {"eager": 0, "recorded": 0, "validated": 0, "replayed": 0, "refused": 0}
         #: why signatures were refused, in order
         self.refusals: list[str] = []
+        self._lock = threading.RLock()  # one call at a time (the signatures' states change per call)
 
     # ------------------------------------------------------------------------------ the call
     def __call__(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
+        with self._lock:
+            return self._call(inputs, targets)
+
+    def _call(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
         try:
             key, leaves, spec = self._signature(inputs, targets)
         except _Refused as refused:
