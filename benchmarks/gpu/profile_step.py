@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.training import Case, prepare_step
 
-DEFAULT_METHODS = ("non-private", "psg-hooks", "psg-ghost", "opacus-hooks")
+DEFAULT_METHODS = ("non-private", "psg-hooks", "psg-hooks-captured", "psg-ghost", "psg-ghost-captured", "opacus-hooks")
 
 
 def _sync(device: str) -> None:

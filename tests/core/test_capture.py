@@ -14,6 +14,7 @@ from psg_core.capture import CapturedStep
 from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import dp_gradient
 from psg_core.errors import ConfigError, NonFiniteInputError
+from tests.devices import to_device
 
 CE = nn.CrossEntropyLoss(reduction="none")
 
@@ -62,8 +63,10 @@ def _benchmark_batches(name: str, count: int, K: int = 1) -> tuple[nn.Module, li
 
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])
 @pytest.mark.parametrize("name", ["transformer", "cnn", "lstm", "embedding_bag"])
-def test_replays_equal_the_eager_step_on_new_batches_as_the_parameters_change(name: str, mode: str) -> None:
+def test_replays_equal_the_eager_step_on_new_batches_as_the_parameters_change(name: str, mode: str,
+                                                                               device: torch.device) -> None:
     model, batches = _benchmark_batches(name, 5)
+    model, batches = to_device(model, device), to_device(batches, device)
     step = _run_against_eager(model, batches, DPConfig(mode=mode, max_grad_norm=0.5))
     assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 2, "refused": 0}, step.refusals
 
