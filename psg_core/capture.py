@@ -169,8 +169,9 @@ class CapturedStep:
             off trusts the recording).
 
     Calling it returns what :func:`~psg_core.dp_gradient` returns for the batch (up to float
-    rounding: a replay runs the same operators, but psg's native CPU kernels are not recorded, so
-    a replay takes their torch-op path).
+    rounding: a replay runs the same operators, but for psg's native recurrent-cell loops, which a
+    recording replaces by their torch-op path; its lookup-table kernels are recorded as
+    ``torch.ops.psg`` operators).
     """
 
     def __init__(self, module: nn.Module, *, loss_fn: LossFn | nn.Module, config: DPConfig,
@@ -248,13 +249,15 @@ class CapturedStep:
         if fp16_autocast():
             raise _Refused("float16 autocast scales the loss and retries on overflow, a decision on values")
         leaves, spec = tree_flatten((inputs, targets))
-        params = tuple((id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad)
-                       for p in self.module.parameters())
-        buffers = tuple(id(b) for b in self.module.buffers())
-        training = tuple(m.training for m in self.module.modules())
+        state: list[Hashable] = []  # each module's training flag, parameters and buffers (one walk)
+        for layer in self.module.modules():
+            state.append(layer.training)
+            state.extend((id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad)
+                         for p in layer._parameters.values() if p is not None)
+            state.extend(id(b) for b in layer._buffers.values() if b is not None)
         autocast = tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                          for device in ("cpu", "cuda") if torch.is_autocast_enabled(device))
-        key = (str(spec), tuple(_leaf_signature(leaf) for leaf in leaves), params, buffers, training, autocast,
+        key = (str(spec), tuple(_leaf_signature(leaf) for leaf in leaves), tuple(state), autocast,
                torch.is_grad_enabled(), torch.get_default_dtype(), id(self.loss_fn))
         return key, leaves, spec
 
@@ -312,7 +315,8 @@ class CapturedStep:
     def _validate(self, entry: _Entry, inputs: Any, targets: torch.Tensor, leaves: list[Any]) -> DPGradient:
         """The eager step and the graph's on this batch, with the same random draws; the graph is
         kept when they agree."""
-        devices = sorted({t.device.index or 0 for t in leaves if isinstance(t, torch.Tensor) and t.is_cuda})
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + list(self.module.parameters())
+        devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})  # (whose random draws to repeat)
         cpu_state = torch.get_rng_state()
         cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
         eager = self._eager(inputs, targets)
