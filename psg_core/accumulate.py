@@ -33,7 +33,6 @@ from torch.nn.utils.rnn import PackedSequence
 from psg_core.adaptive_clipping import gradient_noise_multiplier, private_unclipped_fraction, updated_bound
 from psg_core.backends.base import trainable_parameters
 from psg_core.config import DPGradient
-from psg_core.dp import dp_gradient
 from psg_core.errors import ConfigError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.privacy_step import PrivacyStep
@@ -159,7 +158,7 @@ class GradientAccumulator:
             privacy = step.privacy_step()
             privacy.check_budget(step.accountant)
             self._privacy = privacy
-        part = dp_gradient(step.model, inputs, targets, loss_fn=step.loss_fn, config=step.config)
+        part = step.clipped_sum(inputs, targets)
         self._total = part if self._total is None else DPGradient.merge([self._total, part])
         self._batches += 1
         return part

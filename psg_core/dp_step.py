@@ -21,7 +21,9 @@ from psg_core.accounting import PrivacyAccountant
 from psg_core.accumulate import GradientAccumulator, split_batch
 from psg_core.adaptive_clipping import QuantileClipping, gradient_noise_multiplier
 from psg_core.calibration import calibrate_noise_multiplier
+from psg_core.capture import CapturedStep
 from psg_core.config import DPConfig, DPGradient
+from psg_core.dp import dp_gradient
 from psg_core.errors import ConfigError
 from psg_core.losses import LossFn
 from psg_core.modes import Clipping
@@ -74,6 +76,10 @@ class DPStep:
             the per-sample norms, updated after every step into ``config.max_grad_norm``; the
             step stays accounted at ``config.noise_multiplier``, the gradient's noise being
             slightly larger to pay for the count (:mod:`psg_core.adaptive_clipping`).
+        capture: compute each physical batch's clipped sum through a
+            :class:`~psg_core.capture.CapturedStep` (recorded once per batch signature, then
+            replayed without psg's per-step Python: for batches of a few fixed shapes; not with
+            ``adaptive_clipping``, whose bound changes every step).
 
     >>> model = nn.Linear(3, 1)
     >>> step = DPStep(model, loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0),
@@ -94,7 +100,7 @@ class DPStep:
                  accountant: PrivacyAccountant | None = None, generator: torch.Generator | None = None,
                  secure_rng: bool = False, target_epsilon: float | None = None, delta: float | None = None,
                  epochs: float | None = None, steps: int | None = None,
-                 adaptive_clipping: QuantileClipping | None = None) -> None:
+                 adaptive_clipping: QuantileClipping | None = None, capture: bool = False) -> None:
         where = "DPStep"
         if not isinstance(model, nn.Module):
             raise ConfigError(f"{where}: expected an nn.Module, got {type(model).__name__}")
@@ -137,6 +143,9 @@ class DPStep:
                 raise ConfigError(f"{where}: adaptive clipping moves one flat bound; got clipping="
                                   f"{config.clipping.value!r}")
             gradient_noise_multiplier(config.noise_multiplier, adaptive_clipping.count_noise_multiplier)
+            if capture:
+                raise ConfigError(f"{where}: adaptive clipping moves the bound every step, which a recorded step "
+                                  "(capture=True) would hold fixed; use one or the other")
         self.model = model
         self.loss_fn = loss_fn
         self.config = config
@@ -148,6 +157,9 @@ class DPStep:
         self.adaptive_clipping = adaptive_clipping
         #: With adaptive clipping: the last step's private estimate of the fraction left unclipped.
         self.unclipped_fraction: float | None = None
+        #: Whether each physical batch's clipped sum goes through a :class:`~psg_core.capture.CapturedStep`.
+        self.capture = bool(capture)
+        self._captured: CapturedStep | None = None
 
     def __call__(self, inputs: Any, targets: torch.Tensor, *,
                  max_physical_batch_size: int | None = None) -> DPGradient:
@@ -181,6 +193,18 @@ class DPStep:
         for inputs, targets in physical_batches:
             accumulator.add(inputs, targets)
         return accumulator.release()
+
+    def clipped_sum(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
+        """:func:`psg_core.dp_gradient` of one physical batch with this step's model, loss and
+        configuration: recorded once per batch signature and replayed with ``capture=True``
+        (:class:`~psg_core.capture.CapturedStep`, kept while the model, loss and configuration are)."""
+        if not self.capture:
+            return dp_gradient(self.model, inputs, targets, loss_fn=self.loss_fn, config=self.config)
+        captured = self._captured
+        if captured is None or captured.module is not self.model or captured.loss_fn is not self.loss_fn \
+                or captured.config != self.config:
+            captured = self._captured = CapturedStep(self.model, loss_fn=self.loss_fn, config=self.config)
+        return captured(inputs, targets)
 
     @property
     def normaliser(self) -> float:

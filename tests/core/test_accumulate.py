@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 
-import psg_core.accumulate as accumulate_module
+import psg_core.dp_step as dp_step_module
 from psg_core.accounting import PrivacyAccountant
 from psg_core.accumulate import GradientAccumulator, split_batch
 from psg_core.config import DPConfig, DPGradient
@@ -61,13 +61,13 @@ def test_physical_batches_release_the_logical_batch_s_gradient(mode: str, noise_
 
 def test_per_sample_gradients_exist_for_one_physical_batch_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
-    original = accumulate_module.dp_gradient
+    original = dp_step_module.dp_gradient
 
     def recording(module: nn.Module, inputs: Any, targets: torch.Tensor, **kwargs: Any) -> DPGradient:
         seen.append(targets.shape[0])
         return original(module, inputs, targets, **kwargs)
 
-    monkeypatch.setattr(accumulate_module, "dp_gradient", recording)
+    monkeypatch.setattr(dp_step_module, "dp_gradient", recording)
     inputs, targets = batch(22)
     run(DPConfig(augmentation_multiplicity=2, noise_multiplier=1.0), inputs, targets, physical=4)
     assert seen == [8, 8, 6]  # rows: 4 + 4 + 3 samples of K = 2
@@ -154,3 +154,36 @@ def test_split_refuses_what_it_cannot_cut() -> None:
     packed = pack_sequence([torch.randn(3, 4), torch.randn(2, 4)])
     with pytest.raises(ConfigError, match="PackedSequence"):
         list(split_batch(packed, torch.randn(2, 3), max_samples=1))
+
+
+@pytest.mark.parametrize("physical", [None, 4])
+def test_a_captured_step_releases_the_eager_step_s_gradient(physical: int | None) -> None:
+    """DPStep(capture=True): the same p.grad, noise and ledger as the eager DPStep, step after step
+    (physical batches of 4 samples: two signatures, 4 and 3 samples)."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    config = DPConfig(mode="ghost", noise_multiplier=0.7, max_grad_norm=0.5, augmentation_multiplicity=2)
+    steps = [DPStep(model, loss_fn=nn.MSELoss(), config=config, sample_rate=0.5, expected_batch_size=11.0,
+                    generator=torch.Generator().manual_seed(3), capture=capture)
+             for model, capture in zip(models, (False, True))]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    for seed in range(6):
+        inputs, targets = batch(22, seed)  # 11 samples of K = 2
+        for step, optimizer in zip(steps, optimizers):
+            optimizer.zero_grad()
+            step(inputs, targets, max_physical_batch_size=physical)
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+    captured = steps[1]._captured
+    assert captured is not None and captured.stats["replayed"] > 0 and not captured.refusals
+    assert steps[0].accountant.steps == steps[1].accountant.steps == 6
+
+
+def test_capture_and_adaptive_clipping_are_refused_together() -> None:
+    from psg_core.adaptive_clipping import QuantileClipping
+    with pytest.raises(ConfigError, match="adaptive clipping"):
+        DPStep(nn.Linear(3, 1), loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0), sample_rate=0.5,
+               expected_batch_size=4.0, adaptive_clipping=QuantileClipping(), capture=True)
