@@ -16,9 +16,10 @@ arithmetic or to choose a code path: code that needs a value to decide something
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
-import contextlib
+from typing import TypeVar
 
 import torch
 
@@ -46,28 +47,31 @@ def capturing() -> bool:
     return getattr(_STATE, "deferred", None) is not None
 
 
-def _slot(tensor: torch.Tensor) -> int:
-    deferred: list[torch.Tensor] = _STATE.deferred
+_Number = TypeVar("_Number", DeferredInt, DeferredFloat)
+
+
+def _stand_in(tensor: torch.Tensor, kind: type[_Number]) -> _Number | None:
+    """A stand-in number for ``tensor`` while recording (its tensor appended to the deferred ones),
+    else None."""
+    deferred: list[torch.Tensor] | None = getattr(_STATE, "deferred", None)
+    if deferred is None:
+        return None
+    number = kind(0)
+    number.slot = len(deferred)
     deferred.append(tensor.detach().reshape(()))
-    return len(deferred) - 1
+    return number
 
 
 def host_int(tensor: torch.Tensor) -> int:
     """``int(tensor.item())`` of a one-element tensor (deferred while recording)."""
-    if getattr(_STATE, "deferred", None) is not None:
-        number = DeferredInt(0)
-        number.slot = _slot(tensor)
-        return number
-    return int(tensor.item())
+    number = _stand_in(tensor, DeferredInt)
+    return int(tensor.item()) if number is None else number
 
 
 def host_float(tensor: torch.Tensor) -> float:
     """``float(tensor.item())`` of a one-element tensor (deferred while recording)."""
-    if getattr(_STATE, "deferred", None) is not None:
-        number = DeferredFloat(0.0)
-        number.slot = _slot(tensor)
-        return number
-    return float(tensor.item())
+    number = _stand_in(tensor, DeferredFloat)
+    return float(tensor.item()) if number is None else number
 
 
 @contextlib.contextmanager
