@@ -1,8 +1,9 @@
 """What a private step costs the host per hooked layer: the figure that decides a GPU step.
 
 ``python -m benchmarks.host_overhead [--layers 4 20] [--width 16] [--batch 4] [--rounds 200]``
-times the training suite's steps (:mod:`benchmarks.training`'s methods: non-private, psg hooks,
-psg ghost, and Opacus' hooks and ghost when installed) on MLPs of ``Linear(width, width)`` + ReLU
+times the training suite's steps (:mod:`benchmarks.training`'s methods: non-private, psg hooks and
+ghost, eager and captured (:class:`psg_core.capture.CapturedStep`), and Opacus' hooks and ghost when
+installed) on MLPs of ``Linear(width, width)`` + ReLU
 blocks that differ only in how many blocks they have, at a width and batch so small that every
 kernel costs next to nothing. A method's step time then grows with the block count by its host
 work per layer: Python in the hooks, the batch tracker's frames and ops, the backward pass's
@@ -32,7 +33,8 @@ from benchmarks.training import LEARNING_RATE, METHODS, Case, Step
 __all__ = ["HOST_METHODS", "host_step", "mlp", "per_layer_costs", "main"]
 
 #: The methods compared (those whose library is installed).
-HOST_METHODS = ("non-private", "psg-hooks", "psg-ghost", "opacus-hooks", "opacus-ghost")
+HOST_METHODS = ("non-private", "psg-hooks", "psg-hooks-captured", "psg-ghost", "psg-ghost-captured", "opacus-hooks",
+                "opacus-ghost")
 
 
 def mlp(blocks: int, width: int, classes: int = 4, *, seed: int = 0) -> nn.Sequential:
