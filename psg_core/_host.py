@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["capturing", "host_int", "host_float", "Deferred", "recording"]
+__all__ = ["capturing", "host_int", "host_float", "expect_zero", "Deferred", "Recording", "recording"]
 
 _STATE = threading.local()
 
@@ -74,13 +74,35 @@ def host_float(tensor: torch.Tensor) -> float:
     return float(tensor.item()) if number is None else number
 
 
+def expect_zero(tensor: torch.Tensor) -> None:
+    """While recording: the recorded path is right only when the one-element ``tensor`` is 0 (how
+    many samples' gradients are not finite: the path that zeroes them costs a pass over every
+    per-sample gradient, taken eagerly only when needed). Its value becomes an output of the graph;
+    a replay where it is not 0 is discarded and the batch computed eagerly."""
+    guards: list[int] | None = getattr(_STATE, "guards", None)
+    if guards is not None:
+        number = _stand_in(tensor, DeferredInt)
+        assert number is not None
+        guards.append(number.slot)
+
+
+class Recording:
+    """What a recorded step deferred: ``tensors`` (one-element, read after each replay) and
+    ``guards`` (the indices of those that must be 0 for the replay to stand, see
+    :func:`expect_zero`)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.guards: list[int] = []
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[list[torch.Tensor]]:
-    """Defers this thread's reads for the block; yields the list the deferred tensors go to."""
-    previous = getattr(_STATE, "deferred", None)
-    deferred: list[torch.Tensor] = []
-    _STATE.deferred = deferred
+def recording() -> Iterator[Recording]:
+    """Defers this thread's reads for the block; yields where the deferred tensors go."""
+    previous = getattr(_STATE, "deferred", None), getattr(_STATE, "guards", None)
+    record = Recording()
+    _STATE.deferred, _STATE.guards = record.tensors, record.guards
     try:
-        yield deferred
+        yield record
     finally:
-        _STATE.deferred = previous
+        _STATE.deferred, _STATE.guards = previous

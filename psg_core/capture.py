@@ -17,8 +17,9 @@ the values. psg checks what it can, and runs the step eagerly where the check fa
 * reading a value into Python while recording (``.item()``, ``bool(t)``, ``.tolist()``,
   ``.numpy()``, a data pointer, a data-dependent shape such as ``x[mask]``) refuses the recording:
   the value would be baked into every replay. psg's own reads (how many were clipped, the loss sum)
-  are deferred to the replay's outputs (:mod:`psg_core._host`), and its clipping takes a path that
-  no value chooses;
+  are deferred to the replay's outputs (:mod:`psg_core._host`); its clipping records the common
+  path (no sample dropped for a non-finite gradient), and a replay whose batch drops one is
+  discarded for the eager step (``stats["reruns"]``);
 * the graph is checked against the eager step on a different batch (same random draws): a
   mismatch refuses it;
 * each replay first checks the batch is finite, as :func:`~psg_core.dp_gradient` does.
@@ -34,7 +35,7 @@ between steps, a global): such a model must not be captured.
 >>> step = CapturedStep(model, loss_fn=nn.CrossEntropyLoss(), config=DPConfig(mode="ghost", max_grad_norm=1.0))
 >>> for _ in range(4):
 ...     out = step(torch.randn(6, 4), torch.randint(0, 2, (6,)))
->>> step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 1, "refused": 0}
+>>> step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 1, "refused": 0, "reruns": 0}
 True
 >>> out.num_samples, sorted(out.grads), out.per_sample_norms.shape
 (6, ['0.bias', '0.weight', '2.bias', '2.weight'], torch.Size([6]))
@@ -136,6 +137,8 @@ class _Entry:
     #: DPGradient's counts and loss sum: the index of their deferred tensor in the graph's
     #: numbers output, or their constant value
     numbers: dict[str, tuple[bool, Any]] = field(default_factory=dict)
+    #: indices in the numbers output that must be 0 for a replay to stand (see _host.expect_zero)
+    guards: tuple[int, ...] = ()
     validated: bool = False
     refused: str | None = None
 
@@ -187,7 +190,9 @@ class CapturedStep:
         self.validate = bool(validate)
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         #: how many calls ran each way (``refused``: eager calls of refused signatures)
-        self.stats = {"eager": 0, "recorded": 0, "validated": 0, "replayed": 0, "refused": 0}
+        #: (``reruns``: batches a replay did not hold for, a sample's gradient not being finite,
+        #: computed eagerly instead)
+        self.stats = {"eager": 0, "recorded": 0, "validated": 0, "replayed": 0, "refused": 0, "reruns": 0}
         #: why signatures were refused, in order
         self.refusals: list[str] = []
         self._lock = threading.RLock()  # one call at a time (the signatures' states change per call)
@@ -218,8 +223,12 @@ class CapturedStep:
         self._check_finite(inputs, targets)
         if not entry.validated:
             return self._validate(entry, inputs, targets, leaves)
+        replayed = self._replay(entry, leaves)
+        if replayed is None:
+            self.stats["reruns"] += 1
+            return self._eager(inputs, targets)
         self.stats["replayed"] += 1
-        return self._replay(entry, leaves)
+        return replayed
 
     # ------------------------------------------------------------------------------ internals
     def _eager(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
@@ -275,11 +284,11 @@ class CapturedStep:
             for i, t in zip(positions, flat):
                 full[i] = t
             batch_inputs, batch_targets = tree_unflatten(full, spec)
-            with recording() as deferred, _NoHostReads(), _NoValueShapes():
+            with recording() as record, _NoHostReads(), _NoValueShapes():
                 out = dp_gradient(self.module, batch_inputs, batch_targets, loss_fn=self.loss_fn, config=self.config)
-            numbers = (torch.stack([t.to(torch.float64) for t in deferred]) if deferred
+            numbers = (torch.stack([t.to(torch.float64) for t in record.tensors]) if record.tensors
                        else torch.zeros(0, dtype=torch.float64, device=out.per_sample_norms.device))
-            holder["out"], holder["numbers"] = out, numbers
+            holder["out"], holder["numbers"], holder["guards"] = out, numbers, tuple(record.guards)
             return list(out.grads.values()), out.per_sample_norms, numbers
 
         try:
@@ -297,9 +306,14 @@ class CapturedStep:
         entry.names, entry.num_samples = tuple(out.grads), out.num_samples
         entry.numbers = {name: _number_source(getattr(out, name))
                          for name in ("loss_sum", "num_clipped", "num_dropped")}
+        entry.guards = holder["guards"]
         entry.validated = not self.validate
         self.stats["recorded"] += 1
-        return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, holder["numbers"].tolist()))
+        numbers = holder["numbers"].tolist()
+        if not _holds(entry, numbers):
+            self.stats["reruns"] += 1
+            return self._eager(inputs, targets)  # (the graph stands for batches that drop no sample)
+        return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, numbers))
 
     def _run(self, entry: _Entry, leaves: list[Any]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         positions, _ = entry.spec
@@ -307,10 +321,14 @@ class CapturedStep:
             grads, norms, numbers = entry.graph(*[leaves[i] for i in positions])
         return grads, norms, numbers
 
-    def _replay(self, entry: _Entry, leaves: list[Any]) -> DPGradient:
+    def _replay(self, entry: _Entry, leaves: list[Any]) -> DPGradient | None:
+        """The graph's result on the batch; None where its guards say the recorded path does not
+        hold for it (a sample dropped)."""
         grads, norms, numbers = self._run(entry, leaves)
-        return self._result(entry, dict(zip(entry.names, grads)), norms,
-                            _numbers(entry, numbers.tolist()))
+        values = numbers.tolist()  # (one read: the counts, the loss sum and the guards)
+        if not _holds(entry, values):
+            return None
+        return self._result(entry, dict(zip(entry.names, grads)), norms, _numbers(entry, values))
 
     def _validate(self, entry: _Entry, inputs: Any, targets: torch.Tensor, leaves: list[Any]) -> DPGradient:
         """The eager step and the graph's on this batch, with the same random draws; the graph is
@@ -327,9 +345,9 @@ class CapturedStep:
             torch.cuda.set_rng_state(state, d)
         try:
             replayed = self._replay(entry, leaves)
-            mismatch = _mismatch(eager, replayed)
+            mismatch = None if replayed is None else _mismatch(eager, replayed)
         except Exception as error:  # noqa: BLE001 - a graph that cannot replay is refused
-            mismatch = f"its replay failed: {_describe(error)}"
+            replayed, mismatch = None, f"its replay failed: {_describe(error)}"
         torch.set_rng_state(after_cpu)
         for d, state in zip(devices, after_cuda):
             torch.cuda.set_rng_state(state, d)
@@ -337,6 +355,8 @@ class CapturedStep:
             self._refuse(entry, f"the recorded graph disagrees with the eager step on another batch ({mismatch}): "
                                 "the step depends on values it does not read through torch's operators")
             self.stats["refused"] += 1
+        elif replayed is None:  # this batch dropped a sample: the graph is checked on a later one
+            self.stats["reruns"] += 1
         else:
             entry.validated = True
             self.stats["validated"] += 1
@@ -354,6 +374,11 @@ def _number_source(value: Any) -> tuple[bool, Any]:
     if isinstance(value, Deferred):
         return True, value.slot
     return False, value
+
+
+def _holds(entry: _Entry, graph_numbers: list[float]) -> bool:
+    """Whether the recorded path holds for the batch (every guard 0)."""
+    return all(graph_numbers[slot] == 0 for slot in entry.guards)
 
 
 def _numbers(entry: _Entry, graph_numbers: list[float]) -> dict[str, Any]:

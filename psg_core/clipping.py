@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from psg_core._host import capturing, host_int
+from psg_core._host import capturing, expect_zero, host_int
 from psg_core.errors import ConfigError
 from psg_core.modes import Clipping, parse_enum
 from psg_core.precision import as_dtype, norm_dtype as promoted_norm_dtype
@@ -138,10 +138,12 @@ def dropped_samples(norms: torch.Tensor) -> torch.Tensor | None:
     """``(N,)`` bool: the samples whose gradient is not finite, which clipping drops (factor 0,
     rows zeroed before the sum) and the results count in ``num_dropped``; None when there is
     none (the common case, decided with one device-to-host read per step). While a step is
-    recorded (:mod:`psg_core.capture`) the mask is always returned: no read decides the path."""
+    recorded (:mod:`psg_core.capture`), None: the recording takes the common path, and a replay
+    whose batch drops a sample is discarded for the eager step (:func:`psg_core._host.expect_zero`)."""
     finite = norms < math.inf  # (a norm is >= 0: isfinite in one comparison)
     if capturing():
-        return ~finite
+        expect_zero((~finite).sum())
+        return None
     return None if bool(finite.all()) else ~finite
 
 

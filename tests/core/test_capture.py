@@ -68,7 +68,8 @@ def test_replays_equal_the_eager_step_on_new_batches_as_the_parameters_change(na
     model, batches = _benchmark_batches(name, 5)
     model, batches = to_device(model, device), to_device(batches, device)
     step = _run_against_eager(model, batches, DPConfig(mode=mode, max_grad_norm=0.5))
-    assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 2, "refused": 0}, step.refusals
+    assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 2, "refused": 0, "reruns": 0}, \
+        step.refusals
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
@@ -123,7 +124,7 @@ def test_a_forward_that_reads_values_runs_eagerly_with_the_reason(read: str) -> 
     model = _Branchy(read)
     batches = [((torch.randn(6, 4),), torch.randint(0, 2, (6,))) for _ in range(4)]
     step = _run_against_eager(model, batches, DPConfig(mode="ghost", max_grad_norm=1.0))
-    assert step.stats == {"eager": 1, "recorded": 0, "validated": 0, "replayed": 0, "refused": 3}
+    assert step.stats == {"eager": 1, "recorded": 0, "validated": 0, "replayed": 0, "refused": 3, "reruns": 0}
     assert len(step.refusals) == 1 and ("reads a tensor's values" in step.refusals[0]
                                         or "_local_scalar_dense" in step.refusals[0]), step.refusals
 
@@ -196,9 +197,12 @@ def test_a_non_finite_gradient_is_dropped_in_a_replay_as_in_the_eager_step() -> 
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return CE(out, y) * y.float().reciprocal()  # a target 0 makes that sample's loss infinite
 
-    batches = [((torch.randn(6, 4),), torch.randint(1, 3, (6,)) - 1) for _ in range(5)]
+    # batches 1 and 3 hold a target 0 (a sample dropped), 0, 2 and 4 none
+    batches = [((torch.randn(6, 4),), torch.ones(6, dtype=torch.long).index_fill(0, torch.tensor([i % 6]), 0)
+                if i % 2 else torch.ones(6, dtype=torch.long)) for i in range(5)]
     step = _run_against_eager(model, batches, config, loss_fn=loss_fn)
-    assert step.stats["replayed"] == 2
+    # 0 eager; 1 recorded, but it drops a sample: computed eagerly; 2 checked; 3 drops: eagerly; 4 replayed
+    assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 1, "refused": 0, "reruns": 2}
 
 
 def test_bad_arguments_are_refused() -> None:
