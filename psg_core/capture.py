@@ -61,6 +61,7 @@ from psg_core._host import Deferred, recording
 from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import _check_finite, dp_gradient
 from psg_core.errors import ConfigError
+from psg_core.gemm import probe_host
 from psg_core.layout import ModelInputs
 from psg_core.losses import LossFn
 from psg_core.precision import fp16_autocast
@@ -275,6 +276,7 @@ class CapturedStep:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         self._check_finite(inputs, targets)
+        probe_host()  # (its probes read results on the host: run once for the process, not recorded)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in positions]
         holder: dict[str, Any] = {}

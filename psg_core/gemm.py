@@ -170,6 +170,14 @@ def _rule_prefers_onednn() -> bool:
     return bool(vendor) and vendor != "GenuineIntel" and capability.startswith("AVX512") and onednn_available()
 
 
+def probe_host() -> None:
+    """Runs this module's one-time probes of the host (cached for the process) now: a step being
+    recorded (:mod:`psg_core.capture`) must not run them, since they compare results on the host."""
+    onednn_available()
+    _packing_available()
+    _rule_prefers_onednn()
+
+
 def onednn_outpaces_mkl() -> bool:
     """Whether this host runs MKL's AVX2 kernels while oneDNN runs AVX-512 (a CPU that is not
     Intel's, with AVX-512, and oneDNN present): there torch's CPU products (``mm``, ``bmm``) use

@@ -226,3 +226,18 @@ def test_the_lookup_table_kernels_are_recorded_as_operators() -> None:
     called = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
     assert {"psg.bag_entries.default", "psg.keyed_sq_norms.default", "psg.keyed_table_sum.default"} <= called, called
     assert step.stats["replayed"] == 1
+
+
+def test_the_host_probes_run_before_a_recording_not_inside_it() -> None:
+    """psg_core.gemm's one-time probes compare results on the host: first asked inside a recording
+    they would refuse it (or be cached wrong), so they run before it."""
+    from psg_core import gemm
+    expected = (gemm.onednn_available(), gemm._packing_available(), gemm._rule_prefers_onednn())
+    for probe in (gemm.onednn_available, gemm._packing_available, gemm._rule_prefers_onednn):
+        probe.cache_clear()
+    torch.manual_seed(0)
+    batches = [((torch.randn(6, 4),), torch.randint(0, 2, (6,))) for _ in range(4)]
+    step = _run_against_eager(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), batches,
+                              DPConfig(mode="hooks"))
+    assert step.stats["replayed"] == 1 and not step.refusals
+    assert (gemm.onednn_available(), gemm._packing_available(), gemm._rule_prefers_onednn()) == expected
