@@ -14,6 +14,8 @@ batches of one signature (the inputs' structure, shapes, dtypes and devices, the
 the modules' training flags, the configuration) the step must run the same operators whatever
 the values. psg checks what it can, and runs the step eagerly where the check fails:
 
+* psg's native CPU kernels (called through ctypes, which a graph would not see) are called as
+  ``torch.ops.psg`` operators while recording, so that the graph holds them;
 * reading a value into Python while recording (``.item()``, ``bool(t)``, ``.tolist()``,
   ``.numpy()``, a data pointer, a data-dependent shape such as ``x[mask]``) refuses the recording:
   the value would be baked into every replay. psg's own reads (how many were clipped, the loss sum)
@@ -75,8 +77,8 @@ _WHERE = "CapturedStep"
 
 #: Tensor methods that read values into Python (``tolist`` and ``numpy`` without an operator a graph
 #: could see). A data pointer is an address, not a value (psg's memos key on it); the one way it
-#: leads to values, a kernel called through ctypes, psg turns off while recording (its native
-#: kernels), and the check on another batch catches a model's own.
+#: leads to values, a kernel called through ctypes, psg's own kernels take as ``torch.ops.psg``
+#: operators while recording, and the check on another batch catches a model's own.
 _HOST_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.item,
                          torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__})
 
@@ -172,9 +174,8 @@ class CapturedStep:
         validate: check each graph against an eager step before replaying it (default; turning it
             off trusts the recording).
 
-    Calling it returns what :func:`~psg_core.dp_gradient` returns for the batch (up to float
-    rounding: a replay runs the same operators, but for psg's native recurrent-cell loops, which a
-    recording replaces by their torch-op path; its lookup-table kernels are recorded as
+    Calling it returns what :func:`~psg_core.dp_gradient` returns for the batch: a replay runs the
+    same operators (psg's native CPU kernels, the recurrent cells' loops and the lookup tables', as
     ``torch.ops.psg`` operators).
     """
 

@@ -282,14 +282,13 @@ def _load() -> ctypes.CDLL | None:
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None: turned off (``PSG_NATIVE=off``) or not buildable here (see
     :func:`build_error`). The first call builds or loads the library; later calls return it.
-    None too while a step is recorded (:mod:`psg_core.capture`): a graph sees torch's operators
-    only, and a kernel called through ctypes would leave its result out of the replays (the
-    lookup-table kernels are registered as operators, ``torch.ops.psg``, and recorded as such)."""
-    return None if capturing() else _loaded()
+    While a step is recorded (:mod:`psg_core.capture`) the kernels are called as operators of
+    the ``psg`` namespace (``torch.ops.psg``), which the recording keeps in its graph: a kernel
+    called through ctypes would leave its result out of the replays."""
+    return _loaded()
 
 
 def _loaded() -> ctypes.CDLL | None:
-    """:func:`library`, also while a step is recorded (for the kernels recorded as torch operators)."""
     if _SETTING.current(NativeKernels.AUTO) is NativeKernels.OFF:
         return None
     lib = _state.get("lib")
@@ -374,6 +373,18 @@ def forward(lib: ctypes.CDLL, cell: str, gx: torch.Tensor, weight: torch.Tensor,
             hidden_gates: torch.Tensor, hs: torch.Tensor, reverse: bool, *, act: torch.Tensor | None = None,
             cand: torch.Tensor | None = None, tanh_c: torch.Tensor | None = None,
             cs: torch.Tensor | None = None) -> bool:
+    """A recurrent direction's forward time loop in one call (see :func:`_forward`); through the
+    ``psg::recurrent_forward`` operator while a step is recorded."""
+    if capturing():
+        torch.ops.psg.recurrent_forward(cell, gx, weight, bias, hidden_gates, hs, reverse, act, cand, tanh_c, cs)
+        return True
+    return _forward(lib, cell, gx, weight, bias, hidden_gates, hs, reverse, act=act, cand=cand, tanh_c=tanh_c, cs=cs)
+
+
+def _forward(lib: ctypes.CDLL, cell: str, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             hidden_gates: torch.Tensor, hs: torch.Tensor, reverse: bool, *, act: torch.Tensor | None = None,
+             cand: torch.Tensor | None = None, tanh_c: torch.Tensor | None = None,
+             cs: torch.Tensor | None = None) -> bool:
     """A recurrent direction's forward time loop in one call.
 
     ``cell``: ``"lstm"``, ``"gru"``, ``"tanh"`` or ``"relu"`` (:data:`CELLS`); ``gx``
@@ -404,6 +415,21 @@ def backward(lib: ctypes.CDLL, cell: str, weight: torch.Tensor, d_out: torch.Ten
              dc: torch.Tensor | None = None, act: torch.Tensor | None = None, cand: torch.Tensor | None = None,
              tanh_c: torch.Tensor | None = None, hs: torch.Tensor | None = None,
              cs: torch.Tensor | None = None) -> bool:
+    """A recurrent direction's backward time loop in one call (see :func:`_backward`); through the
+    ``psg::recurrent_backward`` operator while a step is recorded."""
+    if capturing():
+        torch.ops.psg.recurrent_backward(cell, weight, d_out, dh, d_input, reverse, d_hidden, dc, act, cand, tanh_c,
+                                         hs, cs)
+        return True
+    return _backward(lib, cell, weight, d_out, dh, d_input, reverse, d_hidden=d_hidden, dc=dc, act=act, cand=cand,
+                     tanh_c=tanh_c, hs=hs, cs=cs)
+
+
+def _backward(lib: ctypes.CDLL, cell: str, weight: torch.Tensor, d_out: torch.Tensor, dh: torch.Tensor,
+              d_input: torch.Tensor, reverse: bool, *, d_hidden: torch.Tensor | None = None,
+              dc: torch.Tensor | None = None, act: torch.Tensor | None = None, cand: torch.Tensor | None = None,
+              tanh_c: torch.Tensor | None = None, hs: torch.Tensor | None = None,
+              cs: torch.Tensor | None = None) -> bool:
     """A recurrent direction's backward time loop in one call, from what its forward saved.
 
     ``weight`` ``(G*H, H)`` contiguous; ``d_out`` ``(B, T, H)``: the outputs' gradients;
@@ -620,8 +646,38 @@ def contiguous(matrix: torch.Tensor) -> torch.Tensor:
     lib = library()
     if lib is None:
         return matrix.contiguous()
+    if capturing():
+        return torch.ops.psg.strided_copy(matrix)  # type: ignore[no-any-return]
+    return _strided_copy(lib, matrix)
+
+
+def _strided_copy(lib: ctypes.CDLL, matrix: torch.Tensor) -> torch.Tensor:
     out = torch.empty(matrix.shape, dtype=matrix.dtype)
     rows, cols = matrix.shape
     getattr(lib, f"psg_{_DTYPES[matrix.dtype]}_strided_copy")(rows, cols, matrix.data_ptr(), matrix.stride(0),
                                                                matrix.stride(1), out.data_ptr())
     return out
+
+
+@torch.library.custom_op("psg::recurrent_forward", mutates_args=("hidden_gates", "hs", "act", "cand", "tanh_c", "cs"))
+def _recurrent_forward_op(cell: str, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          hidden_gates: torch.Tensor, hs: torch.Tensor, reverse: bool, act: torch.Tensor | None,
+                          cand: torch.Tensor | None, tanh_c: torch.Tensor | None, cs: torch.Tensor | None) -> None:
+    if not _forward(_required_library(), cell, gx, weight, bias, hidden_gates, hs, reverse, act=act, cand=cand,
+                    tanh_c=tanh_c, cs=cs):
+        _required(None, "recurrent forward")
+
+
+@torch.library.custom_op("psg::recurrent_backward", mutates_args=("dh", "d_input", "d_hidden", "dc"))
+def _recurrent_backward_op(cell: str, weight: torch.Tensor, d_out: torch.Tensor, dh: torch.Tensor,
+                           d_input: torch.Tensor, reverse: bool, d_hidden: torch.Tensor | None,
+                           dc: torch.Tensor | None, act: torch.Tensor | None, cand: torch.Tensor | None,
+                           tanh_c: torch.Tensor | None, hs: torch.Tensor | None, cs: torch.Tensor | None) -> None:
+    if not _backward(_required_library(), cell, weight, d_out, dh, d_input, reverse, d_hidden=d_hidden, dc=dc, act=act,
+                     cand=cand, tanh_c=tanh_c, hs=hs, cs=cs):
+        _required(None, "recurrent backward")
+
+
+@torch.library.custom_op("psg::strided_copy", mutates_args=())
+def _strided_copy_op(matrix: torch.Tensor) -> torch.Tensor:
+    return _strided_copy(_required_library(), matrix)

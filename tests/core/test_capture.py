@@ -214,17 +214,21 @@ def test_bad_arguments_are_refused() -> None:
         CapturedStep(nn.Linear(2, 2), loss_fn=CE, config=DPConfig(), max_signatures=0)
 
 
-def test_the_lookup_table_kernels_are_recorded_as_operators() -> None:
-    """Where psg's native kernels build, a recorded EmbeddingBag step calls them through
-    torch.ops.psg (a replay runs them on the new batch); the recurrent-cell loops are not in it."""
+@pytest.mark.parametrize(("name", "kernels"), [
+    ("embedding_bag", {"psg.bag_entries.default", "psg.keyed_sq_norms.default", "psg.keyed_table_sum.default"}),
+    ("lstm", {"psg.recurrent_forward.default", "psg.recurrent_backward.default"}),
+])
+def test_the_native_kernels_are_recorded_as_operators(name: str, kernels: set[str]) -> None:
+    """Where psg's native kernels build, a recorded step calls them through torch.ops.psg (a replay
+    runs them on the new batch), not through ctypes, which a graph would not see."""
     from psg_core import native
     if native.library() is None:
         pytest.skip(f"native kernels not built here: {native.build_error()}")
-    model, batches = _benchmark_batches("embedding_bag", 4)
+    model, batches = _benchmark_batches(name, 4)
     step = _run_against_eager(model, batches, DPConfig(mode="ghost", max_grad_norm=0.5))
     graph = next(entry.graph for entry in step._entries.values() if entry.graph is not None)
     called = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
-    assert {"psg.bag_entries.default", "psg.keyed_sq_norms.default", "psg.keyed_table_sum.default"} <= called, called
+    assert kernels <= called, called
     assert step.stats["replayed"] == 1
 
 
