@@ -302,7 +302,7 @@ class CapturedStep:
             self._refuse(entry, _describe(error))
             self.stats["refused"] += 1
             return result
-        graph.graph.eliminate_dead_code()
+        _simplify(graph.graph)
         graph.recompile()
         out: DPGradient = holder["out"]
         entry.graph, entry.spec = graph, (positions, spec)
@@ -377,6 +377,26 @@ def _number_source(value: Any) -> tuple[bool, Any]:
     if isinstance(value, Deferred):
         return True, value.slot
     return False, value
+
+
+def _simplify(graph: Any) -> None:
+    """Drops what a replay does not need (it runs under no_grad, on the signature's shapes and
+    strides): ``detach`` (an alias there) unless its result is an output, views of views (one view
+    of the first base; a view's sizes are fixed per signature, and the check on another batch runs
+    the simplified graph), and then the dead code."""
+    view, detach = torch.ops.aten.view.default, torch.ops.aten.detach.default
+    output = next(node for node in graph.nodes if node.op == "output")
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is detach and output not in node.users:
+            node.replace_all_uses_with(node.args[0])
+        elif node.target is view:
+            base = node.args[0]
+            while getattr(base, "op", None) == "call_function" and base.target is view:
+                base = base.args[0]
+            node.args = (base, *node.args[1:])
+    graph.eliminate_dead_code()
 
 
 def _holds(entry: _Entry, graph_numbers: list[float]) -> bool:
