@@ -112,9 +112,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     where = "one thread" if args.device == "cpu" else torch.cuda.get_device_name()
     print(f"MLP of Linear({args.width}, {args.width}) + ReLU blocks, batch {args.batch}, {args.device} ({where}), "
           f"median of {args.rounds} interleaved rounds")
-    print(f"  {'method':14s} {'per block':>10s} {'fixed':>9s} {f'step @{low}':>11s} {f'step @{high}':>11s}")
+    print(f"  {'method':20s} {'per block':>10s} {'fixed':>9s} {f'step @{low}':>11s} {f'step @{high}':>11s}")
     for method, c in costs.items():
-        print(f"  {method:14s} {c['per_block_us']:8.1f}us {c['fixed_us']:7.0f}us "
+        print(f"  {method:20s} {c['per_block_us']:8.1f}us {c['fixed_us']:7.0f}us "
               f"{c[f'step_us@{low}']:9.0f}us {c[f'step_us@{high}']:9.0f}us")
 
 
