@@ -587,10 +587,11 @@ def _keyed_table_sum(lib: ctypes.CDLL, left: torch.Tensor, source: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------ as torch operators
-# The lookup-table kernels as operators of the ``psg`` namespace, which a recorded step
-# (psg_core.capture) keeps in its graph: a replay calls the kernel on the new batch. They are
-# reached only while recording (an eager step calls the kernels directly, without the operator
-# dispatch), once the eligibility checks above have passed.
+# The kernels as operators of the ``psg`` namespace (defined at the end of the module), which a
+# recorded step (psg_core.capture) keeps in its graph: a replay calls the kernel on the new batch.
+# They are reached only while recording (an eager step calls the kernels directly, without the
+# operator dispatch), once the eligibility checks above have passed, so on CPU tensors outside
+# autograd's recording: each is a CPU kernel of the dispatcher, with no autograd formula.
 def _required(result: Any, what: str) -> Any:
     if result is None:
         raise RuntimeError(f"psg's native {what} kernel failed on this batch (it succeeded on the recorded one)")
@@ -601,7 +602,6 @@ def _required_library() -> ctypes.CDLL:
     return _required(_loaded(), "library")  # type: ignore[no-any-return]
 
 
-@torch.library.custom_op("psg::bag_entries", mutates_args=())
 def _bag_entries_op(tokens: torch.Tensor, offsets: torch.Tensor | None, bags: int, include_last_offset: bool,
                     mean: bool, padding_idx: int | None, per_sample_weights: torch.Tensor | None, K: int,
                     table_rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -609,14 +609,12 @@ def _bag_entries_op(tokens: torch.Tensor, offsets: torch.Tensor | None, bags: in
                                   per_sample_weights, K, table_rows, dtype), "bag_entries")  # type: ignore[no-any-return]
 
 
-@torch.library.custom_op("psg::keyed_sq_norms", mutates_args=())
 def _keyed_sq_norms_op(left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
                        samples: int) -> torch.Tensor:
     return _required(_keyed_sq_norms(_required_library(), left, source, weight, rows, samples),  # type: ignore[no-any-return]
                      "keyed_sq_norms")
 
 
-@torch.library.custom_op("psg::keyed_table_sum", mutates_args=())
 def _keyed_table_sum_op(left: torch.Tensor, source: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
                         factors: torch.Tensor, table_rows: int) -> torch.Tensor:
     return _required(_keyed_table_sum(_required_library(), left, source, weight, rows, factors,  # type: ignore[no-any-return]
@@ -659,7 +657,6 @@ def _strided_copy(lib: ctypes.CDLL, matrix: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("psg::recurrent_forward", mutates_args=("hidden_gates", "hs", "act", "cand", "tanh_c", "cs"))
 def _recurrent_forward_op(cell: str, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           hidden_gates: torch.Tensor, hs: torch.Tensor, reverse: bool, act: torch.Tensor | None,
                           cand: torch.Tensor | None, tanh_c: torch.Tensor | None, cs: torch.Tensor | None) -> None:
@@ -668,7 +665,6 @@ def _recurrent_forward_op(cell: str, gx: torch.Tensor, weight: torch.Tensor, bia
         _required(None, "recurrent forward")
 
 
-@torch.library.custom_op("psg::recurrent_backward", mutates_args=("dh", "d_input", "d_hidden", "dc"))
 def _recurrent_backward_op(cell: str, weight: torch.Tensor, d_out: torch.Tensor, dh: torch.Tensor,
                            d_input: torch.Tensor, reverse: bool, d_hidden: torch.Tensor | None,
                            dc: torch.Tensor | None, act: torch.Tensor | None, cand: torch.Tensor | None,
@@ -678,6 +674,24 @@ def _recurrent_backward_op(cell: str, weight: torch.Tensor, d_out: torch.Tensor,
         _required(None, "recurrent backward")
 
 
-@torch.library.custom_op("psg::strided_copy", mutates_args=())
 def _strided_copy_op(matrix: torch.Tensor) -> torch.Tensor:
     return _strided_copy(_required_library(), matrix)
+
+
+_OPERATORS = torch.library.Library("psg", "DEF")
+for _schema, _kernel in (
+        ("bag_entries(Tensor tokens, Tensor? offsets, int bags, bool include_last_offset, bool mean, int? padding_idx, "
+         "Tensor? per_sample_weights, int K, int table_rows, ScalarType dtype) -> (Tensor, Tensor)", _bag_entries_op),
+        ("keyed_sq_norms(Tensor left, Tensor source, Tensor weight, Tensor rows, int samples) -> Tensor",
+         _keyed_sq_norms_op),
+        ("keyed_table_sum(Tensor left, Tensor source, Tensor weight, Tensor rows, Tensor factors, int table_rows) "
+         "-> Tensor", _keyed_table_sum_op),
+        ("recurrent_forward(str cell, Tensor gx, Tensor weight, Tensor? bias, Tensor(a!) hidden_gates, Tensor(b!) hs, "
+         "bool reverse, Tensor(c!)? act, Tensor(d!)? cand, Tensor(e!)? tanh_c, Tensor(f!)? cs) -> ()",
+         _recurrent_forward_op),
+        ("recurrent_backward(str cell, Tensor weight, Tensor d_out, Tensor(a!) dh, Tensor(b!) d_input, bool reverse, "
+         "Tensor(c!)? d_hidden, Tensor(d!)? dc, Tensor? act, Tensor? cand, Tensor? tanh_c, Tensor? hs, Tensor? cs) "
+         "-> ()", _recurrent_backward_op),
+        ("strided_copy(Tensor matrix) -> Tensor", _strided_copy_op)):
+    _OPERATORS.define(_schema)
+    _OPERATORS.impl(_schema.split("(")[0], _kernel, "CPU")
