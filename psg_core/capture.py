@@ -83,6 +83,10 @@ _HOST_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor._
                          torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__})
 
 
+#: Splits whose points may come as a tensor (sizes set by its values).
+_SPLITS = frozenset({torch.tensor_split, torch.Tensor.tensor_split})
+
+
 class _Refused(Exception):
     """The step cannot be recorded (the message says why)."""
 
@@ -95,6 +99,9 @@ class _NoHostReads(TorchFunctionMode):
         if func in _HOST_READS:
             raise _Refused(f"the step reads a tensor's values into Python ({getattr(func, '__name__', func)}), "
                            "which a recorded graph would replay as the recording batch's values")
+        if func in _SPLITS and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            # (composite: it reads the split points in C++, no operator the dispatch guard sees)
+            raise _Refused("the step splits a tensor at points given as a tensor: sizes set by values")
         return func(*args, **(kwargs or {}))
 
 
@@ -103,10 +110,14 @@ class _NoHostReads(TorchFunctionMode):
 _VALUE_SHAPED = frozenset({"aten::nonzero", "aten::nonzero_static", "aten::masked_select", "aten::_unique",
                            "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
                            "aten::unique_dim_consecutive", "aten::bincount", "aten::histc", "aten::equal",
-                           "aten::is_nonzero", "aten::_local_scalar_dense"})
+                           "aten::is_nonzero", "aten::_local_scalar_dense",
+                           # a PackedSequence's data holds sum(lengths) rows: its size is the lengths' values
+                           "aten::_pack_padded_sequence"})
 
 
 def _value_shaped(func: Any, args: tuple[Any, ...]) -> bool:
+    """Whether an operator's result has a size set by values (a replay would run the operators after
+    it with the recording's sizes, and psg's kernels with buffers sized for another batch)."""
     name = func._schema.name
     if name in _VALUE_SHAPED:
         return True

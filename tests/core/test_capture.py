@@ -265,3 +265,55 @@ def test_hugging_face_steps_equal_the_eager_step_whatever_the_padding(family: st
     step = _run_against_eager(model, batches, DPConfig(mode="ghost", max_grad_norm=0.5), loss_fn=hf.loss_fn)
     # (GPT-2 refused since transformers reads the mask; DeBERTa-v2 replays its last two batches)
     assert step.stats["replayed"] + step.stats["refused"] >= 2, step.stats
+
+
+class _Packed(nn.Module):
+    """A DP LSTM over sequences packed in the forward (lengths given) or given packed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from psg_core.layers import DPLSTM
+        self.lstm, self.head = DPLSTM(4, 6, batch_first=True), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence
+        packed = x if lengths is None else pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)
+        return self.head(h[-1])
+
+
+@pytest.mark.parametrize("packed_outside", [False, True])
+def test_packed_sequences_run_eagerly(packed_outside: bool) -> None:
+    """A PackedSequence holds sum(lengths) rows: sizes set by values, which a replay would bake
+    (its kernels then sized for another batch's rows), so such steps are refused."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+    torch.manual_seed(0)
+    batches = []
+    for seed in range(4):
+        generator = torch.Generator().manual_seed(seed)
+        x, lengths = torch.randn(4, 5, 4, generator=generator), torch.tensor([5, 4, 4, 2] if seed % 2 else [5, 5, 3, 2])
+        inputs = (pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False),) if packed_outside \
+            else (x, lengths)
+        batches.append((inputs, torch.randint(0, 2, (4,), generator=generator)))
+    step = _run_against_eager(_Packed(), batches, DPConfig(mode="ghost", max_grad_norm=0.5))
+    assert step.stats["replayed"] == 0 and step.refusals, step.stats
+
+
+class _Split(nn.Module):
+    """Splits its input's features at points held in a buffer (a tensor whose values set sizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 2)
+        self.register_buffer("points", torch.tensor([3]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, *_ = torch.tensor_split(x, self.points, dim=1)
+        return self.layer(torch.nn.functional.pad(first, (0, 6 - first.shape[1])))
+
+
+def test_a_split_at_points_given_as_a_tensor_runs_eagerly() -> None:
+    torch.manual_seed(0)
+    batches = [((torch.randn(4, 6),), torch.randint(0, 2, (4,))) for _ in range(4)]
+    step = _run_against_eager(_Split(), batches, DPConfig(mode="ghost", max_grad_norm=0.5))
+    assert step.stats["replayed"] == 0 and "split" in step.refusals[0], (step.stats, step.refusals)
