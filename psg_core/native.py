@@ -657,9 +657,23 @@ def _strided_copy(lib: ctypes.CDLL, matrix: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _check_fit(batch: int, steps: int, hidden: int, width: int, batch_major: tuple[torch.Tensor | None, ...],
+               time_major: tuple[torch.Tensor | None, ...]) -> None:
+    """A replayed kernel call's buffers fit its inputs (the C loops trust them): batch-major
+    ``(B, T, G*H)`` and time-major ``(T or T+1, B, ·)`` with ``·`` at most ``G*H``."""
+    fits = all(t is None or tuple(t.shape) == (batch, steps, width) for t in batch_major) and all(
+        t is None or (t.dim() == 3 and t.shape[0] in (steps, steps + 1) and t.shape[1] == batch
+                      and hidden <= t.shape[2] <= width) for t in time_major)
+    if not fits:
+        raise RuntimeError("psg's native recurrent kernel: the buffers of a replayed step do not fit its inputs "
+                           f"(B {batch}, T {steps}, H {hidden}): the step's sizes depend on values it did not record")
+
+
 def _recurrent_forward_op(cell: str, gx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           hidden_gates: torch.Tensor, hs: torch.Tensor, reverse: bool, act: torch.Tensor | None,
                           cand: torch.Tensor | None, tanh_c: torch.Tensor | None, cs: torch.Tensor | None) -> None:
+    batch, steps, width = gx.shape
+    _check_fit(batch, steps, weight.shape[1], width, (hidden_gates,), (hs, act, cand, tanh_c, cs))
     if not _forward(_required_library(), cell, gx, weight, bias, hidden_gates, hs, reverse, act=act, cand=cand,
                     tanh_c=tanh_c, cs=cs):
         _required(None, "recurrent forward")
@@ -669,6 +683,10 @@ def _recurrent_backward_op(cell: str, weight: torch.Tensor, d_out: torch.Tensor,
                            d_input: torch.Tensor, reverse: bool, d_hidden: torch.Tensor | None,
                            dc: torch.Tensor | None, act: torch.Tensor | None, cand: torch.Tensor | None,
                            tanh_c: torch.Tensor | None, hs: torch.Tensor | None, cs: torch.Tensor | None) -> None:
+    batch, steps, hidden = d_out.shape
+    _check_fit(batch, steps, hidden, d_input.shape[-1], (d_input, d_hidden), (act, cand, tanh_c, hs, cs))
+    if dh.shape != (batch, hidden) or (dc is not None and dc.shape != (batch, hidden)):
+        _check_fit(batch, steps, hidden, 0, (), (dh,))  # (raises)
     if not _backward(_required_library(), cell, weight, d_out, dh, d_input, reverse, d_hidden=d_hidden, dc=dc, act=act,
                      cand=cand, tanh_c=tanh_c, hs=hs, cs=cs):
         _required(None, "recurrent backward")

@@ -317,3 +317,24 @@ def test_a_split_at_points_given_as_a_tensor_runs_eagerly() -> None:
     batches = [((torch.randn(4, 6),), torch.randint(0, 2, (4,))) for _ in range(4)]
     step = _run_against_eager(_Split(), batches, DPConfig(mode="ghost", max_grad_norm=0.5))
     assert step.stats["replayed"] == 0 and "split" in step.refusals[0], (step.stats, step.refusals)
+
+
+@pytest.mark.parametrize(("cell", "options"), [("DPGRU", {}), ("DPRNN", {}), ("DPRNN", {"nonlinearity": "relu"}),
+                                               ("DPLSTM", {"bidirectional": True}), ("DPGRU", {"num_layers": 2})])
+def test_every_dp_recurrent_layer_replays_its_native_loops(cell: str, options: dict) -> None:
+    import psg_core.layers as layers
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = getattr(layers, cell)(4, 6, batch_first=True, **options)
+            self.head = nn.Linear(12 if options.get("bidirectional") else 6, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.rnn(x)
+            return self.head(out[:, -1])
+
+    torch.manual_seed(0)
+    batches = [((torch.randn(5, 7, 4),), torch.randint(0, 2, (5,))) for _ in range(5)]
+    step = _run_against_eager(Model(), batches, DPConfig(mode="ghost", max_grad_norm=0.5))
+    assert step.stats["replayed"] == 2 and not step.refusals
