@@ -473,6 +473,9 @@ class BatchTracker(TorchFunctionMode):
         # Tables an Embedding with max_norm renormalised in place at the batch's tokens: their rows
         # looked up by those tokens are each sample's own; any other use mixes samples.
         self._renormed = _TensorMap()
+        # ``torch.arange(n)`` results the forward made (0, 1, ..., n-1) -> their version then: an
+        # index known to be the identity without reading it (see _is_range).
+        self._ranges = _TensorMap()
         # A batched tensor's shape, as the torch.Size object its ``size()`` or ``shape`` returned
         # (kept alive: the id is the key) -> the tensor's batch state: a factory given that very
         # object (``torch.zeros(input_ids.size())``, Hugging Face's default token type ids) makes
@@ -533,6 +536,7 @@ class BatchTracker(TorchFunctionMode):
         self._mixed_by.clear()
         self._orders.clear()
         self._renormed.clear()
+        self._ranges.clear()
         self._sizes.clear()
 
     # ------------------------------------------------------------------------------ queries
@@ -838,6 +842,29 @@ class BatchTracker(TorchFunctionMode):
         if self._orders.entries and isinstance(out, torch.Tensor) and leaves and leaves[0] in self._orders \
                 and getattr(func, "__name__", "") in _COPIES:
             self._orders[out] = True  # the same order on another device or dtype
+        if func is torch.arange and isinstance(out, torch.Tensor):
+            self._note_range(args, kwargs, out)
+
+    def _note_range(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+        """Remembers an ``arange`` that made ``0, 1, ..., n-1`` (Python ints: no value read)."""
+        start, end, step = (0, args[0], 1) if len(args) == 1 else (
+            args[0], args[1], args[2] if len(args) > 2 else kwargs.get("step", 1)) if len(args) > 1 else (
+            kwargs.get("start", 0), kwargs.get("end"), kwargs.get("step", 1))
+        if all(type(v) is int for v in (start, end, step)) and start == 0 and step == 1 and out.dim() == 1 \
+                and not out.is_floating_point() and not out.is_complex() and out.numel() == end:
+            self._ranges[out] = out._version
+
+    def _is_range(self, index: torch.Tensor, rows: int) -> bool:
+        """Whether ``index`` holds ``0, 1, ..., rows-1`` in order: known without a read for an
+        ``arange`` the forward made, untouched since, or a contiguous view of all of it (an
+        unsqueezed one); read otherwise (a host read, and a value a recorded step may not bake)."""
+        base = index if index in self._ranges else index._base
+        if base is not None and index.numel() == rows == base.numel():
+            version = self._ranges.get(base)
+            if version is not None and base._version == version and index.is_contiguous() \
+                    and index.storage_offset() == base.storage_offset():
+                return True
+        return bool(torch.equal(index.reshape(-1), torch.arange(rows, device=index.device, dtype=index.dtype)))
 
     # ------------------------------------------------------------------------------ meetings
     def _meet(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -1493,7 +1520,7 @@ class BatchTracker(TorchFunctionMode):
             if name == "index_select" and dims == (bd,):
                 index = kwargs.get("index", args[2] if len(args) > 2 else None)
                 if isinstance(index, torch.Tensor) and index.dim() == 1 and index.shape[0] == x.shape[bd] \
-                        and torch.equal(index, torch.arange(x.shape[bd], device=index.device, dtype=index.dtype)):
+                        and self._is_range(index, x.shape[bd]):
                     return bd  # every row in its place
             if dims is None or bd in dims:
                 return MIXED
@@ -1615,7 +1642,7 @@ class BatchTracker(TorchFunctionMode):
         axes = [a for a, size in enumerate(index.shape) if size != 1]
         if len(axes) != 1 or index.shape[axes[0]] != rows:
             return MIXED
-        if not torch.equal(index.reshape(-1), torch.arange(rows, device=index.device, dtype=index.dtype)):
+        if not self._is_range(index, rows):
             return MIXED  # a permutation of the rows
         return tensor_pos[0] + axes[0] + len(shape) - index.dim()
 

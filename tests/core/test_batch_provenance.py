@@ -603,3 +603,41 @@ def test_which_factories_follow_a_size() -> None:
         free = {name: tracker.batch_dim(t) for name, t in not_followed.items()}
     assert axes == {**{name: (0, 1) for name in followed}, "time-major": (1, 1), "merged": (0, 5)}
     assert free == {name: None for name in not_followed}
+
+
+def test_an_index_arange_made_is_the_identity_without_a_read() -> None:
+    """``x[torch.arange(B), positions]`` (a classifier's pooled token) keeps the batch axis with no
+    read of the index where the forward made it with ``arange`` (so a step can be recorded); an
+    index changed since, or another one, is read and a permutation refused."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from psg_core.provenance import MIXED, BatchTracker
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.count += func._schema.name == "aten::equal"
+            return func(*args, **(kwargs or {}))
+
+    layer = nn.Linear(3, 3)
+    x, positions = torch.randn(4, 5, 3), torch.tensor([4, 0, 2, 1])
+    with BatchTracker(layer, num_samples=4, augmentation_multiplicity=1, on_meeting=lambda *_: None) as tracker:
+        tracker.mark(x, 0)
+        tracker.mark(positions, 0)
+        with Reads() as reads:
+            pooled = x[torch.arange(4), positions]  # (4, 3)
+            rows = torch.arange(4)[:, None]  # an unsqueezed view of it
+            picked = x[rows, torch.tensor([[0, 1]])]  # (4, 2, 3)
+            kept = x.index_select(0, torch.arange(x.shape[0]))
+        assert reads.count == 0
+        assert (tracker.batch_dim(pooled), tracker.batch_dim(picked), tracker.batch_dim(kept)) == (0, 0, 0)
+        changed = torch.arange(4)
+        changed[0] = 3  # (3, 1, 2, 3): not the identity any more
+        with Reads() as reads:
+            assert tracker.batch_dim(x[changed, positions]) == MIXED
+            assert tracker.batch_dim(x[torch.arange(4).flip(0), positions]) == MIXED
+            assert tracker.batch_dim(x[torch.tensor([0, 1, 2, 3]), positions]) == 0  # the identity, read
+        assert reads.count == 3

@@ -247,11 +247,12 @@ def test_the_host_probes_run_before_a_recording_not_inside_it() -> None:
     assert (gemm.onednn_available(), gemm._packing_available(), gemm._rule_prefers_onednn()) == expected
 
 
-@pytest.mark.parametrize("family", ["gpt2", "deberta_v2"])
+@pytest.mark.parametrize("family", ["gpt2", "deberta_v2", "gemma2"])
 def test_hugging_face_steps_equal_the_eager_step_whatever_the_padding(family: str) -> None:
     """GPT-2 reads its padding mask to choose an attention path (refused: eager); DeBERTa-v2 uses it
-    through torch's ops only (recorded): either way each batch's result is the eager one, with the
-    padding moving from batch to batch."""
+    through torch's ops only, and Gemma-2's classifier pools each row's last token with an index
+    ``arange`` made (recorded): either way each batch's result is the eager one, with the padding
+    moving from batch to batch."""
     pytest.importorskip("transformers")
     from tests.core import hf_models as hf
 
@@ -263,7 +264,7 @@ def test_hugging_face_steps_equal_the_eager_step_whatever_the_padding(family: st
         mask[seed % 4, 1 + seed % 3:] = 0  # a different row and length padded each time
         batches.append(({**inputs, "attention_mask": mask}, labels))
     step = _run_against_eager(model, batches, DPConfig(mode="ghost", max_grad_norm=0.5), loss_fn=hf.loss_fn)
-    # (GPT-2 refused since transformers reads the mask; DeBERTa-v2 replays its last two batches)
+    # (GPT-2 refused since transformers reads the mask; DeBERTa-v2 and Gemma-2 replay their last two)
     assert step.stats["replayed"] + step.stats["refused"] >= 2, step.stats
 
 
