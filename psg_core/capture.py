@@ -144,8 +144,8 @@ class _Entry:
     """What is known of one batch signature."""
 
     graph: Any = None  # the recorded torch.fx.GraphModule
-    #: the batch's non-tensor leaves (baked into the graph) and where its tensors go
-    spec: Any = None
+    #: where the batch's tensors are among its leaves (the graph's inputs; the others are baked in)
+    positions: tuple[int, ...] = ()
     names: tuple[str, ...] = ()
     num_samples: int = 0
     #: DPGradient's counts and loss sum: the index of their deferred tensor in the graph's
@@ -316,7 +316,7 @@ class CapturedStep:
         _simplify(graph.graph)
         graph.recompile()
         out: DPGradient = holder["out"]
-        entry.graph, entry.spec = graph, (positions, spec)
+        entry.graph, entry.positions = graph, tuple(positions)
         entry.names, entry.num_samples = tuple(out.grads), out.num_samples
         entry.numbers = {name: _number_source(getattr(out, name))
                          for name in ("loss_sum", "num_clipped", "num_dropped")}
@@ -330,9 +330,8 @@ class CapturedStep:
         return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, numbers))
 
     def _run(self, entry: _Entry, leaves: list[Any]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        positions, _ = entry.spec
         with exclusive(self.module), torch.no_grad():
-            grads, norms, numbers = entry.graph(*[leaves[i] for i in positions])
+            grads, norms, numbers = entry.graph(*[leaves[i] for i in entry.positions])
         return grads, norms, numbers
 
     def _replay(self, entry: _Entry, leaves: list[Any]) -> DPGradient | None:
