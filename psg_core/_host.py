@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-__all__ = ["capturing", "host_int", "host_float", "expect_zero", "Deferred", "Recording", "recording"]
+__all__ = ["capturing", "host_int", "host_float", "expect_zero", "guard_read", "Deferred", "Guard", "Recording",
+           "recording"]
 
 _STATE = threading.local()
 
@@ -79,21 +81,51 @@ def expect_zero(tensor: torch.Tensor) -> None:
     many samples' gradients are not finite: the path that zeroes them costs a pass over every
     per-sample gradient, taken eagerly only when needed). Its value becomes an output of the graph;
     a replay where it is not 0 is discarded and the batch computed eagerly."""
-    guards: list[int] | None = getattr(_STATE, "guards", None)
+    guards: list[Guard] | None = getattr(_STATE, "guards", None)
     if guards is not None:
         number = _stand_in(tensor, DeferredInt)
         assert number is not None
-        guards.append(number.slot)
+        guards.append(Guard(number.slot, 0.0, truth=False, read=False))
+
+
+def guard_read(tensor: torch.Tensor, value: bool | int | float, *, truth: bool) -> None:
+    """While recording: the step read ``value`` from the one-element ``tensor`` into Python (a
+    model's ``if mask.all():``), so the recorded path holds for a batch only where the tensor reads
+    the same (``truth``: the same truth value, for ``bool(t)``). Its value becomes an output of the
+    graph; a replay where it reads otherwise is discarded and the batch computed eagerly."""
+    guards: list[Guard] | None = getattr(_STATE, "guards", None)
+    if guards is not None:
+        number = _stand_in(tensor, DeferredFloat)
+        assert number is not None
+        guards.append(Guard(number.slot, float(value), truth=truth, read=True))
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A condition on one deferred tensor (its ``slot``) for a recorded path to hold: its value
+    equals ``expected`` (or, ``truth``, is nonzero exactly when ``expected`` is). ``read``: the step
+    read the value to choose its path (a recording of another batch may take another path), as
+    opposed to psg's :func:`expect_zero` (one path recorded whatever the batch)."""
+
+    slot: int
+    expected: float
+    truth: bool
+    read: bool
+
+    def holds(self, value: float) -> bool:
+        """Whether a replay's ``value`` of the tensor keeps the recorded path (NaN never does,
+        unless only its truth counts)."""
+        return (value != 0) == (self.expected != 0) if self.truth else value == self.expected
 
 
 class Recording:
     """What a recorded step deferred: ``tensors`` (one-element, read after each replay) and
-    ``guards`` (the indices of those that must be 0 for the replay to stand, see
-    :func:`expect_zero`)."""
+    ``guards`` (conditions on some of them for the replay to stand, see :func:`expect_zero` and
+    :func:`guard_read`)."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.guards: list[int] = []
+        self.guards: list[Guard] = []
 
 
 @contextlib.contextmanager

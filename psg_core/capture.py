@@ -16,12 +16,18 @@ the values. psg checks what it can, and runs the step eagerly where the check fa
 
 * psg's native CPU kernels (called through ctypes, which a graph would not see) are called as
   ``torch.ops.psg`` operators while recording, so that the graph holds them;
-* reading a value into Python while recording (``.item()``, ``bool(t)``, ``.tolist()``,
-  ``.numpy()``, a data pointer, a data-dependent shape such as ``x[mask]``) refuses the recording:
-  the value would be baked into every replay. psg's own reads (how many were clipped, the loss sum)
+* a number read into Python while recording (``bool(t)``, ``.item()``, ``int(t)``,
+  ``torch.equal``, a C++ composite's read) chose the recorded path, and a size set by values
+  (``x[mask]``, ``nonzero``, ``unique``, a write through a mask) sized it: each becomes a *guard*,
+  its tensor an output of the graph, and a replay where it reads otherwise is discarded (what the
+  graph wrote in a module's buffer put back) and the batch computed eagerly (``stats["reruns"]``).
+  Three discarded in a row record the signature again (the usual value changed: padded batches
+  after unpadded ones); after three recordings it runs eagerly. transformers' attention masks
+  (``if padding_mask.all():``) are such reads. Reads of many values (``.tolist()``, ``.numpy()``)
+  and packed sequences refuse the recording. psg's own reads (how many were clipped, the loss sum)
   are deferred to the replay's outputs (:mod:`psg_core._host`); its clipping records the common
   path (no sample dropped for a non-finite gradient), and a replay whose batch drops one is
-  discarded for the eager step (``stats["reruns"]``);
+  discarded likewise;
 * the graph is checked against the eager step on a different batch (same random draws): a
   mismatch refuses it;
 * each replay first checks the batch is finite, as :func:`~psg_core.dp_gradient` does.
@@ -56,10 +62,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from psg_core._host import Deferred, recording
+from psg_core._host import Deferred, Guard, guard_read, recording
 from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import _check_finite, dp_gradient
 from psg_core.errors import ConfigError
@@ -79,8 +85,20 @@ _WHERE = "CapturedStep"
 #: could see). A data pointer is an address, not a value (psg's memos key on it); the one way it
 #: leads to values, a kernel called through ctypes, psg's own kernels take as ``torch.ops.psg``
 #: operators while recording, and the check on another batch catches a model's own.
-_HOST_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.item,
-                         torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__})
+_HOST_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
+
+#: Reads of one number, which a recording keeps as a guard (see psg_core._host.guard_read): the
+#: graph outputs the tensor, and a replay where it reads otherwise is discarded for the eager step.
+#: ``__bool__`` guards the truth value only (``if mask.any():``).
+_SCALAR_READS = frozenset({torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+                           torch.Tensor.__index__})
+
+#: After this many replays in a row discarded by a value the step read, the signature is recorded
+#: again (on the batch at hand: the reads' usual values may have changed, a padded batch after
+#: unpadded ones) ...
+_MISSES_BEFORE_RERECORDING = 3
+#: ... and after this many recordings of one signature it runs eagerly (its reads change too often).
+_MAX_RECORDINGS = 3
 
 
 #: Splits whose points may come as a tensor (sizes set by its values).
@@ -91,11 +109,24 @@ class _Refused(Exception):
     """The step cannot be recorded (the message says why)."""
 
 
+def _read_guarded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, tensor: torch.Tensor, *,
+                  truth: bool) -> Any:
+    """``func(*args)``, a read of the one-element ``tensor``'s value, made on the real tensor (not
+    recorded) and kept as a guard of the recording (the tensor, recorded, becomes an output)."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        value = func(*args, **(kwargs or {}))
+    guard_read(tensor, value, truth=truth)
+    return value
+
+
 class _NoHostReads(TorchFunctionMode):
-    """Refuses reads of tensor values into Python while a step is recorded."""
+    """While a step is recorded: a read of one number into Python becomes a guard of the recording;
+    other reads of tensor values refuse it."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
+        if func in _SCALAR_READS and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
+            return _read_guarded(func, args, kwargs, args[0], truth=func is torch.Tensor.__bool__)
         if func in _HOST_READS:
             raise _Refused(f"the step reads a tensor's values into Python ({getattr(func, '__name__', func)}), "
                            "which a recorded graph would replay as the recording batch's values")
@@ -105,38 +136,60 @@ class _NoHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-#: Operators whose result's shape depends on values (a replay would reuse the recording's sizes
-#: wherever the step read one), and those that read values on the host.
-_VALUE_SHAPED = frozenset({"aten::nonzero", "aten::nonzero_static", "aten::masked_select", "aten::_unique",
-                           "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
-                           "aten::unique_dim_consecutive", "aten::bincount", "aten::histc", "aten::equal",
-                           "aten::is_nonzero", "aten::_local_scalar_dense",
-                           # a PackedSequence's data holds sum(lengths) rows: its size is the lengths' values
-                           "aten::_pack_padded_sequence"})
+#: Operators whose result's size depends on values: recorded with a guard on that size (a replay
+#: where it differs is discarded; its operators after that one would run on the recording's sizes).
+_SIZE_GUARDED = frozenset({"aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2",
+                           "aten::unique_dim", "aten::unique_consecutive", "aten::unique_dim_consecutive",
+                           "aten::bincount"})
+
+#: Refused: a PackedSequence's data holds sum(lengths) rows and its batch sizes drive psg's native
+#: recurrent loops, which must never run on buffers sized for another batch.
+_REFUSED = frozenset({"aten::_pack_padded_sequence"})
 
 
-def _value_shaped(func: Any, args: tuple[Any, ...]) -> bool:
-    """Whether an operator's result has a size set by values (a replay would run the operators after
-    it with the recording's sizes, and psg's kernels with buffers sized for another batch)."""
+def _size_guarded(func: Any, args: tuple[Any, ...]) -> bool:
+    """Whether an operator's result has a size set by values (guarded by it)."""
     name = func._schema.name
-    if name in _VALUE_SHAPED:
+    if name in _SIZE_GUARDED:
         return True
     if name == "aten::repeat_interleave" and args and isinstance(args[0], torch.Tensor) and len(args) == 1:
         return True  # repeats given as a tensor
-    if name in ("aten::index", "aten::index_put", "aten::index_put_") and len(args) > 1:
+    if name == "aten::index" and len(args) > 1:  # a boolean mask selects
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
     return False
 
 
 class _NoValueShapes(TorchDispatchMode):
-    """Refuses operators whose result's shape depends on values while a step is recorded."""
+    """While a step is recorded: operators that read one value on the host (from C++: a composite's
+    ``.item()``, ``torch.equal``) keep it as a guard, and so do those whose result's size depends on
+    values (a guard on the size: ``x[mask]``, ``nonzero``, ``unique``); a packed sequence refuses the
+    recording."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        if _value_shaped(func, args):
-            raise _Refused(f"the step runs {func._schema.name}, whose result's size (or value on the host) "
-                           "depends on the batch's values")
-        return func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name in ("aten::_local_scalar_dense", "aten::is_nonzero"):
+            return _read_guarded(func, args, kwargs, args[0], truth=name == "aten::is_nonzero")
+        if name == "aten::equal":
+            a, b = args[0], args[1]
+            if a.shape != b.shape:  # (shapes are fixed per signature: no guard needed)
+                return False
+            return _read_guarded(func, args, kwargs, torch.eq(a, b).all(), truth=True)
+        if name in _REFUSED:
+            raise _Refused(f"the step runs {name}, whose result's size depends on the batch's values and "
+                           "sets the loops of psg's recurrent kernels")
+        out = func(*args, **(kwargs or {}))
+        if _size_guarded(func, args):
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            # the size, as a tensor the graph computes from the result (a replay's own size)
+            guard_read(torch.ones_like(first, dtype=torch.int64).sum(), first.numel(), truth=False)
+        elif name in ("aten::index_put", "aten::index_put_", "aten::_index_put_impl_") and len(args) > 1:
+            for mask in args[1]:  # a write through a mask: the values must match its count
+                if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+                    with _disable_current_modes(), torch._C.DisableTorchFunction():
+                        count = int(mask.sum())
+                    guard_read(mask.sum(dtype=torch.int64), count, truth=False)
+        return out
 
 
 @dataclass
@@ -151,10 +204,16 @@ class _Entry:
     #: DPGradient's counts and loss sum: the index of their deferred tensor in the graph's
     #: numbers output, or their constant value
     numbers: dict[str, tuple[bool, Any]] = field(default_factory=dict)
-    #: indices in the numbers output that must be 0 for a replay to stand (see _host.expect_zero)
-    guards: tuple[int, ...] = ()
+    #: conditions on the numbers output for a replay to stand (see _host.expect_zero, guard_read)
+    guards: tuple[Guard, ...] = ()
+    #: the graph's constants it writes in place (a module's buffer), by attribute: restored when a
+    #: replay is discarded, before its batch is computed eagerly
+    mutated: tuple[str, ...] = ()
     validated: bool = False
     refused: str | None = None
+    recordings: int = 0
+    #: replays in a row discarded by a value the step read (see _MISSES_BEFORE_RERECORDING)
+    misses: int = 0
 
 
 def _leaf_signature(leaf: Any) -> Hashable:
@@ -300,8 +359,9 @@ class CapturedStep:
             batch_inputs, batch_targets = tree_unflatten(full, spec)
             with recording() as record, _NoHostReads(), _NoValueShapes():
                 out = dp_gradient(self.module, batch_inputs, batch_targets, loss_fn=self.loss_fn, config=self.config)
-            numbers = (torch.stack([t.to(torch.float64) for t in record.tensors]) if record.tensors
-                       else torch.zeros(0, dtype=torch.float64, device=out.per_sample_norms.device))
+            device = out.per_sample_norms.device  # (a guarded read's tensor may sit elsewhere)
+            numbers = (torch.stack([t.to(device=device, dtype=torch.float64) for t in record.tensors])
+                       if record.tensors else torch.zeros(0, dtype=torch.float64, device=device))
             holder["out"], holder["numbers"], holder["guards"] = out, numbers, tuple(record.guards)
             return list(out.grads.values()), out.per_sample_norms, numbers
 
@@ -320,11 +380,12 @@ class CapturedStep:
         entry.names, entry.num_samples = tuple(out.grads), out.num_samples
         entry.numbers = {name: _number_source(getattr(out, name))
                          for name in ("loss_sum", "num_clipped", "num_dropped")}
-        entry.guards = holder["guards"]
-        entry.validated = not self.validate
+        entry.guards, entry.mutated = holder["guards"], _mutated_constants(graph.graph)
+        entry.validated, entry.misses = not self.validate, 0
+        entry.recordings += 1
         self.stats["recorded"] += 1
         numbers = holder["numbers"].tolist()
-        if not _holds(entry, numbers):
+        if _failed(entry, numbers) is not None:
             self.stats["reruns"] += 1
             return self._eager(inputs, targets)  # (the graph stands for batches that drop no sample)
         return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, numbers))
@@ -336,12 +397,40 @@ class CapturedStep:
 
     def _replay(self, entry: _Entry, leaves: list[Any]) -> DPGradient | None:
         """The graph's result on the batch; None where its guards say the recorded path does not
-        hold for it (a sample dropped)."""
-        grads, norms, numbers = self._run(entry, leaves)
-        values = numbers.tolist()  # (one read: the counts, the loss sum and the guards)
-        if not _holds(entry, values):
-            return None
-        return self._result(entry, dict(zip(entry.names, grads)), norms, _numbers(entry, values))
+        hold for it (a sample dropped, a value the step read that reads otherwise): what the
+        graph wrote in the module (a buffer) is then put back, for the eager step."""
+        saved = _snapshot(entry)
+        try:
+            grads, norms, numbers = self._run(entry, leaves)
+        except Exception as error:  # noqa: BLE001 - sizes the recording read, otherwise this time
+            failed: Guard | None = next((guard for guard in entry.guards if guard.read), None)
+            if failed is None:  # (no value read, so no reason to fail: the graph is not kept)
+                _restore(saved)
+                self._refuse(entry, f"its replay failed: {_describe(error)}")
+                return None
+        else:
+            values = numbers.tolist()  # (one read: the counts, the loss sum and the guards)
+            failed = _failed(entry, values)
+            if failed is None:
+                entry.misses = 0
+                return self._result(entry, dict(zip(entry.names, grads)), norms, _numbers(entry, values))
+        _restore(saved)
+        if failed.read:
+            self._missed(entry)
+        return None
+
+
+    def _missed(self, entry: _Entry) -> None:
+        """A replay discarded by a value the step read: after a few in a row, the signature is
+        recorded again on its next batch (at most _MAX_RECORDINGS times, then it runs eagerly)."""
+        entry.misses += 1
+        if entry.misses < _MISSES_BEFORE_RERECORDING:
+            return
+        if entry.recordings >= _MAX_RECORDINGS:
+            self._refuse(entry, f"the values its step reads into Python (a mask's any/all, an item) changed "
+                                f"from batch to batch through {entry.recordings} recordings")
+        else:
+            entry.graph, entry.validated, entry.misses = None, False, 0
 
     def _validate(self, entry: _Entry, inputs: Any, targets: torch.Tensor, leaves: list[Any]) -> DPGradient:
         """The eager step and the graph's on this batch, with the same random draws; the graph is
@@ -350,17 +439,24 @@ class CapturedStep:
         devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})  # (whose random draws to repeat)
         cpu_state = torch.get_rng_state()
         cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+        before = _snapshot(entry)  # (a module's tensor the graph writes: a buffer)
         eager = self._eager(inputs, targets)
         after_cpu = torch.get_rng_state()
         after_cuda = [torch.cuda.get_rng_state(d) for d in devices]
+        after = _snapshot(entry)
         torch.set_rng_state(cpu_state)
         for d, state in zip(devices, cuda_states):
             torch.cuda.set_rng_state(state, d)
+        _restore(before)  # the replay starts where the eager step did
         try:
             replayed = self._replay(entry, leaves)
             mismatch = None if replayed is None else _mismatch(eager, replayed)
+            if mismatch is None and replayed is not None:
+                mismatch = next(("a module tensor that the step writes" for tensor, value in after
+                                 if not torch.equal(tensor, value)), None)
         except Exception as error:  # noqa: BLE001 - a graph that cannot replay is refused
             replayed, mismatch = None, f"its replay failed: {_describe(error)}"
+        _restore(after)  # (the eager step's result stands)
         torch.set_rng_state(after_cpu)
         for d, state in zip(devices, after_cuda):
             torch.cuda.set_rng_state(state, d)
@@ -409,9 +505,41 @@ def _simplify(graph: Any) -> None:
     graph.eliminate_dead_code()
 
 
-def _holds(entry: _Entry, graph_numbers: list[float]) -> bool:
-    """Whether the recorded path holds for the batch (every guard 0)."""
-    return all(graph_numbers[slot] == 0 for slot in entry.guards)
+def _failed(entry: _Entry, graph_numbers: list[float]) -> Guard | None:
+    """The first guard by which the recorded path does not hold for the batch (None: it holds)."""
+    return next((guard for guard in entry.guards if not guard.holds(graph_numbers[guard.slot])), None)
+
+
+def _snapshot(entry: _Entry) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the module's tensors that the graph writes (a buffer), with the tensors."""
+    return [(tensor, tensor.clone()) for tensor in (getattr(entry.graph, name) for name in entry.mutated)]
+
+
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Puts back what a step wrote in the module's tensors (a replay discarded, a checked step's)."""
+    with torch.no_grad():
+        for tensor, value in saved:
+            tensor.copy_(value)
+
+
+def _mutated_constants(graph: Any) -> tuple[str, ...]:
+    """The graph's constants (``get_attr``: the module's tensors) that an operator writes in place,
+    through views or not."""
+    names: set[str] = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for i, argument in enumerate(node.target._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            base = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            while isinstance(base, torch.fx.Node) and base.op == "call_function" \
+                    and isinstance(base.target, torch._ops.OpOverload) and base.target._schema.arguments \
+                    and base.target._schema.arguments[0].alias_info is not None:  # a view: to its base
+                base = base.args[0]
+            if isinstance(base, torch.fx.Node) and base.op == "get_attr":
+                names.add(str(base.target))
+    return tuple(sorted(names))
 
 
 def _numbers(entry: _Entry, graph_numbers: list[float]) -> dict[str, Any]:
