@@ -186,6 +186,32 @@ def test_values_used_through_torch_ops_are_replayed() -> None:
     assert step.stats["replayed"] == 1 and not step.refusals
 
 
+class _Counting(nn.Module):
+    """Writes Python state (a step counter) into a buffer: the recording bakes the count it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.register_buffer("total", torch.zeros(()))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.total.add_(self.calls)
+        return self.layer(x)
+
+
+def test_a_graph_that_writes_a_buffer_otherwise_than_the_eager_step_is_refused() -> None:
+    """The gradients agree, the buffer the step writes does not: the checked step catches it (and
+    the eager step's write is the one kept)."""
+    torch.manual_seed(0)
+    model = _Counting()
+    batches = [((torch.randn(6, 4),), torch.randint(0, 2, (6,))) for _ in range(5)]
+    step = _run_against_eager(model, batches, DPConfig(mode="ghost", max_grad_norm=1.0))
+    assert step.stats["replayed"] == 0 and "a module tensor that the step writes" in step.refusals[0]
+    assert float(model.total) == 1 + 2 + 3 + 4 + 5
+
+
 class _Selecting(nn.Module):
     def __init__(self) -> None:
         super().__init__()
