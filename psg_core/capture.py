@@ -126,7 +126,10 @@ class _NoHostReads(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         if func in _SCALAR_READS and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
-            return _read_guarded(func, args, kwargs, args[0], truth=func is torch.Tensor.__bool__)
+            tensor = args[0]
+            if func is torch.Tensor.__int__ and (tensor.is_floating_point() or tensor.is_complex()):
+                tensor = tensor.real.trunc()  # (int() truncates: the guard compares what was read)
+            return _read_guarded(func, args, kwargs, tensor, truth=func is torch.Tensor.__bool__)
         if func in _HOST_READS:
             raise _Refused(f"the step reads a tensor's values into Python ({getattr(func, '__name__', func)}), "
                            "which a recorded graph would replay as the recording batch's values")

@@ -128,7 +128,7 @@ def test_a_forward_that_reads_a_list_of_values_runs_eagerly_with_the_reason() ->
 
 class _Reading(nn.Module):
     """Chooses its path by one value it reads (as transformers' masks do: ``if mask.all():``), by
-    ``read``: ``bool``, ``item``, ``equal`` (torch.equal), ``size`` (a masked selection's size)."""
+    ``read``: ``bool``, ``item``, ``int``, ``equal`` (torch.equal), ``size`` (a masked selection's size)."""
 
     def __init__(self, read: str) -> None:
         super().__init__()
@@ -141,6 +141,8 @@ class _Reading(nn.Module):
         h = self.first(x)
         positive = {"bool": lambda: bool(x[:, 0].sum() > 0), "item": lambda: (x[:, 0].sum() > 0).item(),
                     "equal": lambda: torch.equal(x[:, 0] > 0, x[:, 0] > -100),
+                    # int() of a float truncates: the guard compares the number read, not the float
+                    "int": lambda: int(x[:, 0].sum().clamp(-0.5, 0.5) * 3.9) >= 0,
                     "size": lambda: x[x[:, 0] > 0].shape[0] == x.shape[0]}[self.read]()
         return self.second(h * 2 if positive else -h)
 
@@ -155,7 +157,7 @@ def _signed_batches(signs: str) -> list[tuple[tuple, torch.Tensor]]:
     return batches
 
 
-@pytest.mark.parametrize("read", ["bool", "item", "equal", "size"])
+@pytest.mark.parametrize("read", ["bool", "item", "equal", "size", "int"])
 def test_a_value_the_step_reads_guards_its_replays(read: str) -> None:
     """The recording keeps the value read as a guard: a replay where it reads otherwise is discarded
     (the batch computed eagerly; what the graph wrote in a buffer put back), and three discarded in
