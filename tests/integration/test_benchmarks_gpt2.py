@@ -33,6 +33,10 @@ TARGETS = [
     ("psg ghost peak memory <= 1.1 x non-private", "full-untied"),
     ("psg hooks time <= 0.75 x Opacus hooks", "full-tied"),
     ("psg hooks time <= 0.75 x Opacus hooks", "full-untied"),
+    ("psg ghost, captured step: time <= 1.25 x non-private", "full-tied"),
+    ("psg hooks, captured step: time <= 0.75 x Opacus hooks", "full-tied"),
+    ("psg ghost, captured step: time <= 1.25 x non-private", "full-untied"),
+    ("psg hooks, captured step: time <= 0.75 x Opacus hooks", "full-untied"),
 ]
 LORA_TARGET = "LoRA service step <= in-process + adapter bytes / 1.5 GB/s + 5 ms"
 
