@@ -422,7 +422,6 @@ class CapturedStep:
             self._missed(entry)
         return None
 
-
     def _missed(self, entry: _Entry) -> None:
         """A replay discarded by a value the step read: after a few in a row, the signature is
         recorded again on its next batch (at most _MAX_RECORDINGS times, then it runs eagerly)."""
