@@ -332,20 +332,20 @@ def test_the_host_probes_run_before_a_recording_not_inside_it() -> None:
     assert (gemm.onednn_available(), gemm._packing_available(), gemm._rule_prefers_onednn()) == expected
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "t5", "deberta", "deberta_v2", "gemma2", "longformer"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "t5", "deberta", "gemma2", "longformer"])
 def test_hugging_face_steps_replay_and_equal_the_eager_step_whatever_the_padding(family: str) -> None:
     """transformers reads the padding mask to choose an attention path (``masking_utils``: GPT-2,
-    BERT, Llama), T5's classifier counts each row's <eos> with ``unique_consecutive``, DeBERTa reads
+    BERT), T5's classifier counts each row's <eos> with ``unique_consecutive``, DeBERTa reads
     a size with ``.item()``, Longformer writes its global tokens through a mask: each recorded with
-    guards. DeBERTa-v2 uses the mask through torch's ops only, Gemma-2 pools each row's last token
-    with an index ``arange`` made. Every batch's result is the eager one, with the padding moving
-    from batch to batch; an unpadded batch (another attention path) is computed eagerly."""
+    guards; Gemma-2 pools each row's last token with an index ``arange`` made. Every batch's result
+    is the eager one, with the padding moving from batch to batch; an unpadded batch (another
+    attention path) is computed eagerly."""
     pytest.importorskip("transformers")
     from tests.core import hf_models as hf
 
     model = hf.build(family, lora=False)
     batches = []
-    for seed in range(6):
+    for seed in range(5):
         inputs, labels = hf.batch(family, 4, seed=seed)
         mask = inputs["attention_mask"].clone()
         mask[seed % 4, 1 + seed % 3:] = 0  # a different row and length padded each time
@@ -355,8 +355,8 @@ def test_hugging_face_steps_replay_and_equal_the_eager_step_whatever_the_padding
     unpadded["input_ids"][0, -3:] = torch.tensor([5, 6, hf.EOS])  # (no pad; the last token is <eos>)
     batches.insert(4, (unpadded, labels))
     step = _run_against_eager(model, batches, DPConfig(mode="ghost", max_grad_norm=0.5), loss_fn=hf.loss_fn)
-    # eager, recorded, checked, replayed, (unpadded), replayed, replayed
-    assert step.stats["replayed"] >= 3 and not step.refusals, (step.stats, step.refusals)
+    # eager, recorded, checked, replayed, (unpadded), replayed
+    assert step.stats["replayed"] >= 2 and not step.refusals, (step.stats, step.refusals)
 
 
 class _Packed(nn.Module):
