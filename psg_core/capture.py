@@ -101,6 +101,12 @@ _MISSES_BEFORE_RERECORDING = 3
 _MAX_RECORDINGS = 3
 
 
+#: One recording at a time in the process: torch.fx patches ``torch.nn.Module.__call__`` (and the
+#: modules' globals) process-wide while it traces, and two tracers' patches at once undo each other
+#: out of order (a recording fails). Other threads' eager steps and replays pass through the patches
+#: unchanged (the tracer forwards calls that are not its own), so only recordings take this lock.
+_RECORDING = threading.Lock()
+
 #: Splits whose points may come as a tensor (sizes set by its values).
 _SPLITS = frozenset({torch.tensor_split, torch.Tensor.tensor_split})
 
@@ -369,7 +375,7 @@ class CapturedStep:
             return list(out.grads.values()), out.per_sample_norms, numbers
 
         try:
-            with exclusive(self.module):
+            with _RECORDING, exclusive(self.module):
                 graph = make_fx(step, tracing_mode="real")(*tensors)
         except Exception as error:  # noqa: BLE001 - any failure to record means: run eagerly
             result = self._eager(inputs, targets)  # a genuine error of this batch raises here

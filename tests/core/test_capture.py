@@ -430,3 +430,33 @@ def test_every_dp_recurrent_layer_replays_its_native_loops(cell: str, options: d
     batches = [((torch.randn(5, 7, 4),), torch.randint(0, 2, (5,))) for _ in range(5)]
     step = _run_against_eager(Model(), batches, DPConfig(mode="ghost", max_grad_norm=0.5))
     assert step.stats["replayed"] == 2 and not step.refusals
+
+
+def test_steps_recorded_at_once_in_several_threads_all_record() -> None:
+    """torch.fx patches nn.Module process-wide while it traces: recordings take turns (two at once
+    broke one another), and eager steps and replays in other threads run on meanwhile."""
+    import threading
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(4)]
+    steps = [CapturedStep(m, loss_fn=CE, config=DPConfig(mode="ghost", max_grad_norm=1.0)) for m in models]
+    batches = [((torch.randn(6, 4),), torch.randint(0, 2, (6,))) for _ in range(6)]
+    errors: list[BaseException] = []
+
+    def train(step: CapturedStep) -> None:
+        try:
+            for inputs, targets in batches:
+                step(inputs, targets)
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(step,)) for step in steps]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for step, model in zip(steps, models):
+        assert not step.refusals and step.stats["replayed"] == 3, (step.stats, step.refusals)
+        expected = dp_gradient(model, *batches[-1], loss_fn=CE, config=DPConfig(mode="ghost", max_grad_norm=1.0))
+        _assert_same(step(*batches[-1]), expected)
