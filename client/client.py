@@ -18,7 +18,9 @@ adapter (``lora=LoraAdapter(...)``): its frozen base model is pushed once, every
 carries only the adapter, and only the adapter's gradients come back. With
 ``adaptive_clipping=QuantileClipping(...)`` the server moves the session's flat bound after every
 step towards a private quantile of the per-sample norms (:attr:`GradientResult.clip_bound`,
-:attr:`Session.clip_bound`).
+:attr:`Session.clip_bound`). With ``capture=True`` the server's workers record each shard shape's
+step once and replay it (``psg_core.CapturedStep``: the same gradients, less work per step for
+fixed batch shapes; :attr:`Session.capture`).
 """
 
 from __future__ import annotations
@@ -239,7 +241,7 @@ class GradientClient:
                        seed: int | None = None, secure_rng: bool = False, steps: int | None = None,
                        epochs: float | None = None, lora: LoraAdapter | None = None,
                        wire: WireDtypes | None = None,
-                       adaptive_clipping: QuantileClipping | None = None) -> Session:
+                       adaptive_clipping: QuantileClipping | None = None, capture: bool = False) -> Session:
         """Opens a session; see ``CreateSessionRequest`` in ``gradient_service.proto``.
 
         Args:
@@ -272,13 +274,21 @@ class GradientClient:
                 ``config.noise_multiplier``, the gradient's noise being raised to pay for the
                 count. :attr:`GradientResult.clip_bound` and :attr:`Session.clip_bound` tell the
                 bound.
+            capture: have the server's workers run the steps through
+                :class:`psg_core.CapturedStep`: each shard shape's step is recorded once and
+                replayed after (the same gradients as an eager step, with less of psg's per-step
+                work). Worth it for batches of fixed shapes (fixed-size or padded batches, the same
+                ``max_rows``); each new shard shape costs each worker an eager step, a recording and
+                a checked step before it replays. Not with ``adaptive_clipping`` (the server refuses
+                the pair: INVALID_ARGUMENT).
         """
         privacy = PrivacyRequest(accountant=accountant, sample_rate=sample_rate, delta=delta,
                                  target_epsilon=target_epsilon, steps=steps, epochs=epochs)
         request = pb.CreateSessionRequest(model=model, model_kwargs_json=json.dumps(dict(model_kwargs or {})),
                                           loss=loss, dp=dp_config_to_proto(config),
                                           expected_batch_size=expected_batch_size,
-                                          privacy=privacy_to_proto(privacy), secure_rng=secure_rng)
+                                          privacy=privacy_to_proto(privacy), secure_rng=secure_rng,
+                                          capture=capture)
         if seed is not None:
             request.seed = seed
         if lora is not None:
@@ -291,7 +301,7 @@ class GradientClient:
         return Session(self, reply.session_id, reply.parameters,
                        config=dataclasses.replace(config, noise_multiplier=reply.noise_multiplier),
                        wire=wire or WireDtypes(), adaptive_clipping=adaptive_clipping,
-                       clip_bound=config.max_grad_norm if adaptive_clipping is not None else None)
+                       clip_bound=config.max_grad_norm if adaptive_clipping is not None else None, capture=capture)
 
     def session(self, session_id: str) -> Session:
         """Attaches to an existing session of this token (after a client or a server restart); push
@@ -303,7 +313,8 @@ class GradientClient:
         return Session(self, session_id, info.parameters, config=config,
                        param_version=max(info.param_version, info.latest_param_version),
                        frozen_held=info.frozen_version > 0, wire=wire_dtypes_from_proto(info.wire),
-                       adaptive_clipping=adaptive, clip_bound=info.clip_bound if adaptive is not None else None)
+                       adaptive_clipping=adaptive, clip_bound=info.clip_bound if adaptive is not None else None,
+                       capture=info.capture)
 
 
 class Session:
@@ -318,7 +329,7 @@ class Session:
     def __init__(self, client: GradientClient, session_id: str, parameters: Iterable[pb.ParameterSpec], *,
                  param_version: int = 0, config: DPConfig | None = None, frozen_held: bool = False,
                  wire: WireDtypes = WireDtypes(), adaptive_clipping: QuantileClipping | None = None,
-                 clip_bound: float | None = None) -> None:
+                 clip_bound: float | None = None, capture: bool = False) -> None:
         self._client = client
         self.id = session_id
         specs = list(parameters)
@@ -341,6 +352,9 @@ class Session:
         #: With adaptive clipping, the bound the session's next step clips at, as the server last
         #: said (at creation, attaching, or in a step's result); None without.
         self.clip_bound = clip_bound
+        #: Whether the server runs the session's steps through ``psg_core.CapturedStep``
+        #: (CreateSession's ``capture``).
+        self.capture = capture
         self._pushed: list[tuple[str, torch.Tensor]] | None = None
 
     @property

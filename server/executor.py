@@ -8,8 +8,10 @@ into :class:`Shard` objects (by :mod:`psg_server.scheduler`, from the executor's
 timings) per shard, in shard order; the frontend merges, noises and accounts. :class:`ShardRunner`
 is the part every executor shares: it keeps one model per session resident on its device
 (:mod:`psg_server.resident`), loads a new parameter version as one flat buffer (the frozen
-parameters only when they changed) and calls :func:`psg_core.dp.dp_gradient`. The Ray pool wraps
-the same runner in actors.
+parameters only when they changed) and calls :func:`psg_core.dp.dp_gradient`, or, for a session
+opened with ``capture`` (:attr:`SessionSpec.capture`), the model's
+:class:`psg_core.capture.CapturedStep`, which records a shard shape's step once and replays it. The
+Ray pool wraps the same runner in actors.
 
 >>> import asyncio
 >>> from psg_server.models import default_registry
@@ -29,7 +31,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -43,8 +45,11 @@ from psg_server.resident import ResidentModel, resolve_device
 from psg_wire.adapters import LoraAdapter
 from psg_wire.flat import FlatTensors
 
-__all__ = ["InProcessExecutor", "ParameterSet", "SessionSpec", "Shard", "ShardExecutor", "ShardResult", "ShardRunner",
-           "ShardTimings", "WorkerDescription", "model_failure"]
+if TYPE_CHECKING:
+    from psg_core.capture import CapturedStep
+
+__all__ = ["CAPTURE_PATHS", "InProcessExecutor", "ParameterSet", "SessionSpec", "Shard", "ShardExecutor", "ShardResult",
+           "ShardRunner", "ShardTimings", "WorkerDescription", "model_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +112,10 @@ class SessionSpec:
     plugins: tuple[str, ...] = ()
     #: The LoRA adapter added to the model, if any.
     lora: LoraAdapter | None = None
+    #: Run the steps through a :class:`~psg_core.capture.CapturedStep` per resident model (recorded
+    #: once per shard signature, then replayed); never together with adaptive clipping, whose
+    #: per-shard bound (:attr:`Shard.max_grad_norm`) a recorded step would hold fixed.
+    capture: bool = False
 
     @property
     def model_kwargs(self) -> dict[str, Any]:
@@ -197,6 +206,15 @@ class ShardTimings:
     copy_out: float = 0.0
 
 
+#: How a captured session's shard ran (:attr:`ShardResult.capture_path`), after the
+#: :class:`~psg_core.capture.CapturedStep` counter the call moved: ``eager`` (a signature's first
+#: step), ``recorded``, ``validated`` (checked against the eager step), ``replayed``, ``refused``
+#: (eager: the signature cannot be recorded), ``reruns`` (eager: the replay did not hold for the batch).
+CAPTURE_PATHS = ("eager", "recorded", "validated", "replayed", "refused", "reruns")
+# When one call moves several counters (a recording whose batch is then rerun eagerly), the first
+# of these names it.
+_CAPTURE_PRIORITY = ("replayed", "validated", "recorded", "refused", "reruns", "eager")
+
 @dataclass
 class ShardResult(DPGradient):
     """One shard's :class:`~psg_core.config.DPGradient`, its gradients views of the one flat buffer
@@ -205,6 +223,9 @@ class ShardResult(DPGradient):
 
     timings: ShardTimings = field(default_factory=ShardTimings)
     flat: FlatTensors | None = None
+    #: For a session with ``capture``: how its captured step ran the shard (one of
+    #: :data:`CAPTURE_PATHS`); None for an eager session's shard.
+    capture_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.flat is not None and not self.grads:
@@ -284,7 +305,9 @@ class ShardRunner:
 
     def run_shard(self, spec: SessionSpec, parameters: ParameterSet, shard: Shard, *,
                   to_host: bool = True) -> ShardResult:
-        """``dp_gradient`` of the session's model at ``parameters`` on one shard.
+        """``dp_gradient`` of the session's model at ``parameters`` on one shard (through the
+        model's :class:`~psg_core.capture.CapturedStep` when ``spec.capture`` and the shard clips
+        at the spec's bound: the same result).
 
         The gradients come back as views of one flat buffer: on the host (``to_host``; from a GPU,
         one copy into pinned memory) or left on the device.
@@ -292,15 +315,25 @@ class ShardRunner:
         from psg_core.dp import dp_gradient  # the DP step lives in psg_core; imported when first used
 
         started = time.perf_counter()
-        resident = self._model(spec, parameters)
+        cached = self._model(spec, parameters)
+        resident = cached.resident
         inputs = tuple(t.to(self.device, non_blocking=True) for t in shard.inputs)
         targets = shard.targets.to(self.device, non_blocking=True)
         loaded = self._synchronize()
         config = spec.dp_config if shard.max_grad_norm is None else \
             replace(spec.dp_config, max_grad_norm=shard.max_grad_norm)
+        captured = self._captured(cached) if spec.capture and shard.max_grad_norm is None else None
+        path: str | None = None
         try:
-            result = dp_gradient(resident.model, shard.model_inputs(inputs), targets, loss_fn=resident.loss,
-                                 config=config)
+            if captured is not None:
+                # (recordings in the process take turns inside psg_core: torch.fx patches nn.Module
+                # process-wide while it traces; this runner's captured steps are its own thread's)
+                before = dict(captured.stats)
+                result = captured(shard.model_inputs(inputs), targets)
+                path = next((name for name in _CAPTURE_PRIORITY if captured.stats[name] > before[name]), "eager")
+            else:
+                result = dp_gradient(resident.model, shard.model_inputs(inputs), targets, loss_fn=resident.loss,
+                                     config=config)
         except Exception as err:
             failure = model_failure(err, spec.model)
             if failure is None:
@@ -316,15 +349,21 @@ class ShardRunner:
         timings = ShardTimings(copy_in=loaded - started, compute=computed - loaded, copy_out=done - computed)
         return ShardResult(grads={}, per_sample_norms=norms, loss_sum=result.loss_sum,
                            num_samples=result.num_samples, num_clipped=result.num_clipped,
-                           num_dropped=result.num_dropped, timings=timings, flat=flat)
+                           num_dropped=result.num_dropped, timings=timings, flat=flat, capture_path=path)
 
     def release(self, session_id: str) -> None:
-        """Forgets the session's model."""
+        """Forgets the session's model (and its captured step with it)."""
         self._cache.pop(session_id, None)
 
     def sessions(self) -> list[str]:
         """Ids of the sessions whose model is cached."""
         return list(self._cache)
+
+    def capture_stats(self) -> dict[str, dict[str, int]]:
+        """The :attr:`~psg_core.capture.CapturedStep.stats` of each cached session's captured step
+        (sessions opened with ``capture`` that ran a shard here), by session id: copies."""
+        return {session_id: dict(cached.captured.stats) for session_id, cached in self._cache.items()
+                if cached.captured is not None}
 
     def has_parameters(self, spec: SessionSpec, version: int) -> bool:
         """Whether the session's model is cached with parameter ``version`` loaded, so a caller
@@ -342,7 +381,7 @@ class ShardRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _model(self, spec: SessionSpec, parameters: ParameterSet) -> ResidentModel:
+    def _model(self, spec: SessionSpec, parameters: ParameterSet) -> _CachedModel:
         cached = self._cache.get(spec.session_id)
         if cached is None or cached.spec != spec:
             model = self._registry.build(spec.model, spec.model_kwargs, device=self.device, lora=spec.lora)
@@ -357,15 +396,32 @@ class ShardRunner:
                 resident.load(fixed, slot="frozen")
             resident.load(parameters.varying, slot="varying")
             resident.version, resident.frozen_from = parameters.version, parameters.frozen_from
-        return resident
+        return cached
+
+    @staticmethod
+    def _captured(cached: _CachedModel) -> CapturedStep:
+        """The cached model's captured step, made on its first captured shard. It is made again
+        when the model's parameters moved to new buffers (a slot's layout changed): a captured step
+        is promised parameters updated in place (as loading a version does), and a move swaps
+        their ``.data`` instead, which is not that (it costs the model's shapes a new recording)."""
+        from psg_core.capture import CapturedStep  # (as dp_gradient: imported when first used)
+
+        resident = cached.resident
+        if cached.captured is None or cached.captured_rehomes != resident.rehomes:
+            cached.captured = CapturedStep(resident.model, loss_fn=resident.loss, config=cached.spec.dp_config)
+            cached.captured_rehomes = resident.rehomes
+        return cached.captured
 
 
 @dataclass
 class _CachedModel:
-    """A session's resident model on one worker, and the spec it was built for."""
+    """A session's resident model on one worker, the spec it was built for and, for a session with
+    ``capture``, its captured step (and the :attr:`ResidentModel.rehomes` it was made at)."""
 
     spec: SessionSpec
     resident: ResidentModel
+    captured: CapturedStep | None = None
+    captured_rehomes: int = -1
 
 
 class _ThreadWorker:

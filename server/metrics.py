@@ -1,5 +1,6 @@
 """Prometheus metrics of one server: requests, failures, per-phase seconds (the frontend's and the
-workers'), open sessions.
+workers'), open sessions, and how the shards of sessions opened with ``capture`` ran (recorded,
+replayed, eager: ``psg_captured_shards_total``).
 
 Each server owns its own ``CollectorRegistry`` (several servers can live in one process, as in
 tests), served over HTTP by :meth:`Metrics.serve_http` when ``--metrics-port`` is set.
@@ -52,6 +53,9 @@ class Metrics:
         self.worker_seconds = Histogram("psg_worker_phase_seconds", "Seconds per phase of a shard on its "
                                         "worker (copy_in, compute, copy_out).", ["phase"], buckets=_BUCKETS,
                                         registry=self.registry)
+        self.captured_shards = Counter("psg_captured_shards", "Shards of sessions opened with capture, by how "
+                                       "their worker's psg_core.CapturedStep ran them (eager, recorded, validated, "
+                                       "replayed, refused, reruns).", ["path"], registry=self.registry)
         # Bound children: a labels() lookup per observation costs more than the observation.
         self._phases = {name: self.phase_seconds.labels(phase=name) for name in PHASES}
         self._worker_phases = {name: self.worker_seconds.labels(phase=name) for name in WORKER_PHASES}
@@ -70,13 +74,17 @@ class Metrics:
 
     def observe_workers(self, results: Iterable[object]) -> None:
         """Records the worker-side phases of each shard result that carries ``timings`` (a
-        :class:`~psg_server.executor.ShardResult`)."""
+        :class:`~psg_server.executor.ShardResult`), and the captured step's path of each that
+        carries one (``capture_path``)."""
         for result in results:
             timings = getattr(result, "timings", None)
             if timings is not None:
                 self._worker_phases["copy_in"].observe(timings.copy_in)
                 self._worker_phases["compute"].observe(timings.compute)
                 self._worker_phases["copy_out"].observe(timings.copy_out)
+            path = getattr(result, "capture_path", None)
+            if path is not None:
+                self.captured_shards.labels(path=path).inc()
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""

@@ -73,6 +73,10 @@ class ResidentModel:
         self.version = -1
         #: Version whose push carried the loaded frozen parameters; -1 = none yet.
         self.frozen_from = -1
+        #: How many times parameters were moved into a new device buffer (a slot's first load, or a
+        #: changed layout): loads between two moves update the parameters in place, a move swaps
+        #: their ``.data`` (what a recorded step, :class:`psg_core.CapturedStep`, is not promised).
+        self.rehomes = 0
         self._buffers: dict[str, FlatTensors] = {}
         # Host buffers of copies that may still be in flight (CUDA copies from pinned memory are
         # asynchronous): kept alive until the slot's next load.
@@ -103,4 +107,5 @@ class ResidentModel:
             for entry in flat.layout.entries:
                 parameters[entry.name].data = buffer.view(entry)  # the parameter lives in the buffer now
         self._buffers[slot] = buffer
+        self.rehomes += 1
         return buffer

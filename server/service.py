@@ -118,9 +118,10 @@ class GradientServicer:
         self._metrics.sessions.set(len(self._store))
         dp = session.dp_config  # enums by value: their reprs would read <Clipping.FLAT: 'flat'>
         adaptive = session.adaptive_clipping
-        logger.info("session %s opened by %s: model %s, loss %s (%s), backend %s, K=%d, %s clipping at "
+        logger.info("session %s opened by %s: model %s, loss %s (%s), backend %s%s, K=%d, %s clipping at "
                     "C=%g%s, noise multiplier %g", session.id, owner, request.model, session.loss.name,
-                    dp.loss_reduction.value, dp.mode.value, dp.augmentation_multiplicity, dp.clipping.value,
+                    dp.loss_reduction.value, dp.mode.value, " (captured steps)" if session.spec.capture else "",
+                    dp.augmentation_multiplicity, dp.clipping.value,
                     dp.max_grad_norm, "" if adaptive is None else
                     f" adapting to quantile {adaptive.target_quantile:g} (learning rate {adaptive.learning_rate:g}, "
                     f"count noise {adaptive.count_noise_multiplier:g})", dp.noise_multiplier)

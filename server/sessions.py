@@ -15,6 +15,11 @@ A session opened with adaptive clipping (``CreateSessionRequest.adaptive_clippin
 flat bound (:attr:`Session.clip_bound`): every step clips at it and moves it as
 :class:`psg_core.DPStep` does in process (:mod:`psg_core.adaptive_clipping`); the bound is part of
 the progress written with each step.
+
+A session opened with ``capture`` (``CreateSessionRequest.capture``, :attr:`SessionSpec.capture`)
+has its workers run its steps through :class:`psg_core.capture.CapturedStep`; that holds the bound
+fixed, so it is refused together with adaptive clipping. The flag is part of the request the
+database keeps, so a restarted server reopens the session with it.
 """
 
 from __future__ import annotations
@@ -226,7 +231,8 @@ class Session:
                               wire=wire_dtypes_to_proto(self.wire),
                               adaptive_clipping=None if self.adaptive_clipping is None else
                               adaptive_clipping_to_proto(self.adaptive_clipping),
-                              clip_bound=self.clip_bound if self.adaptive_clipping is not None else 0.0)
+                              clip_bound=self.clip_bound if self.adaptive_clipping is not None else 0.0,
+                              capture=self.spec.capture)
 
     def record(self) -> SessionRecord:
         """The session as the database keeps it."""
@@ -342,6 +348,10 @@ def _adaptive_clipping(request: pb.CreateSessionRequest, dp_config: DPConfig) ->
     :class:`psg_core.DPStep` checks it: flat clipping only, the count's noise above sigma / 2."""
     if not request.HasField("adaptive_clipping"):
         return None
+    if request.capture:
+        raise InvalidRequestError("CreateSession: capture and adaptive_clipping cannot go together: adaptive "
+                                  "clipping moves the clipping bound every step, which a captured (recorded and "
+                                  "replayed) step would hold fixed; use one or the other")
     try:
         adaptive = adaptive_clipping_from_proto(request.adaptive_clipping)
     except ConfigError as err:
@@ -410,7 +420,7 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
     session_id = session_id if session_id is not None else secrets.token_urlsafe(16)
     spec = SessionSpec(session_id=session_id, model=request.model,
                        model_kwargs_json=json.dumps(kwargs, sort_keys=True), loss=request.loss,
-                       dp_config=dp_config, plugins=registry.plugins, lora=lora)
+                       dp_config=dp_config, plugins=registry.plugins, lora=lora, capture=request.capture)
     session = Session(session_id=session_id, owner=owner, spec=spec, parameters=parameters,
                       signature=registry.signature(request.model, kwargs), loss=loss,
                       expected_batch_size=request.expected_batch_size, privacy=privacy,

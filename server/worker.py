@@ -97,11 +97,13 @@ class GradientWorker:
         return os.getpid()
 
     def stats(self) -> dict[str, Any]:
-        """Shards run so far and the sessions whose model is cached.
+        """Shards run so far, the sessions whose model is cached and, for those opened with
+        ``capture``, their captured steps' counters (``{session id: CapturedStep.stats}``).
 
         In the default group, so it answers after the calls queued before it (a :meth:`release`).
         """
-        return {"shards_run": self._shards_run, "sessions": self._runner.sessions()}
+        return {"shards_run": self._shards_run, "sessions": self._runner.sessions(),
+                "captured": self._runner.capture_stats()}
 
     def run_shard(self, spec: SessionSpec, parameters: ParameterArgs, shard: Shard, *,
                   pack_result: bool = False) -> ShardResult | TensorPayload:

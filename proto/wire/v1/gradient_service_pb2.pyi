@@ -174,7 +174,7 @@ class LoraSettings(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("model", "model_kwargs_json", "loss", "dp", "expected_batch_size", "privacy", "seed", "secure_rng", "lora", "wire", "adaptive_clipping")
+    __slots__ = ("model", "model_kwargs_json", "loss", "dp", "expected_batch_size", "privacy", "seed", "secure_rng", "lora", "wire", "adaptive_clipping", "capture")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class CreateSessionRequest(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_CLIPPING_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_kwargs_json: str
     loss: str
@@ -197,7 +198,8 @@ class CreateSessionRequest(_message.Message):
     lora: LoraSettings
     wire: WireSettings
     adaptive_clipping: AdaptiveClippingSettings
-    def __init__(self, model: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., expected_batch_size: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ..., seed: _Optional[int] = ..., secure_rng: _Optional[bool] = ..., lora: _Optional[_Union[LoraSettings, _Mapping]] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ..., adaptive_clipping: _Optional[_Union[AdaptiveClippingSettings, _Mapping]] = ...) -> None: ...
+    capture: bool
+    def __init__(self, model: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., expected_batch_size: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ..., seed: _Optional[int] = ..., secure_rng: _Optional[bool] = ..., lora: _Optional[_Union[LoraSettings, _Mapping]] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ..., adaptive_clipping: _Optional[_Union[AdaptiveClippingSettings, _Mapping]] = ..., capture: _Optional[bool] = ...) -> None: ...
 
 class AdaptiveClippingSettings(_message.Message):
     __slots__ = ("target_quantile", "learning_rate", "count_noise_multiplier")
@@ -248,7 +250,7 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters", "frozen_version", "dp", "latest_param_version", "wire", "adaptive_clipping", "clip_bound")
+    __slots__ = ("session_id", "model", "steps", "param_version", "epsilon_spent", "budget_left", "delta", "parameters", "frozen_version", "dp", "latest_param_version", "wire", "adaptive_clipping", "clip_bound", "capture")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +265,7 @@ class SessionInfo(_message.Message):
     WIRE_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_CLIPPING_FIELD_NUMBER: _ClassVar[int]
     CLIP_BOUND_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     steps: int
@@ -277,7 +280,8 @@ class SessionInfo(_message.Message):
     wire: WireSettings
     adaptive_clipping: AdaptiveClippingSettings
     clip_bound: float
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., frozen_version: _Optional[int] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., latest_param_version: _Optional[int] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ..., adaptive_clipping: _Optional[_Union[AdaptiveClippingSettings, _Mapping]] = ..., clip_bound: _Optional[float] = ...) -> None: ...
+    capture: bool
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., steps: _Optional[int] = ..., param_version: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., budget_left: _Optional[float] = ..., delta: _Optional[float] = ..., parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., frozen_version: _Optional[int] = ..., dp: _Optional[_Union[DPSettings, _Mapping]] = ..., latest_param_version: _Optional[int] = ..., wire: _Optional[_Union[WireSettings, _Mapping]] = ..., adaptive_clipping: _Optional[_Union[AdaptiveClippingSettings, _Mapping]] = ..., clip_bound: _Optional[float] = ..., capture: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
