@@ -37,11 +37,13 @@ subprocess after a primer step of the same method on the tiny model, on CUDA in 
 after the timing.
 
 **Through the service** (:func:`measure_service`). ``psg-server`` in its own process (in-process
-executor, one worker, loopback; :func:`benchmarks.service._server`) holds two ``hf_causal_lm``
-sessions built from the same config: one with the same LoRA adapter, one without (full, tied). A
-service step is what the client does: ``compute_gradients(inputs, labels, parameters=model)`` (the
-trainable parameters pushed and the step computed in one call; a LoRA session's frozen base went
-with the first push). It is timed interleaved with the in-process step of the same settings
+executor, one worker, loopback; :func:`benchmarks.service._server`) holds ``hf_causal_lm`` sessions
+built from the same config: with the same LoRA adapter, and without (full, tied); each twice, the
+second opened with ``capture=True`` (its worker's steps recorded once and replayed,
+``psg_core.CapturedStep``; its first three steps, eager, recorded and checked, run before the
+timing). A service step is what the client does: ``compute_gradients(inputs, labels,
+parameters=model)`` (the trainable parameters pushed and the step computed in one call; a LoRA
+session's frozen base went with the first push). It is timed interleaved with the in-process step of the same settings
 (:func:`psg_core.dp_gradient` then :class:`psg_core.privacy_step.PrivacyStep`'s normalisation,
 noise off), each service gradient checked against it first; every row reports the bytes a step
 moves (parameters and batch up, gradient down).
@@ -93,8 +95,8 @@ CONFIGURATIONS = ("lora", "full-tied", "full-untied")
 METHODS = ("non-private", "psg-hooks", "psg-ghost", "psg-hooks-captured", "psg-ghost-captured", "opacus-hooks",
            "opacus-ghost")
 #: Rows of the service part: (configuration, path).
-SERVICE_PATHS = (("lora", "in-process"), ("lora", "service, one call"),
-                 ("full-tied", "in-process"), ("full-tied", "service, one call"))
+SERVICE_PATHS = (("lora", "in-process"), ("lora", "service, one call"), ("lora", "service, captured"),
+                 ("full-tied", "in-process"), ("full-tied", "service, one call"), ("full-tied", "service, captured"))
 #: psg's backend for the service sessions and their in-process counterparts.
 SERVICE_MODE = "ghost"
 #: The issue's bounds.
@@ -531,12 +533,12 @@ class _ServiceCase:
         self.batch_bytes = _nbytes([*self.inputs.values(), self.labels])
 
     @contextlib.contextmanager
-    def session(self, target: str) -> Iterator[Any]:
+    def session(self, target: str, *, capture: bool = False) -> Iterator[Any]:
         from psg_client import GradientClient
 
         with GradientClient(target, timeout_s=600.0) as client, client.create_session(
                 "hf_causal_lm", model_kwargs=self.kwargs, loss="causal_lm", expected_batch_size=self.batch,
-                config=self.config, lora=self.lora) as session:
+                config=self.config, lora=self.lora, capture=capture) as session:
             yield session
 
     def service_step(self, session: Any) -> Callable[[], dict[str, torch.Tensor]]:
@@ -573,6 +575,10 @@ def measure_service(payload: dict[str, Any]) -> dict[str, Any]:
             steps[f"{configuration}|in-process"] = case.local_step
             steps[f"{configuration}|service, one call"] = case.service_step(session)
             case.check(steps[f"{configuration}|service, one call"])  # also the first push (frozen base)
+            captured = case.service_step(stack.enter_context(case.session(target, capture=True)))
+            for _ in range(3):  # the worker's eager, recorded and checked steps; replays from then on
+                case.check(captured)
+            steps[f"{configuration}|service, captured"] = captured
         timings = time_interleaved(steps, warmup=warmup, repeats=repeats, device=device)
     rows = []
     for configuration, path in SERVICE_PATHS:
@@ -604,7 +610,7 @@ def _run_service(options: RunOptions) -> list[dict[str, Any]]:
 
 
 def run_suite(options: RunOptions) -> list[dict[str, Any]]:
-    """The in-process rows (15: three configurations of five methods), then the service rows (4)."""
+    """The in-process rows (three configurations of seven methods), then the service rows (6)."""
     if options.size not in SIZES:
         raise ValueError(f"gpt2 suite: no size {options.size!r}; expected one of {sorted(SIZES)}")
     if not opacus_available():

@@ -87,7 +87,8 @@ def test_gpt2_suite_runs_every_row_at_tiny_size() -> None:
         if row["path"] != "in-process":
             assert row["bytes_down"] == row["trainable_bytes"] == row["parameters"] * 4
             assert row["bytes_up"] > row["bytes_down"]
-    lora, full = service[1], service[3]
+    lora, full = service[1], service[4]
+    assert (service[2]["path"], service[5]["path"]) == ("service, captured", "service, captured")
     assert lora["parameters"] < full["parameters"]
 
     checks = SUITES["gpt2"].targets(rows)
