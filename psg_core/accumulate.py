@@ -40,7 +40,7 @@ from psg_core.privacy_step import PrivacyStep
 if TYPE_CHECKING:
     from psg_core.dp_step import DPStep
 
-__all__ = ["GradientAccumulator", "split_batch"]
+__all__ = ["GradientAccumulator", "pad_batch", "split_batch"]
 
 
 def split_batch(inputs: Any, targets: torch.Tensor, *, max_samples: int, augmentation_multiplicity: int = 1,
@@ -94,6 +94,57 @@ def split_batch(inputs: Any, targets: torch.Tensor, *, max_samples: int, augment
             return value
 
         yield take(inputs), targets.narrow(target_dim, start * K, count * K)
+
+
+def pad_batch(inputs: Any, targets: torch.Tensor, *, multiple: int, augmentation_multiplicity: int = 1,
+              batch_first: bool = True) -> tuple[Any, torch.Tensor, torch.Tensor, int] | None:
+    """The batch padded to a multiple of ``multiple`` samples with copies of its first sample (its K
+    rows), so that batches of varying sizes (Poisson sampling) come in a few shapes:
+    ``(inputs, targets, mask, N)``, ``mask`` the ``(N',)`` bool of the real samples (the first N).
+    A padding sample must weigh nothing: :class:`~psg_core.capture.CapturedStep` zeroes its loss
+    (so its gradient, its norm, its share of the loss sum). Inputs keep their form (as in
+    :func:`split_batch`). None where the batch cannot be padded so: no sample, a PackedSequence, a
+    batch tensor whose batch is not a dimension of rows (an EmbeddingBag's offsets), targets
+    without one row per batch row.
+
+    >>> x, y, mask, n = pad_batch(torch.arange(6.0).view(3, 2), torch.tensor([0, 1, 2]), multiple=4)
+    >>> x.tolist(), y.tolist(), mask.tolist(), n
+    ([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [0.0, 1.0]], [0, 1, 2, 0], [True, True, True, False], 3)
+    """
+    where = "pad_batch"
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ConfigError(f"{where}: multiple must be an int >= 1, got {multiple!r}")
+    if not isinstance(targets, torch.Tensor):
+        raise ConfigError(f"{where}: targets must be a tensor, got {type(targets).__name__}")
+    model_inputs = ModelInputs.parse(inputs, where=where)
+    if _holds_packed((model_inputs.args, model_inputs.kwargs)):
+        return None
+    layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=augmentation_multiplicity,
+                                 batch_first=batch_first, where=where)
+    samples, K = layout.num_samples, layout.augmentation_multiplicity
+    found = model_inputs.batch_tensors(layout)
+    target_dim = layout.target_dim(targets)
+    if samples == 0 or any(dim < 0 for _, dim in found) or targets.dim() == 0 \
+            or targets.shape[target_dim] != samples * K:
+        return None
+    padded = -(-samples // multiple) * multiple
+    device = targets.device
+    rows = torch.cat([torch.arange(samples * K), torch.arange(K).repeat(padded - samples)])  # (N'*K,)
+    mask = torch.arange(padded) < samples  # (N',)
+    axes = {id(tensor): dim for tensor, dim in found}
+
+    def pad(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            dim = axes.get(id(value))
+            return value if dim is None or padded == samples else value.index_select(dim, rows.to(value.device))
+        if isinstance(value, Mapping):
+            return {key: pad(item) for key, item in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(pad(item) for item in value)
+        return value
+
+    padded_targets = targets if padded == samples else targets.index_select(target_dim, rows.to(device))
+    return pad(inputs), padded_targets, mask.to(device), samples
 
 
 def _holds_packed(value: Any) -> bool:

@@ -32,6 +32,11 @@ the values. psg checks what it can, and runs the step eagerly where the check fa
   mismatch refuses it;
 * each replay first checks the batch is finite, as :func:`~psg_core.dp_gradient` does.
 
+Batches of varying sizes (Poisson sampling) are each a signature of their own; with
+``pad_to_multiple`` they are recorded and replayed padded to a multiple of that many samples, the
+padding's loss zeroed (exactly nothing added to the sums, norms or counts), and the checked step
+compares the padded graph with the eager step on the padded batch.
+
 A refused signature runs eagerly from then on; :attr:`CapturedStep.refusals` says why. What psg
 cannot see is Python state the forward reads besides the training flags (an attribute changed
 between steps, a global): such a model must not be captured.
@@ -68,10 +73,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from psg_core._host import Deferred, Guard, guard_read, recording
 from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import _check_finite, dp_gradient
-from psg_core.errors import ConfigError
+from psg_core.errors import BatchLayoutError, ConfigError
+from psg_core.modes import GradSampleMode
 from psg_core.gemm import probe_host
+from psg_core.accumulate import pad_batch
 from psg_core.layout import ModelInputs
-from psg_core.losses import LossFn
+from psg_core.losses import LossFn, as_unreduced, loss_batch_dim
+from psg_core.provenance import active_tracker
 from psg_core.precision import fp16_autocast
 from psg_core.support import exclusive
 
@@ -252,6 +260,11 @@ class CapturedStep:
             sequences).
         validate: check each graph against an eager step before replaying it (default; turning it
             off trusts the recording).
+        pad_to_multiple: record and replay each batch padded to a multiple of this many samples
+            (:func:`psg_core.accumulate.pad_batch`: copies of its first sample, whose loss is zeroed,
+            so that they weigh nothing), so that batches of varying sizes (Poisson sampling) share a
+            few signatures; the result is the batch's own (its samples' norms and counts). Not
+            with ``mode="functorch"``, whose loss is computed sample by sample. None: no padding.
 
     Calling it returns what :func:`~psg_core.dp_gradient` returns for the batch: a replay runs the
     same operators (psg's native CPU kernels, the recurrent cells' loops and the lookup tables', as
@@ -259,14 +272,21 @@ class CapturedStep:
     """
 
     def __init__(self, module: nn.Module, *, loss_fn: LossFn | nn.Module, config: DPConfig,
-                 max_signatures: int = 16, validate: bool = True) -> None:
+                 max_signatures: int = 16, validate: bool = True, pad_to_multiple: int | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise ConfigError(f"{_WHERE}: expected an nn.Module, got {type(module).__name__}")
         if not isinstance(config, DPConfig):
             raise ConfigError(f"{_WHERE}: config must be a DPConfig, got {type(config).__name__}")
         if not isinstance(max_signatures, int) or isinstance(max_signatures, bool) or max_signatures < 1:
             raise ConfigError(f"{_WHERE}: max_signatures must be a positive int, got {max_signatures!r}")
+        if pad_to_multiple is not None and (not isinstance(pad_to_multiple, int) or isinstance(pad_to_multiple, bool)
+                                            or pad_to_multiple < 1):
+            raise ConfigError(f"{_WHERE}: pad_to_multiple must be a positive int or None, got {pad_to_multiple!r}")
+        if pad_to_multiple is not None and config.mode is GradSampleMode.FUNCTORCH:
+            raise ConfigError(f"{_WHERE}: pad_to_multiple zeroes the padding samples' loss, which mode='functorch' "
+                              "computes sample by sample (under vmap); use mode 'ghost', 'hooks' or 'ew'")
         self.module, self.loss_fn, self.config = module, loss_fn, config
+        self.pad_to_multiple = pad_to_multiple
         self.max_signatures = max_signatures
         self.validate = bool(validate)
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
@@ -284,8 +304,14 @@ class CapturedStep:
             return self._call(inputs, targets)
 
     def _call(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
+        # the batch the graph takes: padded (with the mask of its real samples) when asked
+        padded = None if self.pad_to_multiple is None else pad_batch(
+            inputs, targets, multiple=self.pad_to_multiple, augmentation_multiplicity=self.config.augmentation_multiplicity,
+            batch_first=self.config.batch_first)
+        batch: tuple[Any, ...] = (inputs, targets) if padded is None else padded[:3]
+        real = None if padded is None else padded[3]
         try:
-            key, leaves, spec = self._signature(inputs, targets)
+            key, leaves, spec = self._signature(batch)
         except _Refused as refused:
             self._refuse_call(str(refused))
             return self._eager(inputs, targets)
@@ -300,11 +326,11 @@ class CapturedStep:
             self.stats["refused"] += 1
             return self._eager(inputs, targets)
         if entry.graph is None:
-            return self._record(entry, inputs, targets, leaves, spec)
+            return self._record(entry, inputs, targets, leaves, spec, real)
         self._check_finite(inputs, targets)
         if not entry.validated:
-            return self._validate(entry, inputs, targets, leaves)
-        replayed = self._replay(entry, leaves)
+            return self._validate(entry, batch, leaves, real)
+        replayed = self._replay(entry, leaves, real)
         if replayed is None:
             self.stats["reruns"] += 1
             return self._eager(inputs, targets)
@@ -334,11 +360,12 @@ class CapturedStep:
     def _check_finite(self, inputs: Any, targets: torch.Tensor) -> None:
         _check_finite(ModelInputs.parse(inputs, where=_WHERE), targets)
 
-    def _signature(self, inputs: Any, targets: torch.Tensor) -> tuple[Hashable, list[Any], Any]:
-        """The batch's signature (what a graph is valid for), its leaves and their structure."""
+    def _signature(self, batch: tuple[Any, ...]) -> tuple[Hashable, list[Any], Any]:
+        """The batch's signature (what a graph is valid for), its leaves and their structure
+        (``batch``: ``(inputs, targets)``, or padded ``(inputs, targets, mask)``)."""
         if fp16_autocast():
             raise _Refused("float16 autocast scales the loss and retries on overflow, a decision on values")
-        leaves, spec = tree_flatten((inputs, targets))
+        leaves, spec = tree_flatten(batch)
         state: list[Hashable] = []  # each module's training flag, parameters and buffers (one walk)
         for layer in self.module.modules():
             state.append(layer.training)
@@ -351,8 +378,10 @@ class CapturedStep:
                torch.is_grad_enabled(), torch.get_default_dtype(), id(self.loss_fn))
         return key, leaves, spec
 
-    def _record(self, entry: _Entry, inputs: Any, targets: torch.Tensor, leaves: list[Any], spec: Any) -> DPGradient:
-        """Records this batch's step into a graph, which also computes its result."""
+    def _record(self, entry: _Entry, inputs: Any, targets: torch.Tensor, leaves: list[Any], spec: Any,
+                real: int | None) -> DPGradient:
+        """Records this batch's step into a graph, which also computes its result (``leaves``: of the
+        padded batch when ``real`` is its count of real samples)."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
         self._check_finite(inputs, targets)
@@ -365,9 +394,10 @@ class CapturedStep:
             full = list(leaves)
             for i, t in zip(positions, flat):
                 full[i] = t
-            batch_inputs, batch_targets = tree_unflatten(full, spec)
+            batch = tree_unflatten(full, spec)
+            loss_fn = self.loss_fn if len(batch) == 2 else _MaskedLoss(self.loss_fn, batch[2], self.config)
             with recording() as record, _NoHostReads(), _NoValueShapes():
-                out = dp_gradient(self.module, batch_inputs, batch_targets, loss_fn=self.loss_fn, config=self.config)
+                out = dp_gradient(self.module, batch[0], batch[1], loss_fn=loss_fn, config=self.config)
             device = out.per_sample_norms.device  # (a guarded read's tensor may sit elsewhere)
             numbers = (torch.stack([t.to(device=device, dtype=torch.float64) for t in record.tensors])
                        if record.tensors else torch.zeros(0, dtype=torch.float64, device=device))
@@ -397,14 +427,14 @@ class CapturedStep:
         if _failed(entry, numbers) is not None:
             self.stats["reruns"] += 1
             return self._eager(inputs, targets)  # (the graph stands for batches that drop no sample)
-        return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, numbers))
+        return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, numbers), real)
 
     def _run(self, entry: _Entry, leaves: list[Any]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         with exclusive(self.module), torch.no_grad():
             grads, norms, numbers = entry.graph(*[leaves[i] for i in entry.positions])
         return grads, norms, numbers
 
-    def _replay(self, entry: _Entry, leaves: list[Any]) -> DPGradient | None:
+    def _replay(self, entry: _Entry, leaves: list[Any], real: int | None) -> DPGradient | None:
         """The graph's result on the batch; None where its guards say the recorded path does not
         hold for it (a sample dropped, a value the step read that reads otherwise): what the
         graph wrote in the module (a buffer) is then put back, for the eager step."""
@@ -422,7 +452,7 @@ class CapturedStep:
             failed = _failed(entry, values)
             if failed is None:
                 entry.misses = 0
-                return self._result(entry, dict(zip(entry.names, grads)), norms, _numbers(entry, values))
+                return self._result(entry, dict(zip(entry.names, grads)), norms, _numbers(entry, values), real)
         _restore(saved)
         if failed.read:
             self._missed(entry)
@@ -440,15 +470,17 @@ class CapturedStep:
         else:
             entry.graph, entry.validated, entry.misses = None, False, 0
 
-    def _validate(self, entry: _Entry, inputs: Any, targets: torch.Tensor, leaves: list[Any]) -> DPGradient:
-        """The eager step and the graph's on this batch, with the same random draws; the graph is
-        kept when they agree."""
+    def _validate(self, entry: _Entry, batch: tuple[Any, ...], leaves: list[Any], real: int | None) -> DPGradient:
+        """The eager step and the graph's on this batch (padded when asked, the same draws of
+        random numbers), the graph kept when they agree."""
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + list(self.module.parameters())
         devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})  # (whose random draws to repeat)
         cpu_state = torch.get_rng_state()
         cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
         before = _snapshot(entry)  # (a module's tensor the graph writes: a buffer)
-        eager = self._eager(inputs, targets)
+        eager = self._eager(batch[0], batch[1]) if real is None else _trim(
+            dp_gradient(self.module, batch[0], batch[1], loss_fn=_MaskedLoss(self.loss_fn, batch[2], self.config),
+                        config=self.config), real)
         after_cpu = torch.get_rng_state()
         after_cuda = [torch.cuda.get_rng_state(d) for d in devices]
         after = _snapshot(entry)
@@ -457,7 +489,7 @@ class CapturedStep:
             torch.cuda.set_rng_state(state, d)
         _restore(before)  # the replay starts where the eager step did
         try:
-            replayed = self._replay(entry, leaves)
+            replayed = self._replay(entry, leaves, real)
             mismatch = None if replayed is None else _mismatch(eager, replayed)
             if mismatch is None and replayed is not None:
                 mismatch = next(("a module tensor that the step writes" for tensor, value in after
@@ -480,10 +512,49 @@ class CapturedStep:
         return eager
 
     def _result(self, entry: _Entry, grads: dict[str, torch.Tensor], norms: torch.Tensor,
-                numbers: dict[str, Any]) -> DPGradient:
-        return DPGradient(grads=grads, per_sample_norms=norms, loss_sum=float(numbers["loss_sum"]),
-                          num_samples=entry.num_samples, num_clipped=int(numbers["num_clipped"]),
-                          num_dropped=int(numbers["num_dropped"]))
+                numbers: dict[str, Any], real: int | None) -> DPGradient:
+        return _trim(DPGradient(grads=grads, per_sample_norms=norms, loss_sum=float(numbers["loss_sum"]),
+                                num_samples=entry.num_samples, num_clipped=int(numbers["num_clipped"]),
+                                num_dropped=int(numbers["num_dropped"])), real)
+
+
+class _MaskedLoss:
+    """``loss_fn`` with the rows of a padded batch's padding samples zeroed (``mask``: ``(N',)``, True
+    for the real samples; see :func:`psg_core.accumulate.pad_batch`): their loss, hence their
+    gradient, norm and share of the loss sum, are exactly 0. The loss's batch axis is the one
+    :func:`psg_core.losses.loss_batch_dim` names, as the per-sample reduction finds it."""
+
+    def __init__(self, loss_fn: LossFn | nn.Module, mask: torch.Tensor, config: DPConfig) -> None:
+        self.loss_fn, self.mask = as_unreduced(loss_fn), mask
+        self.batch_dim = 0 if config.batch_first else 1
+
+    def __call__(self, outputs: Any, targets: Any) -> torch.Tensor:
+        per_element = self.loss_fn(outputs, targets)
+        if not isinstance(per_element, torch.Tensor) or per_element.dim() == 0:
+            return per_element  # (psg refuses it with its message)
+        tracker = active_tracker()
+        dim = loss_batch_dim(per_element, self.batch_dim, None if tracker is None else tracker.batch_dim(per_element))
+        samples = self.mask.shape[0]
+        rows = per_element.shape[dim]
+        if rows % samples:  # (a recording refused: the batch then runs as given, unpadded)
+            raise BatchLayoutError(f"{_WHERE}: the unreduced loss {tuple(per_element.shape)} has no axis of the "
+                                   f"padded batch's {samples} samples' rows, so its padding cannot be zeroed")
+        keep = self.mask.repeat_interleave(rows // samples).view((-1,) + (1,) * (per_element.dim() - 1 - dim))
+        return torch.where(keep, per_element, torch.zeros((), dtype=per_element.dtype, device=per_element.device))
+
+
+def _trim(result: DPGradient, real: int | None) -> DPGradient:
+    """A padded batch's result for its ``real`` first samples (the padding weighs nothing: its norms
+    are 0, and it is counted neither clipped nor dropped, unless a real sample it copies was
+    dropped)."""
+    if real is None or real == result.num_samples:
+        return result
+    norms = result.per_sample_norms[:real]
+    dropped = result.num_dropped
+    if dropped:  # (the copies of a dropped first sample are dropped too: counted over the real ones)
+        dropped = int((~torch.isfinite(norms)).sum())
+    return DPGradient(grads=result.grads, per_sample_norms=norms, loss_sum=result.loss_sum, num_samples=real,
+                      num_clipped=result.num_clipped, num_dropped=dropped)
 
 
 def _number_source(value: Any) -> tuple[bool, Any]:

@@ -26,7 +26,7 @@ from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import dp_gradient
 from psg_core.errors import ConfigError
 from psg_core.losses import LossFn
-from psg_core.modes import Clipping
+from psg_core.modes import Clipping, GradSampleMode
 from psg_core.privacy_step import PrivacyStep
 
 __all__ = ["DPStep", "DP_STEP_STATE_VERSION"]
@@ -79,7 +79,12 @@ class DPStep:
         capture: compute each physical batch's clipped sum through a
             :class:`~psg_core.capture.CapturedStep` (recorded once per batch signature, then
             replayed without psg's per-step Python: for batches of a few fixed shapes; not with
-            ``adaptive_clipping``, whose bound changes every step).
+            ``adaptive_clipping``, whose bound changes every step). Poisson batches vary in size:
+            with ``max_physical_batch_size`` the last physical batch of each step is padded to that
+            many samples, with ``pad_to_multiple`` every batch to a multiple of it (padding samples
+            weigh nothing; not with ``mode="functorch"``), so that they come in few shapes.
+        pad_to_multiple: with ``capture``, pad each (physical) batch to a multiple of this many
+            samples (default: ``max_physical_batch_size`` when given, else no padding).
 
     >>> model = nn.Linear(3, 1)
     >>> step = DPStep(model, loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0),
@@ -100,7 +105,8 @@ class DPStep:
                  accountant: PrivacyAccountant | None = None, generator: torch.Generator | None = None,
                  secure_rng: bool = False, target_epsilon: float | None = None, delta: float | None = None,
                  epochs: float | None = None, steps: int | None = None,
-                 adaptive_clipping: QuantileClipping | None = None, capture: bool = False) -> None:
+                 adaptive_clipping: QuantileClipping | None = None, capture: bool = False,
+                 pad_to_multiple: int | None = None) -> None:
         where = "DPStep"
         if not isinstance(model, nn.Module):
             raise ConfigError(f"{where}: expected an nn.Module, got {type(model).__name__}")
@@ -146,6 +152,14 @@ class DPStep:
             if capture:
                 raise ConfigError(f"{where}: adaptive clipping moves the bound every step, which a recorded step "
                                   "(capture=True) would hold fixed; use one or the other")
+        if pad_to_multiple is not None:
+            if not capture:
+                raise ConfigError(f"{where}: pad_to_multiple pads the batches of a captured step; it needs capture=True")
+            if isinstance(pad_to_multiple, bool) or not isinstance(pad_to_multiple, int) or pad_to_multiple < 1:
+                raise ConfigError(f"{where}: pad_to_multiple must be a positive int, got {pad_to_multiple!r}")
+            if config.mode is GradSampleMode.FUNCTORCH:
+                raise ConfigError(f"{where}: pad_to_multiple zeroes the padding samples' loss, which mode='functorch' "
+                                  "computes sample by sample; use mode 'ghost', 'hooks' or 'ew'")
         self.model = model
         self.loss_fn = loss_fn
         self.config = config
@@ -159,7 +173,11 @@ class DPStep:
         self.unclipped_fraction: float | None = None
         #: Whether each physical batch's clipped sum goes through a :class:`~psg_core.capture.CapturedStep`.
         self.capture = bool(capture)
+        #: With ``capture``: the multiple its batches are padded to (None: that of the call's
+        #: ``max_physical_batch_size``, if any).
+        self.pad_to_multiple = pad_to_multiple
         self._captured: CapturedStep | None = None
+        self._physical: int | None = None  # the running call's max_physical_batch_size
 
     def __call__(self, inputs: Any, targets: torch.Tensor, *,
                  max_physical_batch_size: int | None = None) -> DPGradient:
@@ -177,9 +195,13 @@ class DPStep:
         """
         if max_physical_batch_size is None:
             return self.accumulate([(inputs, targets)])
-        return self.accumulate(split_batch(inputs, targets, max_samples=max_physical_batch_size,
-                                           augmentation_multiplicity=self.config.augmentation_multiplicity,
-                                           batch_first=self.config.batch_first))
+        self._physical = max_physical_batch_size
+        try:
+            return self.accumulate(split_batch(inputs, targets, max_samples=max_physical_batch_size,
+                                               augmentation_multiplicity=self.config.augmentation_multiplicity,
+                                               batch_first=self.config.batch_first))
+        finally:
+            self._physical = None
 
     def accumulate(self, physical_batches: Iterable[tuple[Any, torch.Tensor]]) -> DPGradient:
         """One step over a logical batch given as physical batches ``(inputs, targets)``: their
@@ -200,10 +222,13 @@ class DPStep:
         (:class:`~psg_core.capture.CapturedStep`, kept while the model, loss and configuration are)."""
         if not self.capture:
             return dp_gradient(self.model, inputs, targets, loss_fn=self.loss_fn, config=self.config)
+        pad = self.pad_to_multiple if self.pad_to_multiple is not None else (
+            self._physical if self.config.mode is not GradSampleMode.FUNCTORCH else None)
         captured = self._captured
         if captured is None or captured.module is not self.model or captured.loss_fn is not self.loss_fn \
-                or captured.config != self.config:
-            captured = self._captured = CapturedStep(self.model, loss_fn=self.loss_fn, config=self.config)
+                or captured.config != self.config or captured.pad_to_multiple != pad:
+            captured = self._captured = CapturedStep(self.model, loss_fn=self.loss_fn, config=self.config,
+                                                     pad_to_multiple=pad)
         return captured(inputs, targets)
 
     @property

@@ -182,6 +182,43 @@ def test_a_captured_step_releases_the_eager_step_s_gradient(physical: int | None
     assert steps[0].accountant.steps == steps[1].accountant.steps == 6
 
 
+def test_a_captured_step_pads_poisson_sized_physical_batches_to_one_shape() -> None:
+    """Poisson batches vary in size: with max_physical_batch_size, every physical batch is computed
+    as that many samples (the last one padded, the padding weighing nothing), so one signature
+    replays step after step, and p.grad is the eager DPStep's."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    config = DPConfig(mode="ghost", noise_multiplier=0.7, max_grad_norm=0.5, augmentation_multiplicity=2)
+    steps = [DPStep(model, loss_fn=nn.MSELoss(), config=config, sample_rate=0.5, expected_batch_size=11.0,
+                    generator=torch.Generator().manual_seed(3), capture=capture)
+             for model, capture in zip(models, (False, True))]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    for seed, samples in enumerate([11, 9, 13, 10, 12, 11, 6]):
+        inputs, targets = batch(2 * samples, seed)
+        for step, optimizer in zip(steps, optimizers):
+            optimizer.zero_grad()
+            stats = step(inputs, targets, max_physical_batch_size=4)
+            assert stats.num_samples == samples and stats.per_sample_norms.shape == (samples,)
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+    captured = steps[1]._captured
+    assert captured is not None and captured.pad_to_multiple == 4 and len(captured._entries) == 1
+    assert captured.stats["replayed"] >= 15 and not captured.refusals, captured.stats
+
+
+def test_padding_needs_capture_and_a_whole_batch_loss() -> None:
+    for options, match in (({"pad_to_multiple": 4}, "capture=True"),
+                           ({"pad_to_multiple": 0, "capture": True}, "positive int"),
+                           ({"pad_to_multiple": 4, "capture": True, "mode": "functorch"}, "functorch")):
+        mode = options.pop("mode", "ghost")
+        with pytest.raises(ConfigError, match=match):
+            DPStep(nn.Linear(3, 1), loss_fn=nn.MSELoss(), config=DPConfig(mode=mode, noise_multiplier=1.0),
+                   sample_rate=0.5, expected_batch_size=4.0, **options)
+
+
 def test_capture_and_adaptive_clipping_are_refused_together() -> None:
     from psg_core.adaptive_clipping import QuantileClipping
     with pytest.raises(ConfigError, match="adaptive clipping"):

@@ -39,11 +39,11 @@ def _sgd_(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
 
 
 def _run_against_eager(model: nn.Module, batches: list[tuple[tuple, torch.Tensor]], config: DPConfig,
-                       loss_fn=CE) -> CapturedStep:
-    """Each batch through a CapturedStep and through dp_gradient on a copy of the model, both
-    models updated in place alike after each step."""
+                       loss_fn=CE, **options) -> CapturedStep:
+    """Each batch through a CapturedStep (with ``options``) and through dp_gradient on a copy of the
+    model, both models updated in place alike after each step."""
     twin = copy.deepcopy(model)
-    step = CapturedStep(model, loss_fn=loss_fn, config=config)
+    step = CapturedStep(model, loss_fn=loss_fn, config=config, **options)
     for inputs, targets in batches:
         actual = step(inputs, targets)
         expected = dp_gradient(twin, inputs, targets, loss_fn=loss_fn, config=config)
@@ -460,3 +460,85 @@ def test_steps_recorded_at_once_in_several_threads_all_record() -> None:
         assert not step.refusals and step.stats["replayed"] == 3, (step.stats, step.refusals)
         expected = dp_gradient(model, *batches[-1], loss_fn=CE, config=DPConfig(mode="ghost", max_grad_norm=1.0))
         _assert_same(step(*batches[-1]), expected)
+
+
+class _Tokens(nn.Module):
+    """A per-token classifier: (B, T) ids -> (B, T, 5) logits (its loss per token, rows flattened)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(11, 6), nn.Linear(6, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")  # (B*T,)
+
+
+class _SeqFirst(nn.Module):
+    """A time-major DP LSTM (inputs (T, B, 3)) with a head on its last state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from psg_core.layers import DPLSTM
+        self.lstm, self.head = DPLSTM(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, (h, _) = self.lstm(x)
+        return self.head(h[-1])
+
+
+def _padded_cases(case: str, sizes: list[int], K: int) -> tuple[nn.Module, list, DPConfig, object]:
+    batches: list = []
+    if case == "mlp":
+        model: nn.Module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        batches = [((torch.randn(n * K, 4),), torch.randint(0, 3, (n * K,))) for n in sizes]
+        return model, batches, DPConfig(mode="ghost", max_grad_norm=0.5, augmentation_multiplicity=K), CE
+    if case == "tokens":
+        batches = [((torch.randint(0, 11, (n * K, 7)),), torch.randint(0, 5, (n * K, 7))) for n in sizes]
+        return _Tokens(), batches, DPConfig(mode="hooks", max_grad_norm=0.5, augmentation_multiplicity=K), _token_loss
+    batches = [((torch.randn(6, n * K, 3),), torch.randint(0, 2, (n * K,))) for n in sizes]
+    return _SeqFirst(), batches, DPConfig(mode="ghost", max_grad_norm=0.5, augmentation_multiplicity=K,
+                                          batch_first=False), CE
+
+
+@pytest.mark.parametrize("case,K", [("mlp", 1), ("mlp", 2), ("tokens", 1), ("seq_first", 2)])
+def test_padded_batches_share_one_signature_and_equal_the_eager_step(case: str, K: int) -> None:
+    """pad_to_multiple: batches of 5, 7, 8, 3, 6, 8 and 1 samples (Poisson sizes) are computed as 8
+    samples, the padding (copies of the first sample) weighing nothing: one signature replayed,
+    and every result (norms and counts of the real samples, the loss sum, the sums) the eager
+    step's on the batch as given. A token-level loss (rows flattened), K copies, a time-major model."""
+    torch.manual_seed(0)
+    model, batches, config, loss_fn = _padded_cases(case, [5, 7, 8, 3, 6, 8, 1], K)
+    step = _run_against_eager(model, batches, config, loss_fn=loss_fn, pad_to_multiple=8)
+    assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 4, "refused": 0, "reruns": 0}, \
+        (step.stats, step.refusals)
+
+
+def test_padding_copies_of_a_dropped_first_sample_are_not_counted() -> None:
+    """The padding copies the first sample: where its gradient is not finite (dropped), so are its
+    copies', and only the real samples are counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    config = DPConfig(mode="ghost")
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return CE(out, y) * y.float().reciprocal()  # a target 0 makes that sample's loss infinite
+
+    targets = [torch.ones(5, dtype=torch.long) for _ in range(5)]
+    targets[2][0] = 0  # the checked step's first sample is dropped (and its three copies)
+    targets[4][3] = 0
+    batches = [((torch.randn(5, 4),), t) for t in targets]
+    step = _run_against_eager(model, batches, config, loss_fn=loss_fn, pad_to_multiple=8)
+    # 0 eager; 1 recorded; 2 checked eagerly (padded: 1 + 3 copies dropped, 1 counted), its replay
+    # not holding (a sample dropped); 3 checked; 4 drops a sample: eagerly
+    assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 0, "refused": 0, "reruns": 2}
+
+
+def test_padding_argument_errors() -> None:
+    with pytest.raises(ConfigError, match="pad_to_multiple"):
+        CapturedStep(nn.Linear(2, 2), loss_fn=CE, config=DPConfig(), pad_to_multiple=0)
+    with pytest.raises(ConfigError, match="functorch"):
+        CapturedStep(nn.Linear(2, 2), loss_fn=CE, config=DPConfig(mode="functorch"), pad_to_multiple=4)
