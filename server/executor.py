@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from psg_core.config import DPConfig, DPGradient
+from psg_core.modes import GradSampleMode
 from psg_core.layout import ModelInputs
 from psg_core.errors import PsgError
 from psg_server.errors import InvalidRequestError, NoWorkersError
@@ -205,6 +206,11 @@ class ShardTimings:
     compute: float = 0.0
     copy_out: float = 0.0
 
+
+#: A captured session's shards are recorded and replayed padded to a multiple of this many samples
+#: (psg_core.CapturedStep's ``pad_to_multiple``; the padding weighs nothing): Poisson batches, cut
+#: into shards, vary in size, and each size would otherwise be a recording of its own.
+CAPTURE_PAD_MULTIPLE = 8
 
 #: How a captured session's shard ran (:attr:`ShardResult.capture_path`), after the
 #: :class:`~psg_core.capture.CapturedStep` counter the call moved: ``eager`` (a signature's first
@@ -408,7 +414,9 @@ class ShardRunner:
 
         resident = cached.resident
         if cached.captured is None or cached.captured_rehomes != resident.rehomes:
-            cached.captured = CapturedStep(resident.model, loss_fn=resident.loss, config=cached.spec.dp_config)
+            config = cached.spec.dp_config
+            pad = None if config.mode is GradSampleMode.FUNCTORCH else CAPTURE_PAD_MULTIPLE
+            cached.captured = CapturedStep(resident.model, loss_fn=resident.loss, config=config, pad_to_multiple=pad)
             cached.captured_rehomes = resident.rehomes
         return cached.captured
 

@@ -19,7 +19,7 @@ import torch
 from psg_client import GradientClient, QuantileClipping, RetryPolicy, ServiceError, Session
 from psg_core.config import DPConfig
 from psg_server.background import BackgroundServer
-from psg_server.executor import CAPTURE_PATHS, ParameterSet, SessionSpec, ShardRunner
+from psg_server.executor import CAPTURE_PAD_MULTIPLE, CAPTURE_PATHS, ParameterSet, SessionSpec, ShardRunner
 from psg_server.models import default_registry
 from psg_server.scheduler import ShardPlan, cut_shards
 from psg_server.transport import TensorPayload
@@ -43,11 +43,15 @@ def captured_shards(server: BackgroundServer) -> dict[str, float]:
     return {path: count for path, count in counts.items() if count}
 
 
-def test_a_captured_session_releases_the_eager_gradients_and_replays() -> None:
+@pytest.mark.parametrize("sizes", [[12] * 5, [12, 9, 11, 7, 10]])
+def test_a_captured_session_releases_the_eager_gradients_and_replays(sizes: list[int]) -> None:
     """Two workers, two shards a step (each worker records its own): with parameters pushed between
-    steps, the captured session's released (noised, normalised) gradients are the eager one's."""
+    steps, the captured session's released (noised, normalised) gradients are the eager one's.
+    Poisson batches vary in size: the shards are padded to a multiple of CAPTURE_PAD_MULTIPLE
+    samples (the padding weighing nothing), so that each worker still replays one recording."""
     model = build(seed=3)
-    batches = [mlp_batch(12, seed=index) for index in range(5)]
+    batches = [mlp_batch(size, seed=index) for index, size in enumerate(sizes)]
+    assert 6 <= CAPTURE_PAD_MULTIPLE  # (every shard, of at most 6 samples, is padded to one shape)
     with serve(num_workers=2, max_shard_samples=6) as server, client_for(server) as client:
         sessions = {capture: create(client, capture=capture) for capture in (False, True)}
         assert sessions[True].capture and not sessions[False].capture
