@@ -99,9 +99,10 @@ def local_server(workers: int, timeout: float) -> Iterator[str]:
 
 
 def run_demo(target: str, recipe: Recipe, *, target_epsilon: float, delta: float, backend: str, seed: int,
-             quiet: bool = False) -> DemoResult:
+             quiet: bool = False, capture: bool = False) -> DemoResult:
     """Trains ``recipe`` through the service at ``target`` in a session whose sigma the server chooses
-    for ``target_epsilon`` at ``delta`` over the recipe's epochs; returns the per-epoch record."""
+    for ``target_epsilon`` at ``delta`` over the recipe's epochs (its workers' steps recorded and
+    replayed with ``capture``); returns the per-epoch record."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
@@ -115,7 +116,7 @@ def run_demo(target: str, recipe: Recipe, *, target_epsilon: float, delta: float
         session = client.create_session(_MODEL, model_kwargs=MODEL_KWARGS, loss="cross_entropy",
                                         expected_batch_size=recipe.batch_size, config=config,
                                         sample_rate=sample_rate, delta=delta, target_epsilon=target_epsilon,
-                                        epochs=recipe.epochs, accountant=ACCOUNTANT, seed=seed)
+                                        epochs=recipe.epochs, accountant=ACCOUNTANT, seed=seed, capture=capture)
         sigma = session.noise_multiplier
         if sigma is None:
             raise RuntimeError(f"psg-demo: the server at {target} did not report the sigma it chose")
@@ -230,6 +231,9 @@ def _parser() -> argparse.ArgumentParser:
         help="exit non-zero when a run's final test accuracy is below this (default: %(default)s)")
     add("--server-timeout", type=float, default=120.0, metavar="SECONDS",
         help="how long the started server may take to report SERVING (default: %(default)s)")
+    add("--capture", action=argparse.BooleanOptionalAction, default=False,
+        help="have the server's workers record each shard shape's step once and replay it "
+             "(psg_core.CapturedStep; the same gradients) (default: %(default)s)")
     add("--quiet", action="store_true", help="no progress bar (default: show it)")
     return parser
 
@@ -248,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             target = args.target or stack.enter_context(local_server(args.workers, args.server_timeout))
             for recipe in recipes:
                 results.append(run_demo(target, recipe, target_epsilon=args.epsilon, delta=args.delta,
-                                        backend=args.backend, seed=args.seed, quiet=args.quiet))
+                                        backend=args.backend, seed=args.seed, quiet=args.quiet,
+                                        capture=args.capture))
         plot(results, args.plot, target_epsilon=args.epsilon, delta=args.delta,
              title=f"psg demo: digits at epsilon {args.epsilon:g}, {args.epochs} epochs, batch {args.batch_size}, "
                    f"C = {args.max_grad_norm}, {args.backend}, seed {args.seed}")
