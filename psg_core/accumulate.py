@@ -23,7 +23,7 @@ point summation order (and exactly the same noise for the same generator state).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -64,11 +64,7 @@ def split_batch(inputs: Any, targets: torch.Tensor, *, max_samples: int, augment
     [4, 4, 2]
     """
     where = "split_batch"
-    if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
-        raise ConfigError(f"{where}: max_samples must be an int >= 1, got {max_samples!r}")
-    if not isinstance(targets, torch.Tensor):
-        raise ConfigError(f"{where}: targets must be a tensor, got {type(targets).__name__}")
-    model_inputs = ModelInputs.parse(inputs, where=where)
+    model_inputs = _parsed(inputs, targets, max_samples, "max_samples", where)
     if _holds_packed((model_inputs.args, model_inputs.kwargs)):
         raise ConfigError(f"{where}: a PackedSequence cannot be split into physical batches; pack each "
                           "physical batch on its own and pass them to DPStep.accumulate")
@@ -82,18 +78,8 @@ def split_batch(inputs: Any, targets: torch.Tensor, *, max_samples: int, augment
     K = layout.augmentation_multiplicity
     for start in range(0, layout.num_samples, max_samples):
         count = min(max_samples, layout.num_samples - start)
-
-        def take(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                dim = axes.get(id(value))
-                return value if dim is None else value.narrow(dim, start * K, count * K)  # (count*K, ...)
-            if isinstance(value, Mapping):
-                return {key: take(item) for key, item in value.items()}
-            if isinstance(value, (tuple, list)):
-                return type(value)(take(item) for item in value)
-            return value
-
-        yield take(inputs), targets.narrow(target_dim, start * K, count * K)
+        yield (_map_batch(inputs, axes, lambda t, dim: t.narrow(dim, start * K, count * K)),  # (count*K, ...)
+               targets.narrow(target_dim, start * K, count * K))
 
 
 def pad_batch(inputs: Any, targets: torch.Tensor, *, multiple: int, augmentation_multiplicity: int = 1,
@@ -112,11 +98,7 @@ def pad_batch(inputs: Any, targets: torch.Tensor, *, multiple: int, augmentation
     ([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [0.0, 1.0]], [0, 1, 2, 0], [True, True, True, False], 3)
     """
     where = "pad_batch"
-    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
-        raise ConfigError(f"{where}: multiple must be an int >= 1, got {multiple!r}")
-    if not isinstance(targets, torch.Tensor):
-        raise ConfigError(f"{where}: targets must be a tensor, got {type(targets).__name__}")
-    model_inputs = ModelInputs.parse(inputs, where=where)
+    model_inputs = _parsed(inputs, targets, multiple, "multiple", where)
     if _holds_packed((model_inputs.args, model_inputs.kwargs)):
         return None
     layout = BatchLayout.of_call(model_inputs, targets, augmentation_multiplicity=augmentation_multiplicity,
@@ -131,20 +113,33 @@ def pad_batch(inputs: Any, targets: torch.Tensor, *, multiple: int, augmentation
     device = targets.device
     rows = torch.cat([torch.arange(samples * K), torch.arange(K).repeat(padded - samples)])  # (N'*K,)
     mask = torch.arange(padded) < samples  # (N',)
+    if padded == samples:
+        return inputs, targets, mask.to(device), samples
     axes = {id(tensor): dim for tensor, dim in found}
+    padded_inputs = _map_batch(inputs, axes, lambda t, dim: t.index_select(dim, rows.to(t.device)))
+    return padded_inputs, targets.index_select(target_dim, rows.to(device)), mask.to(device), samples
 
-    def pad(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            dim = axes.get(id(value))
-            return value if dim is None or padded == samples else value.index_select(dim, rows.to(value.device))
-        if isinstance(value, Mapping):
-            return {key: pad(item) for key, item in value.items()}
-        if isinstance(value, (tuple, list)):
-            return type(value)(pad(item) for item in value)
-        return value
 
-    padded_targets = targets if padded == samples else targets.index_select(target_dim, rows.to(device))
-    return pad(inputs), padded_targets, mask.to(device), samples
+def _parsed(inputs: Any, targets: torch.Tensor, count: int, name: str, where: str) -> ModelInputs:
+    """The inputs parsed, after checking ``count`` (an int >= 1, the argument ``name``) and the targets."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"{where}: {name} must be an int >= 1, got {count!r}")
+    if not isinstance(targets, torch.Tensor):
+        raise ConfigError(f"{where}: targets must be a tensor, got {type(targets).__name__}")
+    return ModelInputs.parse(inputs, where=where)
+
+
+def _map_batch(value: Any, axes: dict[int, int], change: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
+    """``value`` (a tensor, or mappings, tuples and lists holding them) with ``change(tensor, dim)``
+    in place of each tensor that ``axes`` (by id) gives a batch dimension ``dim``; the rest as it is."""
+    if isinstance(value, torch.Tensor):
+        dim = axes.get(id(value))
+        return value if dim is None else change(value, dim)
+    if isinstance(value, Mapping):
+        return {key: _map_batch(item, axes, change) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_batch(item, axes, change) for item in value)
+    return value
 
 
 def _holds_packed(value: Any) -> bool:

@@ -156,10 +156,8 @@ def test_split_refuses_what_it_cannot_cut() -> None:
         list(split_batch(packed, torch.randn(2, 3), max_samples=1))
 
 
-@pytest.mark.parametrize("physical", [None, 4])
-def test_a_captured_step_releases_the_eager_step_s_gradient(physical: int | None) -> None:
-    """DPStep(capture=True): the same p.grad, noise and ledger as the eager DPStep, step after step
-    (physical batches of 4 samples: two signatures, 4 and 3 samples)."""
+def _eager_and_captured_steps() -> tuple[list[nn.Module], list[DPStep], list[torch.optim.Optimizer]]:
+    """Two copies of one model, an eager DPStep and a captured one (same noise), their optimizers."""
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -167,7 +165,14 @@ def test_a_captured_step_releases_the_eager_step_s_gradient(physical: int | None
     steps = [DPStep(model, loss_fn=nn.MSELoss(), config=config, sample_rate=0.5, expected_batch_size=11.0,
                     generator=torch.Generator().manual_seed(3), capture=capture)
              for model, capture in zip(models, (False, True))]
-    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    return models, steps, [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+
+
+@pytest.mark.parametrize("physical", [None, 4])
+def test_a_captured_step_releases_the_eager_step_s_gradient(physical: int | None) -> None:
+    """DPStep(capture=True): the same p.grad, noise and ledger as the eager DPStep, step after step
+    (physical batches of 4 samples: two signatures, 4 and 3 samples)."""
+    models, steps, optimizers = _eager_and_captured_steps()
     for seed in range(6):
         inputs, targets = batch(22, seed)  # 11 samples of K = 2
         for step, optimizer in zip(steps, optimizers):
@@ -186,14 +191,7 @@ def test_a_captured_step_pads_poisson_sized_physical_batches_to_one_shape() -> N
     """Poisson batches vary in size: with max_physical_batch_size, every physical batch is computed
     as that many samples (the last one padded, the padding weighing nothing), so one signature
     replays step after step, and p.grad is the eager DPStep's."""
-    torch.manual_seed(0)
-    models = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    config = DPConfig(mode="ghost", noise_multiplier=0.7, max_grad_norm=0.5, augmentation_multiplicity=2)
-    steps = [DPStep(model, loss_fn=nn.MSELoss(), config=config, sample_rate=0.5, expected_batch_size=11.0,
-                    generator=torch.Generator().manual_seed(3), capture=capture)
-             for model, capture in zip(models, (False, True))]
-    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    models, steps, optimizers = _eager_and_captured_steps()
     for seed, samples in enumerate([11, 9, 13, 10, 12, 11, 6]):
         inputs, targets = batch(2 * samples, seed)
         for step, optimizer in zip(steps, optimizers):
