@@ -405,7 +405,7 @@ class CapturedStep:
             return list(out.grads.values()), out.per_sample_norms, numbers
 
         try:
-            with _RECORDING, exclusive(self.module):
+            with _RECORDING, exclusive(self.module), _one_fake_mode():
                 graph = make_fx(step, tracing_mode="real")(*tensors)
         except Exception as error:  # noqa: BLE001 - any failure to record means: run eagerly
             result = self._eager(inputs, targets)  # a genuine error of this batch raises here
@@ -594,6 +594,18 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     if not expected.is_floating_point():
         return torch.equal(actual, expected)
     return torch.allclose(actual, expected, rtol=1e-4, atol=1e-6, equal_nan=True)
+
+
+def _one_fake_mode() -> Any:
+    """A tracing context holding one fake-tensor mode for the recording: make_fx describes each
+    recorded tensor (its node's ``val``) with a fake tensor, made under the ambient fake mode, or
+    else under a new one per tensor, whose construction captures a Python stack trace (most of a
+    transformer's recording time: 804 modes, 0.6 of 1.5 s on a tiny GPT-2). The context only
+    provides that mode; nothing is traced under it."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
 
 
 def _snapshot(entry: _Entry) -> list[tuple[torch.Tensor, torch.Tensor]]:
