@@ -341,6 +341,11 @@ class CapturedStep:
     def _eager(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
         return dp_gradient(self.module, inputs, targets, loss_fn=self.loss_fn, config=self.config)
 
+    def _loss_for(self, batch: tuple[Any, ...]) -> LossFn | nn.Module:
+        """The loss of ``(inputs, targets)``, or of a padded ``(inputs, targets, mask)`` (its padding's
+        rows zeroed)."""
+        return self.loss_fn if len(batch) == 2 else _MaskedLoss(self.loss_fn, batch[2], self.config)
+
     def _remember(self, key: Hashable, entry: _Entry) -> None:
         self._entries[key] = entry
         while len(self._entries) > self.max_signatures:
@@ -395,7 +400,7 @@ class CapturedStep:
             for i, t in zip(positions, flat):
                 full[i] = t
             batch = tree_unflatten(full, spec)
-            loss_fn = self.loss_fn if len(batch) == 2 else _MaskedLoss(self.loss_fn, batch[2], self.config)
+            loss_fn = self._loss_for(batch)
             with recording() as record, _NoHostReads(), _NoValueShapes():
                 out = dp_gradient(self.module, batch[0], batch[1], loss_fn=loss_fn, config=self.config)
             device = out.per_sample_norms.device  # (a guarded read's tensor may sit elsewhere)
@@ -478,9 +483,8 @@ class CapturedStep:
         cpu_state = torch.get_rng_state()
         cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
         before = _snapshot(entry)  # (a module's tensor the graph writes: a buffer)
-        eager = self._eager(batch[0], batch[1]) if real is None else _trim(
-            dp_gradient(self.module, batch[0], batch[1], loss_fn=_MaskedLoss(self.loss_fn, batch[2], self.config),
-                        config=self.config), real)
+        eager = _trim(dp_gradient(self.module, batch[0], batch[1], loss_fn=self._loss_for(batch), config=self.config),
+                      real)
         after_cpu = torch.get_rng_state()
         after_cuda = [torch.cuda.get_rng_state(d) for d in devices]
         after = _snapshot(entry)
