@@ -155,11 +155,14 @@ def render_markdown(documents: list[dict[str, Any]], *, out_dir: Path, markdown_
         "```",
         "",
         "On a GPU machine without network access (the lent H100/H200): `bash benchmarks/gpu/prepare.sh` "
-        "here fetches the cp312 wheels it lacks into `.whl/` (Ray trimmed to ~40 MB), then "
+        "here fetches the cp312 wheels it lacks into `.whl/` (Ray trimmed to ~40 MB; the gpt2 suite's "
+        "transformers, peft and their needs in `.whl/hf/`, transformers cut to the model families they "
+        "import: 59 MB in all, within the 64 MiB a call carries with the tree), then "
         "`bash benchmarks/gpu/on_device.sh all` there (carrying `.whl`) runs the GPU training suite "
         "(about 100 s on an H200) and then the CUDA tests over the machine's cores (about 160 s), in one "
-        "machine start; `tests`, `bench` and `profile` (torch.profiler over the suite's steps: wall against "
-        "kernel time, launches, device-to-host copies) run parts, several in one call. Copy the JSON it "
+        "machine start; `tests`, `bench`, `profile` (torch.profiler over the suite's steps: wall against "
+        "kernel time, launches, device-to-host copies), `host` and `gpt2` (the gpt2 suite on the GPU) run "
+        "parts, several in one call. Copy the JSON it "
         "writes into `benchmarks/results/` and run `python -m benchmarks.run --report-only` to add its "
         "section.",
         "",

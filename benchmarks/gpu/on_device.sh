@@ -17,8 +17,10 @@
 #          against kernel time, launches, device-to-host copies, the top kernels and host ops).
 # "host":  benchmarks/host_overhead.py --device cuda (each method's host cost per hooked layer and
 #          per step, on MLPs whose kernels cost next to nothing).
+# "gpt2":  the gpt2 suite (benchmarks/gpt2.py: GPT-2 and LoRA, eager and captured steps, Opacus, the
+#          service) at its reported size on the GPU, with .whl/hf's transformers and peft in front.
 # Several parts run in one call in the order given (e.g. "tests profile"); each part's time limit
-# is BENCH_S, TESTS_S, PROFILE_S or HOST_S seconds.
+# is BENCH_S, TESTS_S, PROFILE_S, HOST_S or GPT2_S seconds.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/psg-out}
@@ -49,6 +51,12 @@ cuda_tests() {
 profile() {
   timeout "$1" python3 -m benchmarks.gpu.profile_step --out "$out" 2>&1 | grep -v "^USDT"
 }
+gpt2() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-hf \
+    .whl/hf/*.whl || return 1
+  PYTHONPATH=/tmp/site-hf:$PYTHONPATH timeout "$1" python3 -m benchmarks.run --device cuda --suites gpt2 \
+    --repeats 10 -v --out "$out" --markdown "$out/BENCHMARKS_gpt2_gpu.md" 2>&1 | tee "$out/gpt2.log"
+}
 host() {
   timeout "$1" python3 -m benchmarks.host_overhead --device cuda --rounds 100 2>&1 | tee "$out/host_overhead.txt"
 }
@@ -60,6 +68,7 @@ for what in "$@"; do
     tests) cuda_tests "${TESTS_S:-560}" ;;
     profile) profile "${PROFILE_S:-300}" ;;
     host) host "${HOST_S:-120}" ;;
-    *) echo "usage: on_device.sh [all|bench|tests|profile|host]..." >&2; exit 2 ;;
+    gpt2) gpt2 "${GPT2_S:-420}" ;;
+    *) echo "usage: on_device.sh [all|bench|tests|profile|host|gpt2]..." >&2; exit 2 ;;
   esac
 done

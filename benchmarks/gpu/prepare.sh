@@ -47,5 +47,37 @@ if [ -n "$ray_wheel" ]; then
   (cd "$work" && zip -q -r "$OLDPWD/.whl/$name" .)
   rm -rf "$work"
 fi
-du -sh .whl
-ls .whl
+# The gpt2 suite's Hugging Face stack, in .whl/hf/, installed by on_device.sh's "gpt2" part only (in
+# front of the image's own transformers, 5.17 when last listed, which the CUDA tests keep): the
+# versions the Makefile's environment resolves, so the GPU rows run the code the CPU rows ran; not
+# hf-xet (downloads only). transformers keeps the model families the suite, its service path and
+# peft import (the others are 50 of its 60 MB, and the carry limit is 64 MiB with the tree).
+hf_wheels=(
+  transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 huggingface_hub==2.4.0 peft==0.21.2
+  accelerate==1.15.0 regex==2026.11.19 tqdm==4.70.1 psutil==7.2.2 filelock==4.3.1 fsspec==2026.9.0
+  httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 anyio==4.16.0 truststore==0.10.5
+)
+mkdir -p .whl/hf
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" -d .whl/hf "${hf_wheels[@]}"
+hf_wheel=$(ls .whl/hf/transformers-5.24.0-*.whl | head -1)
+# (trimmed once: a second run finds the wheel without the other families; grep -c reads the whole
+# listing, where grep -q would end the pipe early and fail it under pipefail)
+if [ -n "$hf_wheel" ] && [ "$(unzip -Z1 "$hf_wheel" | grep -c '^transformers/models/bert/')" -gt 0 ]; then
+  work=$(mktemp -d)
+  unzip -q "$hf_wheel" -d "$work"
+  keep='^(auto|gpt2|encoder_decoder|bloom|__init__\.py)$'
+  for family in $(ls "$work"/transformers/models); do
+    [[ "$family" =~ $keep ]] || rm -rf "$work/transformers/models/$family"
+  done
+  record=$(ls "$work"/transformers-5.24.0.dist-info/RECORD)
+  grep -E -v '^transformers/models/' "$record" > "$record.new"
+  grep -E '^transformers/models/(auto/|gpt2/|encoder_decoder/|bloom/|__init__\.py)' "$record" >> "$record.new"
+  mv "$record.new" "$record"
+  name=$(basename "$hf_wheel")
+  rm "$hf_wheel"
+  (cd "$work" && zip -q -r "$OLDPWD/.whl/hf/$name" .)
+  rm -rf "$work"
+fi
+du -sh .whl .whl/hf
+ls .whl .whl/hf
