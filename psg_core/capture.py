@@ -294,6 +294,9 @@ class CapturedStep:
         #: (``reruns``: batches a replay did not hold for, a sample's gradient not being finite,
         #: computed eagerly instead)
         self.stats = {"eager": 0, "recorded": 0, "validated": 0, "replayed": 0, "refused": 0, "reruns": 0}
+        #: how the latest call ran: the first of the ``stats`` names it counted in (a recording whose
+        #: batch is then computed eagerly is ``"recorded"``); None before the first call
+        self.last_path: str | None = None
         #: why signatures were refused, in order
         self.refusals: list[str] = []
         self._lock = threading.RLock()  # one call at a time (the signatures' states change per call)
@@ -304,6 +307,7 @@ class CapturedStep:
             return self._call(inputs, targets)
 
     def _call(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
+        self.last_path = None
         # the batch the graph takes: padded (with the mask of its real samples) when asked
         padded = None if self.pad_to_multiple is None else pad_batch(
             inputs, targets, multiple=self.pad_to_multiple, augmentation_multiplicity=self.config.augmentation_multiplicity,
@@ -313,17 +317,18 @@ class CapturedStep:
         try:
             key, leaves, spec = self._signature(batch)
         except _Refused as refused:
-            self._refuse_call(str(refused))
+            self._refuse(None, str(refused))
+            self._count("refused")
             return self._eager(inputs, targets)
         entry = self._entries.get(key)
         if entry is None:
             result = self._eager(inputs, targets)  # raises as dp_gradient does; warms psg's decisions
             self._remember(key, _Entry())
-            self.stats["eager"] += 1
+            self._count("eager")
             return result
         self._entries.move_to_end(key)
         if entry.refused is not None:
-            self.stats["refused"] += 1
+            self._count("refused")
             return self._eager(inputs, targets)
         if entry.graph is None:
             return self._record(entry, inputs, targets, leaves, spec, real)
@@ -332,9 +337,9 @@ class CapturedStep:
             return self._validate(entry, batch, leaves, real)
         replayed = self._replay(entry, leaves, real)
         if replayed is None:
-            self.stats["reruns"] += 1
+            self._count("reruns")
             return self._eager(inputs, targets)
-        self.stats["replayed"] += 1
+        self._count("replayed")
         return replayed
 
     # ------------------------------------------------------------------------------ internals
@@ -351,16 +356,21 @@ class CapturedStep:
         while len(self._entries) > self.max_signatures:
             self._entries.popitem(last=False)
 
-    def _refuse_call(self, reason: str) -> None:
-        self.stats["refused"] += 1
-        if reason not in self.refusals:
-            self.refusals.append(reason)
-            logger.warning("%s: running eagerly: %s", _WHERE, reason)
+    def _count(self, path: str) -> None:
+        self.stats[path] += 1
+        if self.last_path is None:
+            self.last_path = path
 
-    def _refuse(self, entry: _Entry, reason: str) -> None:
-        entry.graph, entry.refused = None, reason
+    def _refuse(self, entry: _Entry | None, reason: str) -> None:
+        """Notes why a signature (``entry``: its graph dropped for good) or a call (None: a batch
+        that has no signature) runs eagerly; a call's reason is noted once."""
+        if entry is None and reason in self.refusals:
+            return
+        if entry is not None:
+            entry.graph, entry.refused = None, reason
         self.refusals.append(reason)
-        logger.warning("%s: this batch signature runs eagerly: %s", _WHERE, reason)
+        logger.warning("%s: %s runs eagerly: %s", _WHERE, "this call" if entry is None else "this batch signature",
+                       reason)
 
     def _check_finite(self, inputs: Any, targets: torch.Tensor) -> None:
         _check_finite(ModelInputs.parse(inputs, where=_WHERE), targets)
@@ -415,7 +425,7 @@ class CapturedStep:
         except Exception as error:  # noqa: BLE001 - any failure to record means: run eagerly
             result = self._eager(inputs, targets)  # a genuine error of this batch raises here
             self._refuse(entry, _describe(error))
-            self.stats["refused"] += 1
+            self._count("refused")
             return result
         _simplify(graph.graph)
         graph.recompile()
@@ -427,10 +437,10 @@ class CapturedStep:
         entry.guards, entry.mutated = holder["guards"], _mutated_constants(graph.graph)
         entry.validated, entry.misses = not self.validate, 0
         entry.recordings += 1
-        self.stats["recorded"] += 1
+        self._count("recorded")
         numbers = holder["numbers"].tolist()
         if _failed(entry, numbers) is not None:
-            self.stats["reruns"] += 1
+            self._count("reruns")
             return self._eager(inputs, targets)  # (the graph stands for batches that drop no sample)
         return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, numbers), real)
 
@@ -507,12 +517,12 @@ class CapturedStep:
         if mismatch is not None:
             self._refuse(entry, f"the recorded graph disagrees with the eager step on another batch ({mismatch}): "
                                 "the step depends on values it does not read through torch's operators")
-            self.stats["refused"] += 1
+            self._count("refused")
         elif replayed is None:  # this batch dropped a sample: the graph is checked on a later one
-            self.stats["reruns"] += 1
+            self._count("reruns")
         else:
             entry.validated = True
-            self.stats["validated"] += 1
+            self._count("validated")
         return eager
 
     def _result(self, entry: _Entry, grads: dict[str, torch.Tensor], norms: torch.Tensor,

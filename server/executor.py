@@ -212,14 +212,11 @@ class ShardTimings:
 #: into shards, vary in size, and each size would otherwise be a recording of its own.
 CAPTURE_PAD_MULTIPLE = 8
 
-#: How a captured session's shard ran (:attr:`ShardResult.capture_path`), after the
-#: :class:`~psg_core.capture.CapturedStep` counter the call moved: ``eager`` (a signature's first
-#: step), ``recorded``, ``validated`` (checked against the eager step), ``replayed``, ``refused``
-#: (eager: the signature cannot be recorded), ``reruns`` (eager: the replay did not hold for the batch).
+#: How a captured session's shard ran (:attr:`ShardResult.capture_path`: the
+#: :class:`~psg_core.capture.CapturedStep`'s ``last_path``): ``eager`` (a signature's first step),
+#: ``recorded``, ``validated`` (checked against the eager step), ``replayed``, ``refused`` (eager:
+#: the signature cannot be recorded), ``reruns`` (eager: the replay did not hold for the batch).
 CAPTURE_PATHS = ("eager", "recorded", "validated", "replayed", "refused", "reruns")
-# When one call moves several counters (a recording whose batch is then rerun eagerly), the first
-# of these names it.
-_CAPTURE_PRIORITY = ("replayed", "validated", "recorded", "refused", "reruns", "eager")
 
 @dataclass
 class ShardResult(DPGradient):
@@ -334,9 +331,8 @@ class ShardRunner:
             if captured is not None:
                 # (recordings in the process take turns inside psg_core: torch.fx patches nn.Module
                 # process-wide while it traces; this runner's captured steps are its own thread's)
-                before = dict(captured.stats)
                 result = captured(shard.model_inputs(inputs), targets)
-                path = next((name for name in _CAPTURE_PRIORITY if captured.stats[name] > before[name]), "eager")
+                path = captured.last_path
             else:
                 result = dp_gradient(resident.model, shard.model_inputs(inputs), targets, loss_fn=resident.loss,
                                      config=config)

@@ -41,11 +41,15 @@ def _sgd_(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
 def _run_against_eager(model: nn.Module, batches: list[tuple[tuple, torch.Tensor]], config: DPConfig,
                        loss_fn=CE, **options) -> CapturedStep:
     """Each batch through a CapturedStep (with ``options``) and through dp_gradient on a copy of the
-    model, both models updated in place alike after each step."""
+    model, both models updated in place alike after each step; the step's ``last_path`` after each
+    call is kept in ``paths``."""
     twin = copy.deepcopy(model)
     step = CapturedStep(model, loss_fn=loss_fn, config=config, **options)
+    assert step.last_path is None
+    step.paths = []  # type: ignore[attr-defined]
     for inputs, targets in batches:
         actual = step(inputs, targets)
+        step.paths.append(step.last_path)  # type: ignore[attr-defined]
         expected = dp_gradient(twin, inputs, targets, loss_fn=loss_fn, config=config)
         _assert_same(actual, expected)
         _sgd_(model, expected.grads)
@@ -123,6 +127,7 @@ def test_a_forward_that_reads_a_list_of_values_runs_eagerly_with_the_reason() ->
     batches = [((torch.randn(6, 4),), torch.randint(0, 2, (6,))) for _ in range(4)]
     step = _run_against_eager(_Branchy("tolist"), batches, DPConfig(mode="ghost", max_grad_norm=1.0))
     assert step.stats == {"eager": 1, "recorded": 0, "validated": 0, "replayed": 0, "refused": 3, "reruns": 0}
+    assert step.paths == ["eager", "refused", "refused", "refused"]
     assert len(step.refusals) == 1 and "reads a tensor's values" in step.refusals[0], step.refusals
 
 
@@ -172,6 +177,8 @@ def test_a_value_the_step_reads_guards_its_replays(read: str) -> None:
     signs = "+" + "+" + "+" + "+" + "-" + "+" + "---" + "-" + "-" + "-"
     step = _run_against_eager(model, _signed_batches(signs), DPConfig(mode="ghost", max_grad_norm=1.0))
     assert step.stats == {"eager": 1, "recorded": 2, "validated": 2, "replayed": 3, "refused": 0, "reruns": 4}
+    assert step.paths == ["eager", "recorded", "validated", "replayed", "reruns", "replayed", "reruns", "reruns",
+                          "reruns", "recorded", "validated", "replayed"]
     assert not step.refusals
     # one step per batch (plus the twin's), the checked steps' and the discarded replays' writes undone
     assert int(model.calls) == len(signs)
@@ -292,6 +299,7 @@ def test_a_non_finite_gradient_is_dropped_in_a_replay_as_in_the_eager_step() -> 
     step = _run_against_eager(model, batches, config, loss_fn=loss_fn)
     # 0 eager; 1 recorded, but it drops a sample: computed eagerly; 2 checked; 3 drops: eagerly; 4 replayed
     assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 1, "refused": 0, "reruns": 2}
+    assert step.paths == ["eager", "recorded", "validated", "reruns", "replayed"]  # (a call's first count)
 
 
 def test_bad_arguments_are_refused() -> None:
