@@ -2,8 +2,8 @@
 
 ``python -m benchmarks.host_overhead [--layers 4 20] [--width 16] [--batch 4] [--rounds 200]``
 times the training suite's steps (:mod:`benchmarks.training`'s methods: non-private, psg hooks and
-ghost, eager and captured (:class:`psg_core.capture.CapturedStep`), and Opacus' hooks and ghost when
-installed) on MLPs of ``Linear(width, width)`` + ReLU
+ghost, eager and captured (:class:`psg_core.capture.CapturedStep`; on a GPU also replayed as one
+CUDA graph), and Opacus' hooks and ghost when installed) on MLPs of ``Linear(width, width)`` + ReLU
 blocks that differ only in how many blocks they have, at a width and batch so small that every
 kernel costs next to nothing. A method's step time then grows with the block count by its host
 work per layer: Python in the hooks, the batch tracker's frames and ops, the backward pass's
@@ -33,8 +33,8 @@ from benchmarks.training import LEARNING_RATE, METHODS, Case, Step
 __all__ = ["HOST_METHODS", "host_step", "mlp", "per_layer_costs", "main"]
 
 #: The methods compared (those whose library is installed).
-HOST_METHODS = ("non-private", "psg-hooks", "psg-hooks-captured", "psg-ghost", "psg-ghost-captured", "opacus-hooks",
-                "opacus-ghost")
+HOST_METHODS = ("non-private", "psg-hooks", "psg-hooks-captured", "psg-hooks-graphed", "psg-ghost",
+                "psg-ghost-captured", "psg-ghost-graphed", "opacus-hooks", "opacus-ghost")
 
 
 def mlp(blocks: int, width: int, classes: int = 4, *, seed: int = 0) -> nn.Sequential:
@@ -69,7 +69,7 @@ def per_layer_costs(layers: Sequence[int] = (4, 20), *, width: int = 16, batch: 
     (``torch.cuda.synchronize``): the host's launches and the kernels they queue."""
     if len(layers) != 2 or layers[0] >= layers[1]:
         raise ValueError(f"layers: two increasing block counts, got {tuple(layers)}")
-    chosen = [m for m in methods if METHODS[m].available()]
+    chosen = [m for m in methods if METHODS[m].available(device)]
     steps = {(m, n): host_step(m, n, width=width, batch=batch, device=device) for m in chosen for n in layers}
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for step in steps.values():  # warm-up: first-call costs (imports, caches, allocator) out

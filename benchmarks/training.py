@@ -101,9 +101,12 @@ class Method:
     variant: Variant
     prepare: Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]
     label: str
+    #: the device types it runs on
+    devices: tuple[str, ...] = ("cpu", "cuda")
 
-    def available(self) -> bool:
-        return self.library != "opacus" or opacus_available()
+    def available(self, device: str = "cpu") -> bool:
+        """Whether its library is installed and it runs on ``device`` (a device or its type)."""
+        return (self.library != "opacus" or opacus_available()) and torch.device(device).type in self.devices
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -191,15 +194,18 @@ def _psg_ghost(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor,
     return Step(run, lambda: None, model)
 
 
-def _psg_captured(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]:
-    """psg's step recorded once and replayed (psg_core.capture.CapturedStep) with backend ``mode``."""
+def _psg_captured(mode: str, *, cuda_graphs: bool = False
+                  ) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor, Case], Step]:
+    """psg's step recorded once and replayed (psg_core.capture.CapturedStep) with backend ``mode``
+    (as one CUDA graph with ``cuda_graphs``)."""
     def prepare(model: nn.Module, inputs: tuple[Any, ...], targets: torch.Tensor, case: Case) -> Step:
         from psg_core.capture import CapturedStep
         from psg_core.config import DPConfig
 
         config = DPConfig(mode=mode, augmentation_multiplicity=case.K, max_grad_norm=MAX_GRAD_NORM)
         optimizer, generator, params = _sgd(model, case), _noise_generator(case), _trainable(model)
-        captured = CapturedStep(model, loss_fn=nn.CrossEntropyLoss(reduction="none"), config=config)
+        captured = CapturedStep(model, loss_fn=nn.CrossEntropyLoss(reduction="none"), config=config,
+                                cuda_graphs=cuda_graphs)
 
         def run() -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -210,6 +216,11 @@ def _psg_captured(mode: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tens
             run()
         if captured.stats["validated"] != 1:
             raise RuntimeError(f"the step was not captured: {'; '.join(captured.refusals)}")
+        if cuda_graphs:
+            run()  # (the first replay captures the CUDA graph and checks it)
+            if captured.cuda_graph_refusals:
+                raise RuntimeError(f"the step was not captured as a CUDA graph: "
+                                   f"{'; '.join(captured.cuda_graph_refusals)}")
         return Step(run, lambda: None, model)
 
     return prepare
@@ -274,6 +285,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "psg ghost clipping recorded once and replayed (psg_core.capture.CapturedStep)"),
     Method("psg-hooks-captured", "psg", Variant.PSG, _psg_captured("hooks"),
            "psg hooks + clipped sum (dp_gradient, mode='hooks') recorded once and replayed (CapturedStep)"),
+    Method("psg-ghost-graphed", "psg", Variant.PSG, _psg_captured("ghost", cuda_graphs=True),
+           "psg ghost clipping recorded once and replayed as one CUDA graph (CapturedStep(cuda_graphs=True))",
+           devices=("cuda",)),
+    Method("psg-hooks-graphed", "psg", Variant.PSG, _psg_captured("hooks", cuda_graphs=True),
+           "psg hooks + clipped sum recorded once and replayed as one CUDA graph (CapturedStep(cuda_graphs=True))",
+           devices=("cuda",)),
     Method("opacus-hooks", "opacus", Variant.OPACUS, _opacus_per_sample("hooks"),
            "Opacus GradSampleModule (hooks) + DPOptimizer"),
     Method("opacus-functorch", "opacus", Variant.OPACUS, _opacus_per_sample("functorch"),
@@ -444,14 +461,14 @@ def _groups(options: RunOptions) -> list[list[Case]]:
                                 noise_multiplier=NOISE_MULTIPLIER if options.noise else 0.0,
                                 device=options.device, warmup=options.warmup, repeats=options.repeats,
                                 threads=options.threads, measure_memory=options.measure_memory)
-                           for method in methods_for(model)])
+                           for method in methods_for(model, options.device)])
     return groups
 
 
-def methods_for(model: str) -> list[Method]:
-    """The methods timed on ``model``: every available one, the non-private run on psg's layers
-    only where those differ from torch's (the LSTM, the attention)."""
-    return [method for method in METHODS.values() if method.available()
+def methods_for(model: str, device: str = "cpu") -> list[Method]:
+    """The methods timed on ``model`` on ``device``: every available one, the non-private run on
+    psg's layers only where those differ from torch's (the LSTM, the attention)."""
+    return [method for method in METHODS.values() if method.available(device)
             and (method.name != "non-private-dp-layers" or model in _DP_LAYER_MODELS)]
 
 
@@ -559,16 +576,19 @@ def suite_targets(rows: Sequence[dict[str, Any]]) -> list[TargetCheck]:
                                      _ratio(rows, model, K, "psg-ghost", "non-private-dp-layers", "median_ms"),
                                      1.5))
     # The same bounds for psg's recorded-and-replayed steps (psg_core.capture), where they ran.
-    captured = {row["method"] for row in rows} & {"psg-hooks-captured", "psg-ghost-captured"}
+    ran = {row["method"] for row in rows}
     for model in models:
         for K in multiplicities:
             subject = f"{model}, K={K}"
-            if "psg-hooks-captured" in captured:
-                checks.append(_check("psg hooks, captured step: time <= 0.8 x Opacus hooks", subject,
-                                     _ratio(rows, model, K, "psg-hooks-captured", "opacus-hooks", "median_ms"), 0.8))
-            if "psg-ghost-captured" in captured and model in gpu_shapes:
-                checks.append(_check("psg ghost, captured step: time <= 1.5 x non-private", subject,
-                                     _ratio(rows, model, K, "psg-ghost-captured", "non-private", "median_ms"), 1.5))
+            for suffix, how in (("captured", "captured step"), ("graphed", "CUDA graph")):
+                if f"psg-hooks-{suffix}" in ran:
+                    checks.append(_check(f"psg hooks, {how}: time <= 0.8 x Opacus hooks", subject,
+                                         _ratio(rows, model, K, f"psg-hooks-{suffix}", "opacus-hooks", "median_ms"),
+                                         0.8))
+                if f"psg-ghost-{suffix}" in ran and model in gpu_shapes:
+                    checks.append(_check(f"psg ghost, {how}: time <= 1.5 x non-private", subject,
+                                         _ratio(rows, model, K, f"psg-ghost-{suffix}", "non-private", "median_ms"),
+                                         1.5))
     for K in multiplicities:
         if "transformer" in models:
             subject = f"transformer, K={K}"

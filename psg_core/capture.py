@@ -70,6 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from psg_core._cuda_graph import CudaGraphReplay, obstacle
 from psg_core._host import Deferred, Guard, guard_read, recording
 from psg_core.config import DPConfig, DPGradient
 from psg_core.dp import _check_finite, dp_gradient
@@ -231,6 +232,13 @@ class _Entry:
     recordings: int = 0
     #: replays in a row discarded by a value the step read (see _MISSES_BEFORE_RERECORDING)
     misses: int = 0
+    #: the graph captured as a CUDA graph (``cuda_graphs=True``), once checked; tried once per graph
+    cuda: CudaGraphReplay | None = None
+    cuda_tried: bool = False
+
+    def drop_graph(self) -> None:
+        """Forgets the recorded graph (and its CUDA graph): refused, or to be recorded again."""
+        self.graph, self.cuda, self.cuda_tried = None, None, False
 
 
 def _leaf_signature(leaf: Any) -> Hashable:
@@ -265,6 +273,12 @@ class CapturedStep:
             so that they weigh nothing), so that batches of varying sizes (Poisson sampling) share a
             few signatures; the result is the batch's own (its samples' norms and counts). Not
             with ``mode="functorch"``, whose loss is computed sample by sample. None: no padding.
+        cuda_graphs: on a CUDA device, replay each checked graph as one CUDA graph (its operators
+            launched at once, not one by one from Python), after checking the capture against the
+            operator-by-operator replay of a batch; a graph that reads values on the host (a
+            boolean index, ``nonzero``) or computes on the CPU, or whose capture fails or differs,
+            replays operator by operator (:attr:`cuda_graph_refusals` says why). Each captured
+            signature holds its step's intermediate tensors in memory of its own. Ignored on a CPU.
 
     Calling it returns what :func:`~psg_core.dp_gradient` returns for the batch: a replay runs the
     same operators (psg's native CPU kernels, the recurrent cells' loops and the lookup tables', as
@@ -272,7 +286,8 @@ class CapturedStep:
     """
 
     def __init__(self, module: nn.Module, *, loss_fn: LossFn | nn.Module, config: DPConfig,
-                 max_signatures: int = 16, validate: bool = True, pad_to_multiple: int | None = None) -> None:
+                 max_signatures: int = 16, validate: bool = True, pad_to_multiple: int | None = None,
+                 cuda_graphs: bool = False) -> None:
         if not isinstance(module, nn.Module):
             raise ConfigError(f"{_WHERE}: expected an nn.Module, got {type(module).__name__}")
         if not isinstance(config, DPConfig):
@@ -285,7 +300,15 @@ class CapturedStep:
         if pad_to_multiple is not None and config.mode is GradSampleMode.FUNCTORCH:
             raise ConfigError(f"{_WHERE}: pad_to_multiple zeroes the padding samples' loss, which mode='functorch' "
                               "computes sample by sample (under vmap); use mode 'ghost', 'hooks' or 'ew'")
+        if not isinstance(cuda_graphs, bool):
+            raise ConfigError(f"{_WHERE}: cuda_graphs must be a bool, got {cuda_graphs!r}")
         self.module, self.loss_fn, self.config = module, loss_fn, config
+        self.cuda_graphs = cuda_graphs
+        #: why signatures replay operator by operator although ``cuda_graphs`` is on, in order
+        self.cuda_graph_refusals: list[str] = []
+        #: replays that ran as CUDA graphs (each counted in ``stats`` too: replayed, or reruns where
+        #: its guards discarded it)
+        self.cuda_graph_replays = 0
         self.pad_to_multiple = pad_to_multiple
         self.max_signatures = max_signatures
         self.validate = bool(validate)
@@ -335,7 +358,10 @@ class CapturedStep:
         self._check_finite(inputs, targets)
         if not entry.validated:
             return self._validate(entry, batch, leaves, real)
-        replayed = self._replay(entry, leaves, real)
+        if self.cuda_graphs and not entry.cuda_tried:
+            replayed = self._replay_and_capture(entry, leaves, real)
+        else:
+            replayed = self._replay(entry, leaves, real)
         if replayed is None:
             self._count("reruns")
             return self._eager(inputs, targets)
@@ -367,7 +393,8 @@ class CapturedStep:
         if entry is None and reason in self.refusals:
             return
         if entry is not None:
-            entry.graph, entry.refused = None, reason
+            entry.drop_graph()
+            entry.refused = reason
         self.refusals.append(reason)
         logger.warning("%s: %s runs eagerly: %s", _WHERE, "this call" if entry is None else "this batch signature",
                        reason)
@@ -430,6 +457,7 @@ class CapturedStep:
         _simplify(graph.graph)
         graph.recompile()
         out: DPGradient = holder["out"]
+        entry.drop_graph()
         entry.graph, entry.positions = graph, tuple(positions)
         entry.names, entry.num_samples = tuple(out.grads), out.num_samples
         entry.numbers = {name: _number_source(getattr(out, name))
@@ -445,9 +473,73 @@ class CapturedStep:
         return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, numbers), real)
 
     def _run(self, entry: _Entry, leaves: list[Any]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        inputs = [leaves[i] for i in entry.positions]
+        if entry.cuda is not None:
+            with exclusive(self.module):
+                result = entry.cuda(inputs)
+            self.cuda_graph_replays += 1
+            return result
+        return self._run_graph(entry, inputs)
+
+    def _run_graph(self, entry: _Entry, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor,
+                                                                             torch.Tensor]:
+        """The recorded graph operator by operator."""
         with exclusive(self.module), torch.no_grad():
-            grads, norms, numbers = entry.graph(*[leaves[i] for i in entry.positions])
+            grads, norms, numbers = entry.graph(*inputs)
         return grads, norms, numbers
+
+    def _replay_and_capture(self, entry: _Entry, leaves: list[Any], real: int | None) -> DPGradient | None:
+        """:meth:`_replay`, then (``cuda_graphs``) the graph captured as a CUDA graph and replayed on
+        the same batch from the same state (a module's buffers, the random generators'), kept if it
+        gives the same result; the replay's result and state stand either way."""
+        inputs = [leaves[i] for i in entry.positions]
+        reason = obstacle(entry.graph, inputs)
+        if reason is not None:
+            entry.cuda_tried = True
+            self._refuse_cuda_graph(reason)
+            return self._replay(entry, leaves, real)
+        devices = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
+        rng_before, before = _rng_states(devices), _snapshot(entry)
+        replayed = self._replay(entry, leaves, real)
+        if replayed is None or entry.graph is None:
+            return replayed  # (tried again on a batch the graph holds for)
+        entry.cuda_tried = True
+        rng_after, after = _rng_states(devices), _snapshot(entry)
+
+        def reset() -> None:
+            _restore(before)
+            _set_rng_states(devices, rng_before)
+
+        mismatch: str | None
+        try:
+            captured = CudaGraphReplay(lambda xs: self._run_graph(entry, list(xs)), inputs)
+            with exclusive(self.module):
+                captured.capture(reset)
+                grads, norms, numbers = captured(inputs)
+            values = numbers.tolist()
+            if _failed(entry, values) is not None:
+                mismatch = "a value its step reads"
+            else:
+                mismatch = _mismatch(replayed, self._result(entry, dict(zip(entry.names, grads)), norms,
+                                                            _numbers(entry, values), real))
+            if mismatch is None:
+                mismatch = next(("a module tensor that the step writes" for tensor, value in after
+                                 if not _close(tensor, value)), None)
+        except Exception as error:  # noqa: BLE001 - a graph the device cannot capture replays as before
+            mismatch, captured = f"its capture failed: {_describe(error)}", None
+        _restore(after)  # (the replay's result and state stand)
+        _set_rng_states(devices, rng_after)
+        if mismatch is None:
+            entry.cuda = captured
+        else:
+            self._refuse_cuda_graph(f"the CUDA graph differs from the replay on the same batch ({mismatch})"
+                                    if not mismatch.startswith("its capture failed") else mismatch)
+        return replayed
+
+    def _refuse_cuda_graph(self, reason: str) -> None:
+        if reason not in self.cuda_graph_refusals:
+            self.cuda_graph_refusals.append(reason)
+            logger.warning("%s: a signature replays operator by operator, not as a CUDA graph: %s", _WHERE, reason)
 
     def _replay(self, entry: _Entry, leaves: list[Any], real: int | None) -> DPGradient | None:
         """The graph's result on the batch; None where its guards say the recorded path does not
@@ -483,24 +575,19 @@ class CapturedStep:
             self._refuse(entry, f"the values its step reads into Python (a mask's any/all, an item) changed "
                                 f"from batch to batch through {entry.recordings} recordings")
         else:
-            entry.graph, entry.validated, entry.misses = None, False, 0
+            entry.drop_graph()
+            entry.validated, entry.misses = False, 0
 
     def _validate(self, entry: _Entry, batch: tuple[Any, ...], leaves: list[Any], real: int | None) -> DPGradient:
         """The eager step and the graph's on this batch (padded when asked, the same draws of
         random numbers), the graph kept when they agree."""
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + list(self.module.parameters())
         devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})  # (whose random draws to repeat)
-        cpu_state = torch.get_rng_state()
-        cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
-        before = _snapshot(entry)  # (a module's tensor the graph writes: a buffer)
+        rng_before, before = _rng_states(devices), _snapshot(entry)  # (a buffer the graph writes)
         eager = _trim(dp_gradient(self.module, batch[0], batch[1], loss_fn=self._loss_for(batch), config=self.config),
                       real)
-        after_cpu = torch.get_rng_state()
-        after_cuda = [torch.cuda.get_rng_state(d) for d in devices]
-        after = _snapshot(entry)
-        torch.set_rng_state(cpu_state)
-        for d, state in zip(devices, cuda_states):
-            torch.cuda.set_rng_state(state, d)
+        rng_after, after = _rng_states(devices), _snapshot(entry)
+        _set_rng_states(devices, rng_before)
         _restore(before)  # the replay starts where the eager step did
         try:
             replayed = self._replay(entry, leaves, real)
@@ -511,9 +598,7 @@ class CapturedStep:
         except Exception as error:  # noqa: BLE001 - a graph that cannot replay is refused
             replayed, mismatch = None, f"its replay failed: {_describe(error)}"
         _restore(after)  # (the eager step's result stands)
-        torch.set_rng_state(after_cpu)
-        for d, state in zip(devices, after_cuda):
-            torch.cuda.set_rng_state(state, d)
+        _set_rng_states(devices, rng_after)
         if mismatch is not None:
             self._refuse(entry, f"the recorded graph disagrees with the eager step on another batch ({mismatch}): "
                                 "the step depends on values it does not read through torch's operators")
@@ -620,6 +705,17 @@ def _one_fake_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
+
+
+def _rng_states(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The CPU generator's state and those of the CUDA ``devices``."""
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_rng_states(devices: list[int], states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip(devices, states[1]):
+        torch.cuda.set_rng_state(state, d)
 
 
 def _snapshot(entry: _Entry) -> list[tuple[torch.Tensor, torch.Tensor]]:

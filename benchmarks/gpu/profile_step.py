@@ -21,7 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.training import Case, prepare_step
 
-DEFAULT_METHODS = ("non-private", "psg-hooks", "psg-hooks-captured", "psg-ghost", "psg-ghost-captured", "opacus-hooks")
+DEFAULT_METHODS = ("non-private", "psg-hooks", "psg-hooks-captured", "psg-hooks-graphed", "psg-ghost",
+                   "psg-ghost-captured", "psg-ghost-graphed", "opacus-hooks")
 
 
 def _sync(device: str) -> None:

@@ -50,6 +50,8 @@ def _needs_opacus(method: str) -> None:
 def test_every_case_runs_one_tiny_step(model: str, method: str) -> None:
     """K = 2 (K = 1 runs in the command-line test and the Opacus comparison)."""
     _needs_opacus(method)
+    if not METHODS[method].available("cpu"):
+        pytest.skip(f"{method} runs on {METHODS[method].devices} only (tests/core/test_cuda_graphs.py on a GPU)")
     K = 2
     row = run_case(Case(model=model, method=method, K=K, size="tiny", warmup=0, repeats=1).to_json(),
                    isolated=False)
@@ -228,6 +230,19 @@ def test_captured_steps_get_the_same_bounds_where_they_ran() -> None:
     assert checks[("psg hooks, captured step: time <= 0.8 x Opacus hooks", "cnn, K=1")].met is False
     plain = [row for row in rows if not row["method"].endswith("-captured")]
     assert not any("captured" in c.target for c in suite_targets(plain))
+    graphed = rows + [{"model": "cnn", "method": "psg-ghost-graphed", "K": 1, "median_ms": 16.0, "size": "gpu"},
+                      {"model": "cnn", "method": "psg-hooks-graphed", "K": 1, "median_ms": 21.0, "size": "gpu"}]
+    checks = {(c.target, c.subject): c for c in suite_targets(graphed)}
+    assert checks[("psg ghost, CUDA graph: time <= 1.5 x non-private", "cnn, K=1")].value == pytest.approx(1.6)
+    assert checks[("psg hooks, CUDA graph: time <= 0.8 x Opacus hooks", "cnn, K=1")].met is True
+
+
+def test_the_cuda_graph_methods_run_on_a_gpu_only() -> None:
+    graphed = {"psg-ghost-graphed", "psg-hooks-graphed"}
+    assert graphed <= set(METHODS)
+    assert not graphed & {m.name for m in methods_for("cnn")}
+    assert graphed <= {m.name for m in methods_for("cnn", "cuda")}
+    assert all(not METHODS[m].available("cpu") and METHODS[m].available("cuda:0") for m in graphed)
 
 
 def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
