@@ -85,6 +85,8 @@ class DPStep:
             weigh nothing; not with ``mode="functorch"``), so that they come in few shapes.
         pad_to_multiple: with ``capture``, pad each (physical) batch to a multiple of this many
             samples (default: ``max_physical_batch_size`` when given, else no padding).
+        cuda_graphs: with ``capture``, replay each checked graph as one CUDA graph on a GPU
+            (:class:`~psg_core.capture.CapturedStep`'s ``cuda_graphs``).
 
     >>> model = nn.Linear(3, 1)
     >>> step = DPStep(model, loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0),
@@ -106,7 +108,7 @@ class DPStep:
                  secure_rng: bool = False, target_epsilon: float | None = None, delta: float | None = None,
                  epochs: float | None = None, steps: int | None = None,
                  adaptive_clipping: QuantileClipping | None = None, capture: bool = False,
-                 pad_to_multiple: int | None = None) -> None:
+                 pad_to_multiple: int | None = None, cuda_graphs: bool = False) -> None:
         where = "DPStep"
         if not isinstance(model, nn.Module):
             raise ConfigError(f"{where}: expected an nn.Module, got {type(model).__name__}")
@@ -152,6 +154,9 @@ class DPStep:
             if capture:
                 raise ConfigError(f"{where}: adaptive clipping moves the bound every step, which a recorded step "
                                   "(capture=True) would hold fixed; use one or the other")
+        if cuda_graphs is not False and (not capture or cuda_graphs is not True):
+            raise ConfigError(f"{where}: cuda_graphs replays a captured step as CUDA graphs; it needs capture=True "
+                              f"(and a bool, got {cuda_graphs!r})")
         if pad_to_multiple is not None:
             if not capture:
                 raise ConfigError(f"{where}: pad_to_multiple pads the batches of a captured step; it needs capture=True")
@@ -176,6 +181,8 @@ class DPStep:
         #: With ``capture``: the multiple its batches are padded to (None: that of the call's
         #: ``max_physical_batch_size``, if any).
         self.pad_to_multiple = pad_to_multiple
+        #: With ``capture``: whether its graphs replay as CUDA graphs on a GPU.
+        self.cuda_graphs = cuda_graphs
         self._captured: CapturedStep | None = None
         self._physical: int | None = None  # the running call's max_physical_batch_size
 
@@ -226,9 +233,10 @@ class DPStep:
             self._physical if self.config.mode is not GradSampleMode.FUNCTORCH else None)
         captured = self._captured
         if captured is None or captured.module is not self.model or captured.loss_fn is not self.loss_fn \
-                or captured.config != self.config or captured.pad_to_multiple != pad:
+                or captured.config != self.config or captured.pad_to_multiple != pad \
+                or captured.cuda_graphs != self.cuda_graphs:
             captured = self._captured = CapturedStep(self.model, loss_fn=self.loss_fn, config=self.config,
-                                                     pad_to_multiple=pad)
+                                                     pad_to_multiple=pad, cuda_graphs=self.cuda_graphs)
         return captured(inputs, targets)
 
     @property

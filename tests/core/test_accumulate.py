@@ -185,6 +185,10 @@ def test_a_captured_step_releases_the_eager_step_s_gradient(physical: int | None
     captured = steps[1]._captured
     assert captured is not None and captured.stats["replayed"] > 0 and not captured.refusals
     assert steps[0].accountant.steps == steps[1].accountant.steps == 6
+    steps[1].cuda_graphs = True  # the captured step is made again with it (inert on a CPU batch)
+    inputs, targets = batch(22, 0)
+    steps[1](inputs, targets)
+    assert steps[1]._captured is not captured and steps[1]._captured.cuda_graphs
 
 
 def test_a_captured_step_pads_poisson_sized_physical_batches_to_one_shape() -> None:
@@ -209,6 +213,8 @@ def test_a_captured_step_pads_poisson_sized_physical_batches_to_one_shape() -> N
 
 def test_padding_needs_capture_and_a_whole_batch_loss() -> None:
     for options, match in (({"pad_to_multiple": 4}, "capture=True"),
+                           ({"cuda_graphs": True}, "capture=True"),
+                           ({"cuda_graphs": "yes", "capture": True}, "a bool"),
                            ({"pad_to_multiple": 0, "capture": True}, "positive int"),
                            ({"pad_to_multiple": 4, "capture": True, "mode": "functorch"}, "functorch")):
         mode = options.pop("mode", "ghost")
