@@ -16,8 +16,8 @@ from psg_core.capture import CapturedStep
 from psg_core.config import DPConfig
 from psg_core.dp import dp_gradient
 from psg_core.errors import ConfigError
-from tests.core.test_capture import (CE, _assert_same, _benchmark_batches, _Reading, _run_against_eager, _Selecting,
-                                     _signed_batches)
+from tests.core.test_capture import (CE, _assert_same, _benchmark_batches, _padded_cases, _Reading, _run_against_eager,
+                                     _Selecting, _signed_batches)
 from tests.devices import requires_cuda, to_device
 
 GHOST = DPConfig(mode="ghost", max_grad_norm=1.0)
@@ -117,6 +117,18 @@ def test_the_capture_check_repeats_the_replays_random_draws() -> None:
         torch.manual_seed(100 + seed)
         _assert_same(actual, dp_gradient(twin, (x,), y, loss_fn=CE, config=GHOST))
     assert not step.cuda_graph_refusals and step.cuda_graph_replays == 2
+
+
+@pytest.mark.usefixtures("rerun_on_replay")
+@pytest.mark.parametrize("case,K", [("mlp", 2), ("tokens", 1), ("seq_first", 2)])
+def test_padded_batches_replay_the_captured_graph(case: str, K: int) -> None:
+    """Poisson-sized batches padded to 8 samples: one signature, its replays the captured graph's,
+    each trimmed to the batch's own samples and equal to the eager step on the batch as given."""
+    torch.manual_seed(0)
+    model, batches, config, loss_fn = _padded_cases(case, [5, 7, 8, 3, 6, 8, 1], K)
+    step = _run_against_eager(model, batches, config, loss_fn=loss_fn, pad_to_multiple=8, cuda_graphs=True)
+    assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 4, "refused": 0, "reruns": 0}
+    assert not step.cuda_graph_refusals and step.cuda_graph_replays == 3
 
 
 class _Drifting(_RerunOnReplay):
