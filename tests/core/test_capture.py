@@ -88,19 +88,25 @@ def test_replays_hold_with_k_copies_every_reduction_and_clipping_rule(clipping: 
     assert step.stats["replayed"] == 2
 
 
-def test_dropout_draws_as_the_eager_step_does() -> None:
+def _dropout_against_eager(steps: int, device: str = "cpu", **options) -> CapturedStep:
+    """A dropout model's CapturedStep (with ``options``) against dp_gradient on a copy, each call
+    after the same seed: the same draws give the same result."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 3))
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 3)).to(device)
     twin = copy.deepcopy(model)
     config = DPConfig(mode="ghost", max_grad_norm=1.0)
-    step = CapturedStep(model, loss_fn=CE, config=config)
-    for seed in range(5):
-        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    step = CapturedStep(model, loss_fn=CE, config=config, **options)
+    for seed in range(steps):
+        x, y = torch.randn(8, 6, device=device), torch.randint(0, 3, (8,), device=device)
         torch.manual_seed(100 + seed)
         actual = step((x,), y)
         torch.manual_seed(100 + seed)
         _assert_same(actual, dp_gradient(twin, (x,), y, loss_fn=CE, config=config))
-    assert step.stats["replayed"] == 2
+    return step
+
+
+def test_dropout_draws_as_the_eager_step_does() -> None:
+    assert _dropout_against_eager(5).stats["replayed"] == 2
 
 
 class _Branchy(nn.Module):

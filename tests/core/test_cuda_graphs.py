@@ -5,8 +5,6 @@ option is inert and the screening of the graph's operators is checked directly."
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -16,8 +14,8 @@ from psg_core.capture import CapturedStep
 from psg_core.config import DPConfig
 from psg_core.dp import dp_gradient
 from psg_core.errors import ConfigError
-from tests.core.test_capture import (CE, _assert_same, _benchmark_batches, _padded_cases, _Reading, _run_against_eager,
-                                     _Selecting, _signed_batches)
+from tests.core.test_capture import (CE, _assert_same, _benchmark_batches, _dropout_against_eager, _padded_cases, _Reading,
+                                     _run_against_eager, _Selecting, _signed_batches)
 from tests.devices import requires_cuda, to_device
 
 GHOST = DPConfig(mode="ghost", max_grad_norm=1.0)
@@ -106,16 +104,7 @@ def test_the_capture_is_checked_and_its_replays_counted_and_guarded() -> None:
 
 @pytest.mark.usefixtures("rerun_on_replay")
 def test_the_capture_check_repeats_the_replays_random_draws() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 3))
-    twin = copy.deepcopy(model)
-    step = CapturedStep(model, loss_fn=CE, config=GHOST, cuda_graphs=True)
-    for seed in range(6):
-        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-        torch.manual_seed(100 + seed)
-        actual = step((x,), y)
-        torch.manual_seed(100 + seed)
-        _assert_same(actual, dp_gradient(twin, (x,), y, loss_fn=CE, config=GHOST))
+    step = _dropout_against_eager(6, cuda_graphs=True)
     assert not step.cuda_graph_refusals and step.cuda_graph_replays == 2
 
 
@@ -184,16 +173,7 @@ def test_a_cuda_graph_replays_results_are_the_callers_own() -> None:
 
 @requires_cuda
 def test_a_cuda_graph_draws_dropout_as_the_eager_step_does() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 3)).cuda()
-    twin = copy.deepcopy(model)
-    step = CapturedStep(model, loss_fn=CE, config=GHOST, cuda_graphs=True)
-    for seed in range(6):
-        x, y = torch.randn(8, 6, device="cuda"), torch.randint(0, 3, (8,), device="cuda")
-        torch.manual_seed(100 + seed)
-        actual = step((x,), y)
-        torch.manual_seed(100 + seed)
-        _assert_same(actual, dp_gradient(twin, (x,), y, loss_fn=CE, config=GHOST))
+    step = _dropout_against_eager(6, "cuda", cuda_graphs=True)
     assert not step.cuda_graph_refusals and step.cuda_graph_replays == 2
 
 
