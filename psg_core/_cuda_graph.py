@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CudaGraphReplay", "obstacle"]
+__all__ = ["CudaGraphReplay", "obstacle", "screen"]
 
 #: Operators that read values on the host or size their result by them: a CUDA graph cannot hold
 #: them (their host read fails the capture), so a graph holding one replays operator by operator.
@@ -61,14 +61,25 @@ def obstacle(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> str
     devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return f"the batch is not on one CUDA device (its tensors are on {sorted(map(str, devices))})"
+    return screen(graph, "cuda")
+
+
+def screen(graph: torch.fx.GraphModule, device_type: str) -> str | None:
+    """What in ``graph`` a graph of ``device_type`` kernels cannot hold: an operator that reads
+    values on the host, a tensor computed or kept (a constant) on another device; None: nothing."""
     for node in graph.graph.nodes:
+        if node.op == "get_attr":  # a constant of the recording: one elsewhere is copied over each step
+            value = getattr(graph, str(node.target), None)
+            if isinstance(value, torch.Tensor) and value.device.type != device_type and value.dim() > 0:
+                return f"the step copies a constant {value.device.type} tensor ({node.target}) to the device"
+            continue
         if node.op != "call_function":
             continue
         if _syncs(node):
             return f"the step runs {node.target}, which reads values on the host"
         val = node.meta.get("val")
         for value in val if isinstance(val, (list, tuple)) else (val,):
-            if isinstance(value, torch.Tensor) and value.device.type != "cuda" and value.dim() > 0:
+            if isinstance(value, torch.Tensor) and value.device.type != device_type and value.dim() > 0:
                 return f"the step computes a tensor on the {value.device.type} ({node.target})"
     return None
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from psg_core._cuda_graph import CudaGraphReplay, _syncs
+from psg_core._cuda_graph import CudaGraphReplay, _syncs, screen
 from psg_core.capture import CapturedStep
 from psg_core.config import DPConfig
 from psg_core.dp import dp_gradient
@@ -60,6 +60,10 @@ def test_operators_that_read_values_on_the_host_are_found_in_the_graph() -> None
     assert found and all("index" in name or "nonzero" in name for name in found), found
     plain = _graph_of(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), _batches(3))
     assert not [node for node in plain.graph.nodes if node.op == "call_function" and _syncs(node)]
+    # the whole screen, as for a graph of this host's kernels, and as for a GPU's
+    assert screen(plain, "cpu") is None
+    assert "reads values on the host" in str(screen(selecting, "cpu"))
+    assert "copies a constant cpu tensor (_param_constant0)" in str(screen(plain, "cuda"))  # (its weight)
 
 
 # ------------------------------------------------------------------------------ the capture's book-keeping
