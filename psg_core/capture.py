@@ -510,30 +510,27 @@ class CapturedStep:
             _restore(before)
             _set_rng_states(devices, rng_before)
 
-        mismatch: str | None
+        captured: CudaGraphReplay | None
         try:
             captured = CudaGraphReplay(lambda xs: self._run_graph(entry, list(xs)), inputs)
             with exclusive(self.module):
                 captured.capture(reset)
                 grads, norms, numbers = captured(inputs)
             values = numbers.tolist()
-            if _failed(entry, values) is not None:
-                mismatch = "a value its step reads"
-            else:
-                mismatch = _mismatch(replayed, self._result(entry, dict(zip(entry.names, grads)), norms,
-                                                            _numbers(entry, values), real))
+            mismatch = "a value its step reads" if _failed(entry, values) is not None else _mismatch(
+                replayed, self._result(entry, dict(zip(entry.names, grads)), norms, _numbers(entry, values), real))
             if mismatch is None:
                 mismatch = next(("a module tensor that the step writes" for tensor, value in after
                                  if not _close(tensor, value)), None)
+            reason = None if mismatch is None else f"the CUDA graph differs from the replay on the same batch ({mismatch})"
         except Exception as error:  # noqa: BLE001 - a graph the device cannot capture replays as before
-            mismatch, captured = f"its capture failed: {_describe(error)}", None
+            captured, reason = None, f"its capture failed: {_describe(error)}"
         _restore(after)  # (the replay's result and state stand)
         _set_rng_states(devices, rng_after)
-        if mismatch is None:
+        if reason is None:
             entry.cuda = captured
         else:
-            self._refuse_cuda_graph(f"the CUDA graph differs from the replay on the same batch ({mismatch})"
-                                    if not mismatch.startswith("its capture failed") else mismatch)
+            self._refuse_cuda_graph(reason)
         return replayed
 
     def _refuse_cuda_graph(self, reason: str) -> None:

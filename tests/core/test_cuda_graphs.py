@@ -145,6 +145,29 @@ def test_a_capture_that_differs_from_the_replay_is_not_kept(monkeypatch: pytest.
                                         "of '0.weight')"], step.cuda_graph_refusals
 
 
+class _Failing(_RerunOnReplay):
+    """A capture the device refuses (an operator not permitted while a stream captures)."""
+
+    def capture(self, reset) -> None:  # type: ignore[no-untyped-def]
+        self._run(self._static)
+        reset()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_leaves_the_replays_operator_by_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psg_core.capture as capture
+
+    monkeypatch.setattr(capture, "CudaGraphReplay", _Failing)
+    monkeypatch.setattr(capture, "obstacle", lambda graph, inputs: None)
+    torch.manual_seed(0)
+    model = _Reading("bool")
+    step = _run_against_eager(model, _signed_batches("++++++"), GHOST, cuda_graphs=True)
+    assert step.stats["replayed"] == 3 and step.cuda_graph_replays == 0
+    assert step.cuda_graph_refusals == ["its capture failed: RuntimeError: operation not permitted when stream is "
+                                        "capturing"]
+    assert int(model.calls) == 6  # the warm-up's write undone
+
+
 # ------------------------------------------------------------------------------ on a GPU
 @requires_cuda
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])
