@@ -6,6 +6,7 @@ run only when opacus is importable; everything else runs without it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from benchmarks import load_suites
 from benchmarks.backends import MODES as BACKEND_MODES
-from benchmarks.harness import SUITES, RunOptions, run_isolated
+from benchmarks.harness import SUITES, RunOptions, Suite, run_isolated
 from benchmarks.service import SIZES as SERVICE_SIZES
 from benchmarks.models import MODELS, Variant, opacus_available
 from benchmarks.report import load_results, render_markdown, write_report
@@ -245,15 +246,23 @@ def test_the_cuda_graph_methods_run_on_a_gpu_only() -> None:
     assert all(not METHODS[m].available("cpu") and METHODS[m].available("cuda:0") for m in graphed)
 
 
+#: The command line of the CLI tests, less the suites and the paths.
+CLI_ARGS = ["--size", "tiny", "--in-process", "--models", "cnn", "-K", "1", "--warmup", "0", "--repeats", "1"]
+
+
 def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
+    """The training suite for real (the one with plots). Every other suite runs for real in its own
+    test, which also reports its rows (assert_reported: the JSON and the Markdown section; below,
+    and in test_benchmarks_gpt2.py and test_benchmarks_families.py), and the default selection of
+    all of them is test_cli_runs_every_suite_by_default."""
     out, markdown = tmp_path / "results", tmp_path / "BENCHMARKS.md"
     (out / "unrelated.json").parent.mkdir(parents=True)
     (out / "unrelated.json").write_text(json.dumps({"rows": []}))  # other tools' files are ignored
-    code = bench_main(["--size", "tiny", "--in-process", "--models", "cnn", "-K", "1",
-                       "--warmup", "0", "--repeats", "1", "--machine", "test-machine",
+    code = bench_main([*CLI_ARGS, "--suites", "training", "--machine", "test-machine",
                        "--out", str(out), "--markdown", str(markdown)])
     assert code == 0
     document = json.loads((out / "test-machine.json").read_text())
+    assert list(document["suites"]) == ["training"]
     rows = document["suites"]["training"]["rows"]
     expected = [m.name for m in methods_for("cnn")]
     assert [row["method"] for row in rows] == expected and "non-private-dp-layers" not in expected
@@ -268,6 +277,53 @@ def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert bench_main(["--report-only", "--machine", "test-machine", "--note", "shared box",
                        "--out", str(out), "--markdown", str(markdown)]) == 0
     assert "Note: shared box" in markdown.read_text() and "| K | method |" in markdown.read_text()
+
+
+def test_cli_runs_every_suite_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --suites the command runs every loaded suite, in order, with the command line's
+    options, prints each table and reports every suite's rows (the suites' runs are stubbed here:
+    each runs for real in its own test)."""
+    import benchmarks.run as run_module
+
+    real = load_suites()
+    ran: list[tuple[str, RunOptions]] = []
+
+    def stub(name: str) -> Suite:
+        def run(options: RunOptions) -> list[dict[str, str]]:
+            ran.append((name, options))
+            return [{"suite": name}]
+        return dataclasses.replace(real[name], run=run, render=lambda rows: f"table of {rows[0]['suite']}")
+
+    monkeypatch.setattr(run_module, "load_suites", lambda: {name: stub(name) for name in real})
+    reported: dict[str, list[dict[str, str]]] = {}
+
+    def write_report(machine: str, options: RunOptions, results: dict[str, list[dict[str, str]]],
+                     **kwargs: object) -> list[Path]:
+        assert machine == "test-machine" and options == ran[0][1]
+        reported.update(results)
+        return []
+
+    monkeypatch.setattr(run_module, "write_report", write_report)
+    assert bench_main([*CLI_ARGS, "--machine", "test-machine", "--out", str(tmp_path / "results"),
+                       "--markdown", str(tmp_path / "B.md")]) == 0
+    assert [name for name, _ in ran] == list(real) and len(real) >= 6
+    options = ran[0][1]
+    assert all(o == options for _, o in ran)
+    assert (options.size, options.isolate, options.models, options.multiplicities) == ("tiny", False, ("cnn",), (1,))
+    assert reported == {name: [{"suite": name}] for name in real}
+    printed = capsys.readouterr().out
+    assert all(f"table of {name}" in printed for name in real), printed
+
+
+def assert_reported(suite: str, rows: list[dict[str, object]], out_dir: Path) -> None:
+    """``rows``, as ``benchmarks.run`` reports a suite it ran: they go into the machine's JSON
+    (as JSON) and the suite gets its section of the Markdown."""
+    markdown = out_dir / "B.md"
+    write_report("m", RunOptions(size="tiny", isolate=False), {suite: rows}, out_dir=out_dir, markdown_path=markdown)
+    (document,) = load_results(out_dir)
+    assert list(document["suites"]) == [suite] and len(document["suites"][suite]["rows"]) == len(rows)
+    assert f"### Suite `{suite}`" in markdown.read_text()
 
 
 def test_report_keeps_suites_not_run_again(tmp_path: Path) -> None:
@@ -287,15 +343,16 @@ def test_every_suite_module_is_loaded() -> None:
     assert {"training", "backends", "service", "ray_scaling"} <= set(load_suites())
 
 
-def test_backends_suite_runs_one_tiny_step() -> None:
+def test_backends_suite_runs_one_tiny_step(tmp_path: Path) -> None:
     options = RunOptions(size="tiny", isolate=False, warmup=0, repeats=1, multiplicities=(1,))
     rows = SUITES["backends"].run(options)
     assert [row["mode"] for row in rows] == list(BACKEND_MODES)
     assert all("error" not in row and row["median_s"] > 0 for row in rows), rows
     assert "| 1 | ghost |" in SUITES["backends"].render(rows)
+    assert_reported("backends", rows, tmp_path)
 
 
-def test_service_suite_runs_one_tiny_step() -> None:
+def test_service_suite_runs_one_tiny_step(tmp_path: Path) -> None:
     """Every service step returns the in-process gradient (checked inside ``measure``) and is timed."""
     options = RunOptions(size="tiny", isolate=False, warmup=0, repeats=1, threads=1)
     rows = SUITES["service"].run(options)
@@ -312,6 +369,7 @@ def test_service_suite_runs_one_tiny_step() -> None:
     assert fixed.threshold == 3.0 and fixed.value == pytest.approx(rows[5]["overhead_ms"])
     text = SUITES["service"].render(rows)
     assert "| service, one call | inprocess |" in text and "**Fixed cost**" in text
+    assert_reported("service", rows, tmp_path)
 
 
 def test_service_target_is_not_evaluable_without_both_paths() -> None:
@@ -319,7 +377,7 @@ def test_service_target_is_not_evaluable_without_both_paths() -> None:
     assert check.met is None and check.value is None
 
 
-def test_ray_scaling_suite_runs_one_tiny_step() -> None:
+def test_ray_scaling_suite_runs_one_tiny_step(tmp_path: Path) -> None:
     rows = SUITES["ray_scaling"].run(RunOptions(size="tiny"))
     assert "error" not in rows[0], rows
     assert [(row["executor"], row["workers"]) for row in rows] == [
@@ -329,3 +387,4 @@ def test_ray_scaling_suite_runs_one_tiny_step() -> None:
     assert check.value == pytest.approx(rows[2]["samples_per_s"] / rows[1]["samples_per_s"])
     assert check.value is not None and check.met == (check.value >= 1.7)
     assert "| Ray pool | 2 |" in SUITES["ray_scaling"].render(rows)
+    assert_reported("ray_scaling", rows, tmp_path)

@@ -4,6 +4,8 @@ clipped sum. No timing is asserted (benchmarks report, they never assert)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks import load_suites
@@ -11,6 +13,7 @@ from benchmarks.families import FAMILIES, METHODS, run_family
 from benchmarks.harness import SUITES, RunOptions, run_isolated
 from benchmarks.models import opacus_available
 from benchmarks.run import parse_args
+from tests.integration.test_benchmarks import assert_reported
 
 pytestmark = [
     # Opacus' hooks register full backward hooks on modules whose inputs need no gradient.
@@ -39,9 +42,10 @@ def test_every_psg_row_runs_and_agrees(family: str) -> None:
         assert "opacus is not installed" in rows["opacus-hooks"]["error"]
 
 
-def test_the_suite_renders_a_row_per_family_and_method() -> None:
+def test_the_suite_renders_a_row_per_family_and_method(tmp_path: Path) -> None:
     payload = {"options": RunOptions(size="tiny", warmup=0, repeats=1, threads=1).to_json(), "family": "llama"}
     isolated = run_isolated("benchmarks.families:run_family", payload, timeout_s=300)["rows"]
     assert [row["method"] for row in isolated] == list(METHODS)
     table = SUITES["families"].render(isolated)
     assert table.count("\n| llama |") == len(METHODS)
+    assert_reported("families", isolated, tmp_path)

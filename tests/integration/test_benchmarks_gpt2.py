@@ -18,6 +18,7 @@ from benchmarks.gpt2 import CONFIGURATIONS, METHODS, SERVICE_PATHS, SIZES, build
 from benchmarks.harness import SUITES, RunOptions, run_isolated
 from benchmarks.models import opacus_available
 from benchmarks.run import parse_args
+from tests.integration.test_benchmarks import assert_reported
 
 pytestmark = [
     # Opacus' hooks register full backward hooks on modules whose inputs need no gradient (the
@@ -59,7 +60,7 @@ def test_tiny_model_and_batch() -> None:
     assert bool((labels[inputs["attention_mask"] == 0] == -100).all())
 
 
-def test_gpt2_suite_runs_every_row_at_tiny_size() -> None:
+def test_gpt2_suite_runs_every_row_at_tiny_size(tmp_path: Path) -> None:
     rows = SUITES["gpt2"].run(RunOptions(size="tiny", isolate=False, warmup=0, repeats=1, threads=1))
     in_process = [row for row in rows if row["part"] == "in-process"]
     service = [row for row in rows if row["part"] == "service"]
@@ -101,6 +102,7 @@ def test_gpt2_suite_runs_every_row_at_tiny_size() -> None:
     assert "| full-untied | psg-ghost |" in text and "| lora | service, one call |" in text
     assert all(f"| {target} | {subject} |" in text for target, subject in TARGETS)
     assert f"| {LORA_TARGET} |" in text
+    assert_reported("gpt2", rows, tmp_path)
 
 
 def test_isolated_method_reports_peak_memory() -> None:
