@@ -44,11 +44,18 @@ class _Block(nn.Module):
 
 def _alive() -> tuple[int, int, int]:
     gc.collect()
-    # type(), not isinstance(): isinstance reads __class__, which some module proxies warn about.
-    types = [(type(o), o) for o in gc.get_objects()]
-    marked = sum(1 for t, o in types if t is torch.Tensor and o.dim() and o.shape[-1] == _MARK)
-    passes = sum(1 for t, _ in types if t is _GhostBookkeeping)
-    wrappers = sum(1 for t, _ in types if t is GradSampleModule)
+    # One pass that allocates nothing per object: a list of (type, object) pairs as long as the
+    # heap made the collector run full collections while it grew (most of a test's time).
+    marked = passes = wrappers = 0
+    for o in gc.get_objects():
+        # type(), not isinstance(): isinstance reads __class__, which some module proxies warn about.
+        kind = type(o)
+        if kind is torch.Tensor:
+            marked += bool(o.dim() and o.shape[-1] == _MARK)
+        elif kind is _GhostBookkeeping:
+            passes += 1
+        elif kind is GradSampleModule:
+            wrappers += 1
     return marked, passes, wrappers
 
 
