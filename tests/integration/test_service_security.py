@@ -168,7 +168,11 @@ def test_psg_server_cli_serves_until_sigterm(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"alice {TOKEN_ALICE}\n")
     env = {**os.environ, "PSG_MAX_BATCH_ROWS": "128", "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, "-m", "psg_server", "--port", "0", "--tokens-file", str(tokens)],
+    # The in-process executor: what this test checks (the tokens file, a limit from the environment,
+    # a clean exit on SIGTERM) does not depend on the executor, and the command's default, an
+    # embedded Ray, starts and stops in test_server_cli.py::test_a_ray_backed_server_logs_no_grpc_fork_notices.
+    process = subprocess.Popen([sys.executable, "-m", "psg_server", "--port", "0", "--executor", "inprocess",
+                                "--tokens-file", str(tokens)],
                                stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         assert process.stderr is not None
