@@ -349,7 +349,8 @@ def test_small_parameter_sets_and_shards_ride_inside_the_calls(pool: Any, loop_t
     loop_thread.call(pool.release(spec.session_id))
 
 
-def test_small_steps_take_the_direct_channel(ray_session: Any, loop_thread: LoopThread,
+@pytest.mark.parametrize("pool", [2], indirect=True, ids=lambda n: f"{n}workers")
+def test_small_steps_take_the_direct_channel(pool: Any, loop_thread: LoopThread,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from psg_server.channel import DirectChannel
 
@@ -364,18 +365,23 @@ def test_small_steps_take_the_direct_channel(ray_session: Any, loop_thread: Loop
     config = DPConfig(max_grad_norm=0.5)
     model = build(seed=9)
     for direct_channels in (True, False):
-        pool = make_pool(loop_thread, num_workers=2, direct_channels=direct_channels)
+        # Channels on: a pool of its own; off: the module's 2-worker pool, which make_pool started
+        # with the same arguments but direct_channels (off by default).
+        running = make_pool(loop_thread, num_workers=2, direct_channels=True) if direct_channels else pool
+        spec = session_spec(config, session_id=f"channel-{direct_channels}")
         try:
-            assert worker_channels(pool) == [direct_channels] * 2
+            assert worker_channels(running) == [direct_channels] * 2
             calls.clear()
-            spec = session_spec(config, session_id=f"channel-{direct_channels}")
             shards = shards_for(config, 6, 2)
-            results = loop_thread.call(pool.run(spec, parameters_of(model, 1), shards))
+            results = loop_thread.call(running.run(spec, parameters_of(model, 1), shards))
             inputs, targets = torch.cat([s.inputs[0] for s in shards]), torch.cat([s.targets for s in shards])
             assert_same(results, local_dp(model, inputs, targets, config))
             assert len(calls) == (2 if direct_channels else 0)  # one call per shard, or none
         finally:
-            loop_thread.call(pool.close())
+            if running is pool:
+                loop_thread.call(pool.release(spec.session_id))
+            else:
+                loop_thread.call(running.close())
 
 
 # ----------------------------------------------------------------------------- faults
