@@ -411,9 +411,11 @@ class CapturedStep:
         state: list[Hashable] = []  # each module's training flag, parameters and buffers (one walk)
         for layer in self.module.modules():
             state.append(layer.training)
-            state.extend((id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad)
+            # (a tensor's memory too: a CUDA graph reads it by address, and ``p.data = ...``, as
+            # vector_to_parameters does, moves a parameter to new memory under the same object)
+            state.extend((id(p), p.data_ptr(), tuple(p.shape), p.dtype, p.device, p.requires_grad)
                          for p in layer._parameters.values() if p is not None)
-            state.extend(id(b) for b in layer._buffers.values() if b is not None)
+            state.extend((id(b), b.data_ptr()) for b in layer._buffers.values() if b is not None)
         autocast = tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                          for device in ("cpu", "cuda") if torch.is_autocast_enabled(device))
         key = (str(spec), tuple(_leaf_signature(leaf) for leaf in leaves), tuple(state), autocast,

@@ -124,6 +124,28 @@ def test_padded_batches_replay_the_captured_graph(case: str, K: int) -> None:
     assert not step.cuda_graph_refusals and step.cuda_graph_replays == 3
 
 
+def _moved_parameters(device: str) -> None:
+    """A CUDA graph reads the parameters by address: ``vector_to_parameters`` (``p.data = ...``)
+    moves them under the same objects, and the step starts over on the new memory (recorded and
+    checked again), equal to the eager step throughout."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    batches = to_device(_batches(10), device)
+    step = _run_against_eager(model, batches[:5], GHOST, cuda_graphs=True)
+    assert step.stats["replayed"] == 2 and step.cuda_graph_replays == 1
+    flat = nn.utils.parameters_to_vector(model.parameters()).clone()
+    nn.utils.vector_to_parameters(flat, model.parameters())  # the same values, in new memory
+    for inputs, targets in batches[5:]:
+        _assert_same(step(inputs, targets), dp_gradient(model, inputs, targets, loss_fn=CE, config=GHOST))
+    assert step.stats == {"eager": 2, "recorded": 2, "validated": 2, "replayed": 4, "refused": 0, "reruns": 0}
+    assert step.cuda_graph_replays == 2
+
+
+@pytest.mark.usefixtures("rerun_on_replay")
+def test_a_parameter_moved_to_new_memory_makes_a_new_signature() -> None:
+    _moved_parameters("cpu")
+
+
 class _Drifting(_RerunOnReplay):
     """A capture whose replays compute something else (a kernel the capture got wrong)."""
 
@@ -216,6 +238,11 @@ def test_guards_and_buffers_hold_in_cuda_graph_replays() -> None:
     # (the discarded replays ran as the CUDA graph too: batches 5-9 and 13)
     assert not step.cuda_graph_refusals and step.cuda_graph_replays == 6
     assert int(model.calls) == len(signs)
+
+
+@requires_cuda
+def test_a_cuda_graph_is_not_replayed_on_parameters_moved_to_new_memory() -> None:
+    _moved_parameters("cuda")
 
 
 @requires_cuda
