@@ -19,6 +19,8 @@ trainable, the LM head tied to the token table, GPT-2's default; ``full-untied``
 * ``psg-hooks-captured`` / ``psg-ghost-captured``: the same, recorded once and replayed
   (:class:`psg_core.CapturedStep`, after its eager, recording and checked steps; transformers' reads
   of the padding mask are guards of the recording);
+* ``psg-hooks-graphed`` / ``psg-ghost-graphed`` (on a GPU only): the captured step replayed as one
+  CUDA graph (``CapturedStep(cuda_graphs=True)``);
 * ``opacus-hooks``: Opacus' ``GradSampleModule`` and ``DPOptimizer.clip_and_accumulate()``;
 * ``opacus-ghost``: Opacus' ``GradSampleModuleFastGradientClipping`` with its loss wrapper (two
   backward passes, the second leaving the clipped sum in ``p.grad``).
@@ -78,9 +80,9 @@ from benchmarks.harness import (RunOptions, Suite, TargetCheck, error_text, meas
                                 relative_distance, run_isolated, time_interleaved)
 from benchmarks.models import opacus_available
 
-__all__ = ["CONFIGURATIONS", "GPT2_SUITE", "LORA_RANK", "METHODS", "SERVICE_PATHS", "SIZES", "GPT2Size",
-           "build_model", "gpt2_config", "make_batch", "measure_service", "prepare_step", "render",
-           "run_configuration", "run_method_in_child", "run_suite", "suite_targets"]
+__all__ = ["CONFIGURATIONS", "GPT2_SUITE", "GRAPHED_METHODS", "LORA_RANK", "METHODS", "SERVICE_PATHS", "SIZES",
+           "GPT2Size", "build_model", "gpt2_config", "make_batch", "measure_service", "methods_for", "prepare_step",
+           "render", "run_configuration", "run_method_in_child", "run_suite", "suite_targets"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,8 @@ LORA_ALPHA = 16.0
 CONFIGURATIONS = ("lora", "full-tied", "full-untied")
 METHODS = ("non-private", "psg-hooks", "psg-ghost", "psg-hooks-captured", "psg-ghost-captured", "opacus-hooks",
            "opacus-ghost")
+#: Rows added on a GPU: the captured steps replayed as CUDA graphs.
+GRAPHED_METHODS = ("psg-hooks-graphed", "psg-ghost-graphed")
 #: Rows of the service part: (configuration, path).
 SERVICE_PATHS = (("lora", "in-process"), ("lora", "service, one call"), ("lora", "service, captured"),
                  ("full-tied", "in-process"), ("full-tied", "service, one call"), ("full-tied", "service, captured"))
@@ -258,13 +262,20 @@ def _psg(mode: str) -> Callable[[nn.Module, dict[str, torch.Tensor], torch.Tenso
     return prepare
 
 
-def _psg_captured(mode: str) -> Callable[[nn.Module, dict[str, torch.Tensor], torch.Tensor], Step]:
+def methods_for(device: str) -> tuple[str, ...]:
+    """The rows of a configuration on ``device`` (a device or its type)."""
+    return METHODS + GRAPHED_METHODS if torch.device(device).type == "cuda" else METHODS
+
+
+def _psg_captured(mode: str, *, cuda_graphs: bool = False
+                  ) -> Callable[[nn.Module, dict[str, torch.Tensor], torch.Tensor], Step]:
     """psg's step recorded once and replayed (:class:`psg_core.CapturedStep`; transformers' reads of
-    the padding mask become guards of the recording)."""
+    the padding mask become guards of the recording), as one CUDA graph with ``cuda_graphs``."""
     def prepare(model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> Step:
         from psg_core import CapturedStep, DPConfig
 
-        captured = CapturedStep(model, loss_fn=_loss_fn(), config=DPConfig(mode=mode, max_grad_norm=MAX_GRAD_NORM))
+        captured = CapturedStep(model, loss_fn=_loss_fn(), config=DPConfig(mode=mode, max_grad_norm=MAX_GRAD_NORM),
+                                cuda_graphs=cuda_graphs)
         held: dict[str, torch.Tensor] = {}
 
         def run() -> None:
@@ -275,6 +286,11 @@ def _psg_captured(mode: str) -> Callable[[nn.Module, dict[str, torch.Tensor], to
             run()
         if captured.stats["validated"] != 1:
             raise RuntimeError(f"the step was not captured: {'; '.join(captured.refusals)}")
+        if cuda_graphs:
+            run()  # (the first replay captures the CUDA graph and checks it)
+            if captured.cuda_graph_refusals:
+                raise RuntimeError(f"the step was not captured as a CUDA graph: "
+                                   f"{'; '.join(captured.cuda_graph_refusals)}")
         return Step(run, lambda: dict(held), model)
 
     return prepare
@@ -344,6 +360,8 @@ def _opacus_ghost(model: nn.Module, inputs: dict[str, torch.Tensor], labels: tor
 _PREPARE: dict[str, Callable[[nn.Module, dict[str, torch.Tensor], torch.Tensor], Step]] = {
     "non-private": _non_private, "psg-hooks": _psg("hooks"), "psg-ghost": _psg("ghost"),
     "psg-hooks-captured": _psg_captured("hooks"), "psg-ghost-captured": _psg_captured("ghost"),
+    "psg-hooks-graphed": _psg_captured("hooks", cuda_graphs=True),
+    "psg-ghost-graphed": _psg_captured("ghost", cuda_graphs=True),
     "opacus-hooks": _opacus_hooks, "opacus-ghost": _opacus_ghost}
 LABELS = {
     "non-private": "`loss.backward()`",
@@ -351,6 +369,8 @@ LABELS = {
     "psg-ghost": "`dp_gradient(mode=\"ghost\")` (per-sample norms, re-weighted backward)",
     "psg-hooks-captured": "psg hooks recorded once and replayed (`psg_core.CapturedStep`)",
     "psg-ghost-captured": "psg ghost recorded once and replayed (`psg_core.CapturedStep`)",
+    "psg-hooks-graphed": "psg hooks captured and replayed as one CUDA graph (`CapturedStep(cuda_graphs=True)`)",
+    "psg-ghost-graphed": "psg ghost captured and replayed as one CUDA graph (`CapturedStep(cuda_graphs=True)`)",
     "opacus-hooks": "Opacus `GradSampleModule` + `DPOptimizer.clip_and_accumulate()`",
     "opacus-ghost": "Opacus `GradSampleModuleFastGradientClipping` + `DPLossFastGradientClipping` (two "
                     "backward passes)",
@@ -365,7 +385,7 @@ def prepare_step(size: GPT2Size, configuration: str, method: str, device: str, *
             raises for this model (Opacus refusing tied weights, ...).
     """
     if method not in _PREPARE:
-        raise ValueError(f"gpt2 suite: unknown method {method!r}; expected one of {list(METHODS)}")
+        raise ValueError(f"gpt2 suite: unknown method {method!r}; expected one of {list(_PREPARE)}")
     if method.startswith("opacus") and not opacus_available():
         raise RuntimeError("opacus is not installed (pip install 'psg[bench]')")
     model = build_model(size, configuration, seed=seed).to(device)
@@ -414,7 +434,8 @@ def run_configuration(payload: dict[str, Any]) -> dict[str, Any]:
     size = SIZES[options.size]
     rows: dict[str, dict[str, Any]] = {}
     steps: dict[str, Step] = {}
-    for method in METHODS:
+    methods = methods_for(options.device)
+    for method in methods:
         rows[method] = _row_header(options, configuration, method)
         try:
             steps[method] = _warmed_step(size, configuration, method, options)
@@ -436,7 +457,7 @@ def run_configuration(payload: dict[str, Any]) -> dict[str, Any]:
         steps.clear()  # each method's memory is measured with nothing else alive
         for method in measured:
             rows[method].update(_measure_memory(options, configuration, method, isolated=False))
-    return {"rows": [rows[method] for method in METHODS]}
+    return {"rows": [rows[method] for method in methods]}
 
 
 def _measure_memory(options: RunOptions, configuration: str, method: str, *, isolated: bool) -> dict[str, Any]:
@@ -476,14 +497,15 @@ def _run_in_process(options: RunOptions) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for index, configuration in enumerate(CONFIGURATIONS, 1):
         logger.info("gpt2 suite [%d/%d] %s: timing %d methods interleaved", index, len(CONFIGURATIONS),
-                    configuration, len(METHODS))
+                    configuration, len(methods_for(options.device)))
         in_group_memory = options.measure_memory and options.device == "cuda"
         payload = {"options": options.to_json(), "configuration": configuration, "memory": in_group_memory}
         if options.isolate:
             timed = run_isolated("benchmarks.gpt2:run_configuration", payload, timeout_s=options.timeout_s,
                                   pin_mmap=False)
             group = timed.get("rows") or [{**_row_header(options, configuration, method),
-                                           "error": timed.get("error", "no result")} for method in METHODS]
+                                           "error": timed.get("error", "no result")}
+                                          for method in methods_for(options.device)]
         else:
             group = run_configuration(payload)["rows"]
         for row in group:
@@ -678,6 +700,14 @@ def suite_targets(rows: Sequence[dict[str, Any]]) -> list[TargetCheck]:
         checks.append(_check(f"psg hooks, captured step: time <= {HOOKS_VS_OPACUS_RATIO:g} x Opacus hooks",
                              configuration, _ratio(rows, configuration, "psg-hooks-captured", "opacus-hooks",
                                                    "median_ms"), HOOKS_VS_OPACUS_RATIO))
+    if any(row.get("method") in GRAPHED_METHODS for row in rows):  # (a GPU's run)
+        for configuration in ("full-tied", "full-untied"):
+            checks.append(_check(f"psg ghost, CUDA graph: time <= {GHOST_TIME_RATIO:g} x non-private",
+                                 configuration, _ratio(rows, configuration, "psg-ghost-graphed", "non-private",
+                                                       "median_ms"), GHOST_TIME_RATIO))
+            checks.append(_check(f"psg hooks, CUDA graph: time <= {HOOKS_VS_OPACUS_RATIO:g} x Opacus hooks",
+                                 configuration, _ratio(rows, configuration, "psg-hooks-graphed", "opacus-hooks",
+                                                       "median_ms"), HOOKS_VS_OPACUS_RATIO))
     target = f"LoRA service step <= in-process + adapter bytes / 1.5 GB/s + {SERVICE_SLACK_MS:g} ms"
     service = next((row for row in rows if row.get("part") == "service" and row["configuration"] == "lora"
                     and row["path"] == "service, one call"), None)
@@ -766,7 +796,9 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     if in_process:
         lines += ["**In process**: forward + backward + per-sample norms + clipped sum; the methods of a "
                   "configuration timed interleaved.", ""] + _render_in_process(in_process) + [""]
-        lines += ["Methods: " + "; ".join(f"`{name}` = {label}" for name, label in LABELS.items()) + ". Opacus "
+        shown = {row["method"] for row in in_process}
+        lines += ["Methods: " + "; ".join(f"`{name}` = {label}" for name, label in LABELS.items() if name in shown)
+                  + ". Opacus "
                   "rows get explicit `position_ids` (N, T): its embedding sampler fails on GPT-2's broadcast "
                   "(1, T) positions.", ""]
     if service:

@@ -524,7 +524,8 @@ class CapturedStep:
             if mismatch is None:
                 mismatch = next(("a module tensor that the step writes" for tensor, value in after
                                  if not _close(tensor, value)), None)
-            reason = None if mismatch is None else f"the CUDA graph differs from the replay on the same batch ({mismatch})"
+            reason = None if mismatch is None else \
+                f"the CUDA graph differs from the replay on the same batch ({mismatch})"
         except Exception as error:  # noqa: BLE001 - a graph the device cannot capture replays as before
             captured, reason = None, f"its capture failed: {_describe(error)}"
         _restore(after)  # (the replay's result and state stand)

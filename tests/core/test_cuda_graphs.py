@@ -14,8 +14,8 @@ from psg_core.capture import CapturedStep
 from psg_core.config import DPConfig
 from psg_core.dp import dp_gradient
 from psg_core.errors import ConfigError
-from tests.core.test_capture import (CE, _assert_same, _benchmark_batches, _dropout_against_eager, _padded_cases, _Reading,
-                                     _run_against_eager, _Selecting, _signed_batches)
+from tests.core.test_capture import (CE, _assert_same, _benchmark_batches, _dropout_against_eager, _padded_cases,
+                                     _Reading, _run_against_eager, _Selecting, _signed_batches)
 from tests.devices import requires_cuda, to_device
 
 GHOST = DPConfig(mode="ghost", max_grad_norm=1.0)

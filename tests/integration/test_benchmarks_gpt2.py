@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import load_suites
-from benchmarks.gpt2 import CONFIGURATIONS, METHODS, SERVICE_PATHS, SIZES, build_model, make_batch, suite_targets
+from benchmarks.gpt2 import (CONFIGURATIONS, GRAPHED_METHODS, METHODS, SERVICE_PATHS, SIZES, build_model, make_batch,
+                             methods_for, suite_targets)
 from benchmarks.harness import SUITES, RunOptions, run_isolated
 from benchmarks.models import opacus_available
 from benchmarks.run import parse_args
@@ -123,3 +124,19 @@ def test_targets_without_rows_are_not_evaluable() -> None:
     assert all(c.met is None and c.value is None for c in checks)
     assert checks[-1].detail == "RuntimeError: boom"
     assert "not measured" in checks[0].detail
+
+
+def test_the_cuda_graph_rows_run_on_a_gpu_only() -> None:
+    assert methods_for("cpu") == METHODS and methods_for("cuda:0") == METHODS + GRAPHED_METHODS
+    rows = [{"part": "in-process", "configuration": configuration, "method": method, "median_ms": ms}
+            for configuration in ("full-tied", "full-untied")
+            for method, ms in (("non-private", 10.0), ("opacus-hooks", 40.0), ("psg-ghost-graphed", 11.0),
+                               ("psg-hooks-graphed", 20.0))]
+    checks = {(c.target, c.subject): c for c in suite_targets(rows)}
+    assert checks[("psg ghost, CUDA graph: time <= 1.25 x non-private", "full-untied")].value == pytest.approx(1.1)
+    assert checks[("psg hooks, CUDA graph: time <= 0.75 x Opacus hooks", "full-tied")].met is True
+    assert not any("CUDA graph" in c.target for c in suite_targets([r for r in rows if "graphed" not in r["method"]]))
+    # The methods' legend names the rows that ran.
+    text = SUITES["gpt2"].render([r for r in rows if "graphed" not in r["method"]])
+    assert "`psg-ghost-graphed`" not in text and "`non-private`" in text
+    assert "`psg-ghost-graphed`" in SUITES["gpt2"].render(rows)
