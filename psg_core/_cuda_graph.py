@@ -87,9 +87,10 @@ def screen(graph: torch.fx.GraphModule, device_type: str) -> str | None:
 class CudaGraphReplay:
     """One recorded step captured as a CUDA graph, with its own input and output tensors.
 
-    ``run(graph_fn, inputs)`` is the operator-by-operator replay (the module's lock held, no
-    grad); :meth:`capture` records it on ``inputs``' device; :meth:`__call__` replays it on a new
-    batch of the same signature and returns its outputs copied out of the graph's memory.
+    ``run(inputs)`` runs the recorded graph operator by operator (the module's lock held, no grad);
+    :meth:`capture` captures that run on copies of ``inputs`` (on their device); :meth:`__call__`
+    replays it on a new batch of the same signature and returns its outputs copied out of the
+    graph's memory.
     """
 
     def __init__(self, run: Callable[[Sequence[torch.Tensor]], Any], inputs: Sequence[torch.Tensor]) -> None:
@@ -103,9 +104,8 @@ class CudaGraphReplay:
         """Captures the step: one run on the capture's stream first (cuBLAS and cuDNN choose and
         allocate their work space on the stream they run on; a capture cannot), then the capture
         (which runs nothing). ``reset()`` is called after the warm-up run, to undo what it did (a
-        module's buffers, the random generators' state), and after the capture (which moves no
-        generator in the torch releases psg is tested with; called anyway, so that the check's
-        replay starts where the replay it is checked against did)."""
+        module's buffers, the random generators' state), and again after the capture, so that the
+        check's replay surely starts where the replay it is checked against did."""
         with torch.cuda.device(self.device):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
