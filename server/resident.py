@@ -75,7 +75,8 @@ class ResidentModel:
         self.frozen_from = -1
         #: How many times parameters were moved into a new device buffer (a slot's first load, or a
         #: changed layout): loads between two moves update the parameters in place, a move swaps
-        #: their ``.data`` (what a recorded step, :class:`psg_core.CapturedStep`, is not promised).
+        #: their ``.data`` (a new signature for a recorded step, :class:`psg_core.CapturedStep`, whose
+        #: CUDA graphs read the parameters by address; the runner makes its captured step anew).
         self.rehomes = 0
         self._buffers: dict[str, FlatTensors] = {}
         # Host buffers of copies that may still be in flight (CUDA copies from pinned memory are
