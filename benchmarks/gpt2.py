@@ -692,22 +692,18 @@ def suite_targets(rows: Sequence[dict[str, Any]]) -> list[TargetCheck]:
         checks.append(_check(f"psg hooks time <= {HOOKS_VS_OPACUS_RATIO:g} x Opacus hooks", configuration,
                              _ratio(rows, configuration, "psg-hooks", "opacus-hooks", "median_ms"),
                              HOOKS_VS_OPACUS_RATIO))
-    # The same time bounds for psg's recorded-and-replayed steps.
-    for configuration in ("full-tied", "full-untied"):
-        checks.append(_check(f"psg ghost, captured step: time <= {GHOST_TIME_RATIO:g} x non-private",
-                             configuration, _ratio(rows, configuration, "psg-ghost-captured", "non-private",
-                                                   "median_ms"), GHOST_TIME_RATIO))
-        checks.append(_check(f"psg hooks, captured step: time <= {HOOKS_VS_OPACUS_RATIO:g} x Opacus hooks",
-                             configuration, _ratio(rows, configuration, "psg-hooks-captured", "opacus-hooks",
-                                                   "median_ms"), HOOKS_VS_OPACUS_RATIO))
-    if any(row.get("method") in GRAPHED_METHODS for row in rows):  # (a GPU's run)
+    # The same time bounds for psg's recorded-and-replayed steps (and, on a GPU's run, their CUDA graphs).
+    kinds = [("captured", "captured step")]
+    if any(row.get("method") in GRAPHED_METHODS for row in rows):
+        kinds.append(("graphed", "CUDA graph"))
+    for suffix, how in kinds:
         for configuration in ("full-tied", "full-untied"):
-            checks.append(_check(f"psg ghost, CUDA graph: time <= {GHOST_TIME_RATIO:g} x non-private",
-                                 configuration, _ratio(rows, configuration, "psg-ghost-graphed", "non-private",
-                                                       "median_ms"), GHOST_TIME_RATIO))
-            checks.append(_check(f"psg hooks, CUDA graph: time <= {HOOKS_VS_OPACUS_RATIO:g} x Opacus hooks",
-                                 configuration, _ratio(rows, configuration, "psg-hooks-graphed", "opacus-hooks",
-                                                       "median_ms"), HOOKS_VS_OPACUS_RATIO))
+            checks.append(_check(f"psg ghost, {how}: time <= {GHOST_TIME_RATIO:g} x non-private", configuration,
+                                 _ratio(rows, configuration, f"psg-ghost-{suffix}", "non-private", "median_ms"),
+                                 GHOST_TIME_RATIO))
+            checks.append(_check(f"psg hooks, {how}: time <= {HOOKS_VS_OPACUS_RATIO:g} x Opacus hooks", configuration,
+                                 _ratio(rows, configuration, f"psg-hooks-{suffix}", "opacus-hooks", "median_ms"),
+                                 HOOKS_VS_OPACUS_RATIO))
     target = f"LoRA service step <= in-process + adapter bytes / 1.5 GB/s + {SERVICE_SLACK_MS:g} ms"
     service = next((row for row in rows if row.get("part") == "service" and row["configuration"] == "lora"
                     and row["path"] == "service, one call"), None)
