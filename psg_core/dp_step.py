@@ -154,9 +154,10 @@ class DPStep:
             if capture:
                 raise ConfigError(f"{where}: adaptive clipping moves the bound every step, which a recorded step "
                                   "(capture=True) would hold fixed; use one or the other")
-        if cuda_graphs is not False and (not capture or cuda_graphs is not True):
-            raise ConfigError(f"{where}: cuda_graphs replays a captured step as CUDA graphs; it needs capture=True "
-                              f"(and a bool, got {cuda_graphs!r})")
+        if not isinstance(cuda_graphs, bool):
+            raise ConfigError(f"{where}: cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if cuda_graphs and not capture:
+            raise ConfigError(f"{where}: cuda_graphs replays a captured step as CUDA graphs; it needs capture=True")
         if pad_to_multiple is not None:
             if not capture:
                 raise ConfigError(f"{where}: pad_to_multiple pads the batches of a captured step; it needs capture=True")

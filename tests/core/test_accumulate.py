@@ -214,7 +214,7 @@ def test_a_captured_step_pads_poisson_sized_physical_batches_to_one_shape() -> N
 def test_padding_needs_capture_and_a_whole_batch_loss() -> None:
     for options, match in (({"pad_to_multiple": 4}, "capture=True"),
                            ({"cuda_graphs": True}, "capture=True"),
-                           ({"cuda_graphs": "yes", "capture": True}, "a bool"),
+                           ({"cuda_graphs": "yes", "capture": True}, "must be a bool"),
                            ({"pad_to_multiple": 0, "capture": True}, "positive int"),
                            ({"pad_to_multiple": 4, "capture": True, "mode": "functorch"}, "functorch")):
         mode = options.pop("mode", "ghost")
