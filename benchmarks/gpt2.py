@@ -77,7 +77,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness import (RunOptions, Suite, TargetCheck, error_text, measure_step_memory, register_suite,
-                                relative_distance, run_isolated, time_interleaved)
+                                relative_distance, run_isolated, time_interleaved, warm_captured)
 from benchmarks.models import opacus_available
 
 __all__ = ["CONFIGURATIONS", "GPT2_SUITE", "GRAPHED_METHODS", "LORA_RANK", "METHODS", "SERVICE_PATHS", "SIZES",
@@ -282,15 +282,7 @@ def _psg_captured(mode: str, *, cuda_graphs: bool = False
             held.clear()
             held.update(captured(inputs, labels).grads)
 
-        for _ in range(3):  # eager, recorded, checked against eager (a trainer's first steps); then replays
-            run()
-        if captured.stats["validated"] != 1:
-            raise RuntimeError(f"the step was not captured: {'; '.join(captured.refusals)}")
-        if cuda_graphs:
-            run()  # (the first replay captures the CUDA graph and checks it)
-            if captured.cuda_graph_refusals:
-                raise RuntimeError(f"the step was not captured as a CUDA graph: "
-                                   f"{'; '.join(captured.cuda_graph_refusals)}")
+        warm_captured(captured, run)
         return Step(run, lambda: dict(held), model)
 
     return prepare

@@ -49,7 +49,7 @@ import torch
 
 __all__ = ["RunOptions", "Timing", "MemoryProbe", "measure_step_memory", "TargetCheck", "Suite", "SUITES", "register_suite",
            "time_steps", "time_interleaved", "memory_method", "run_isolated", "load_callable", "relative_distance",
-           "error_text"]
+           "error_text", "warm_captured"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,21 @@ def relative_distance(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
 def error_text(err: BaseException) -> str:
     """An error as a row's note: its type and message on one line, at most 400 characters."""
     return " ".join(f"{type(err).__name__}: {err}".split())[:400]
+
+
+def warm_captured(captured: Any, step: Callable[[], Any]) -> None:
+    """A :class:`psg_core.CapturedStep` made ready to time: ``step()`` (one training step through it)
+    run eagerly, recorded and checked against the eager step, as a trainer's first steps run; with
+    ``captured.cuda_graphs`` once more (the first replay captures the CUDA graph and checks it).
+    Raises when the step is not captured (or, asked, not as a CUDA graph), with the reasons."""
+    for _ in range(3):
+        step()
+    if captured.stats["validated"] != 1:
+        raise RuntimeError(f"the step was not captured: {'; '.join(captured.refusals)}")
+    if captured.cuda_graphs:
+        step()
+        if captured.cuda_graph_refusals:
+            raise RuntimeError(f"the step was not captured as a CUDA graph: {'; '.join(captured.cuda_graph_refusals)}")
 
 
 def _synchronize(device: str) -> None:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.harness import (MemoryProbe, RunOptions, Suite, TargetCheck, measure_step_memory,
-                                register_suite, run_isolated, time_interleaved, time_steps)
+                                register_suite, run_isolated, time_interleaved, time_steps, warm_captured)
 from benchmarks.models import MODELS, Variant, opacus_available
 
 __all__ = ["Case", "Method", "METHODS", "methods_for", "run_case", "prepare_step", "TRAINING_SUITE"]
@@ -212,15 +212,7 @@ def _psg_captured(mode: str, *, cuda_graphs: bool = False
             result = captured(inputs, targets)
             _apply_private_gradient(params, result.grads, result.num_samples, case, generator, optimizer)
 
-        for _ in range(3):  # eager, recorded, checked against eager (a trainer's first steps); then replays
-            run()
-        if captured.stats["validated"] != 1:
-            raise RuntimeError(f"the step was not captured: {'; '.join(captured.refusals)}")
-        if cuda_graphs:
-            run()  # (the first replay captures the CUDA graph and checks it)
-            if captured.cuda_graph_refusals:
-                raise RuntimeError(f"the step was not captured as a CUDA graph: "
-                                   f"{'; '.join(captured.cuda_graph_refusals)}")
+        warm_captured(captured, run)
         return Step(run, lambda: None, model)
 
     return prepare

@@ -501,35 +501,28 @@ class CapturedStep:
             self._refuse_cuda_graph(reason)
             return self._replay(entry, leaves, real)
         devices = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
-        rng_before, before = _rng_states(devices), _snapshot(entry)
+        before = _StepState.of(entry, devices)
         replayed = self._replay(entry, leaves, real)
         if replayed is None or entry.graph is None:
             return replayed  # (tried again on a batch the graph holds for)
         entry.cuda_tried = True
-        rng_after, after = _rng_states(devices), _snapshot(entry)
-
-        def reset() -> None:
-            _restore(before)
-            _set_rng_states(devices, rng_before)
-
+        after = _StepState.of(entry, devices)
         captured: CudaGraphReplay | None
         try:
             captured = CudaGraphReplay(lambda xs: self._run_graph(entry, list(xs)), inputs)
             with exclusive(self.module):
-                captured.capture(reset)
+                captured.capture(before.put_back)
                 grads, norms, numbers = captured(inputs)
             values = numbers.tolist()
             mismatch = "a value its step reads" if _failed(entry, values) is not None else _mismatch(
                 replayed, self._result(entry, dict(zip(entry.names, grads)), norms, _numbers(entry, values), real))
             if mismatch is None:
-                mismatch = next(("a module tensor that the step writes" for tensor, value in after
-                                 if not _close(tensor, value)), None)
+                mismatch = after.unlike_now()
             reason = None if mismatch is None else \
                 f"the CUDA graph differs from the replay on the same batch ({mismatch})"
         except Exception as error:  # noqa: BLE001 - a graph the device cannot capture replays as before
             captured, reason = None, f"its capture failed: {_describe(error)}"
-        _restore(after)  # (the replay's result and state stand)
-        _set_rng_states(devices, rng_after)
+        after.put_back()  # (the replay's result and state stand)
         if reason is None:
             entry.cuda = captured
         else:
@@ -583,22 +576,19 @@ class CapturedStep:
         random numbers), the graph kept when they agree."""
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + list(self.module.parameters())
         devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})  # (whose random draws to repeat)
-        rng_before, before = _rng_states(devices), _snapshot(entry)  # (a buffer the graph writes)
+        before = _StepState.of(entry, devices)
         eager = _trim(dp_gradient(self.module, batch[0], batch[1], loss_fn=self._loss_for(batch), config=self.config),
                       real)
-        rng_after, after = _rng_states(devices), _snapshot(entry)
-        _set_rng_states(devices, rng_before)
-        _restore(before)  # the replay starts where the eager step did
+        after = _StepState.of(entry, devices)
+        before.put_back()  # the replay starts where the eager step did
         try:
             replayed = self._replay(entry, leaves, real)
             mismatch = None if replayed is None else _mismatch(eager, replayed)
             if mismatch is None and replayed is not None:
-                mismatch = next(("a module tensor that the step writes" for tensor, value in after
-                                 if not _close(tensor, value)), None)
+                mismatch = after.unlike_now()
         except Exception as error:  # noqa: BLE001 - a graph that cannot replay is refused
             replayed, mismatch = None, f"its replay failed: {_describe(error)}"
-        _restore(after)  # (the eager step's result stands)
-        _set_rng_states(devices, rng_after)
+        after.put_back()  # (the eager step's result stands)
         if mismatch is not None:
             self._refuse(entry, f"the recorded graph disagrees with the eager step on another batch ({mismatch}): "
                                 "the step depends on values it does not read through torch's operators")
@@ -707,15 +697,32 @@ def _one_fake_mode() -> Any:
     return tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
 
 
-def _rng_states(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The CPU generator's state and those of the CUDA ``devices``."""
-    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+@dataclass
+class _StepState:
+    """What a step leaves besides its result: the CPU generator's state and those of the CUDA
+    ``devices``, and copies of the module's tensors the graph writes (a buffer), so that a second
+    step can start where a first one did (a checked step, a capture's check), and the first one's
+    end be put back after."""
 
+    devices: list[int]
+    cpu_rng: torch.Tensor
+    cuda_rngs: list[torch.Tensor]
+    written: list[tuple[torch.Tensor, torch.Tensor]]
 
-def _set_rng_states(devices: list[int], states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
-    torch.set_rng_state(states[0])
-    for d, state in zip(devices, states[1]):
-        torch.cuda.set_rng_state(state, d)
+    @classmethod
+    def of(cls, entry: _Entry, devices: list[int]) -> _StepState:
+        return cls(devices, torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], _snapshot(entry))
+
+    def put_back(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        for d, state in zip(self.devices, self.cuda_rngs):
+            torch.cuda.set_rng_state(state, d)
+        _restore(self.written)
+
+    def unlike_now(self) -> str | None:
+        """Where the module's written tensors now differ from this state's (None: nowhere)."""
+        return next(("a module tensor that the step writes" for tensor, value in self.written
+                     if not _close(tensor, value)), None)
 
 
 def _snapshot(entry: _Entry) -> list[tuple[torch.Tensor, torch.Tensor]]:
