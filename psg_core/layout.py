@@ -189,28 +189,33 @@ def _leaves(value: Any, out: list[Any]) -> list[Any]:
     return out
 
 
-def _visit_batch_tensors(value: Any, layout: BatchLayout, free: Any, found: list[tuple[torch.Tensor, int]]) -> None:
-    """:meth:`ModelInputs.batch_tensors`' walk of one argument (``free``: ids of batch-free tensors)."""
+def _visit_batch_tensors(value: Any, layout: BatchLayout, free: Any, found: list[tuple[torch.Tensor, int]],
+                         offsets: list[tuple[int, torch.Tensor]], indices: list[torch.Tensor]) -> None:
+    """:meth:`ModelInputs.batch_tensors`' walk of one argument (``free``: ids of batch-free tensors;
+    ``offsets``: where in ``found`` a tensor shaped as a bag's offsets with the last one would go,
+    and the tensor; ``indices``: the integer tensors met, which such offsets must index)."""
     if isinstance(value, PackedSequence):
         if _rows_of(value, 0) == layout.rows:
             found.append((value.data, -1))
         return
     if isinstance(value, (tuple, list)):
         for item in value:
-            _visit_batch_tensors(item, layout, free, found)
+            _visit_batch_tensors(item, layout, free, found, offsets, indices)
         return
     if isinstance(value, Mapping):
         for item in value.values():
-            _visit_batch_tensors(item, layout, free, found)
+            _visit_batch_tensors(item, layout, free, found, offsets, indices)
         return
     if isinstance(value, torch.Tensor):
         if id(value) in free:
             return
+        if not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+            indices.append(value)
         dim = layout.batch_dim if value.dim() > layout.batch_dim else 0
         if value.dim() > dim and value.shape[dim] == layout.rows:
             found.append((value, dim))
-        elif _bag_offsets_with_last(value, layout.rows):
-            found.append((value, -1))  # one offset per bag, plus the end: not an axis of rows
+        elif value.dim() == 1 and value.shape[0] == layout.rows + 1:
+            offsets.append((len(found), value))
 
 
 def _rows_of(value: Any, batch_dim: int) -> int | None:
@@ -221,12 +226,16 @@ def _rows_of(value: Any, batch_dim: int) -> int | None:
     return None
 
 
-def _bag_offsets_with_last(value: torch.Tensor, rows: int) -> bool:
+def _bag_offsets_with_last(value: torch.Tensor, rows: int, indices: list[torch.Tensor]) -> bool:
     """An EmbeddingBag's offsets with ``include_last_offset=True`` for ``rows`` bags: 1-D integers,
-    ``rows + 1`` of them, starting at 0 and non-decreasing (checked by value)."""
+    ``rows + 1`` of them, starting at 0, non-decreasing and ending at the size of one of the other
+    integer inputs, the indices they cut into bags (checked by value: ``arange(rows + 1)`` position
+    ids beside ``(rows, T)`` tokens are no offsets)."""
     if value.dim() != 1 or value.shape[0] != rows + 1 or value.is_floating_point() or value.dtype == torch.bool:
         return False
-    return bool(value[0] == 0) and bool((value[1:] >= value[:-1]).all())
+    sizes = {t.numel() for t in indices if t is not value}
+    return bool(sizes) and bool(value[0] == 0) and bool((value[1:] >= value[:-1]).all()) \
+        and int(value[-1]) in sizes
 
 
 @dataclass(frozen=True)
@@ -293,8 +302,13 @@ class ModelInputs:
         found: list[tuple[torch.Tensor, int]] = []
         # (a module-level walk: a nested recursive function would be a reference cycle holding the
         # batch's tensors until the garbage collector ran)
-        _visit_batch_tensors(list(self.args), layout, self.free, found)
-        _visit_batch_tensors(self.kwargs, layout, self.free, found)
+        offsets: list[tuple[int, torch.Tensor]] = []
+        indices: list[torch.Tensor] = []
+        _visit_batch_tensors(list(self.args), layout, self.free, found, offsets, indices)
+        _visit_batch_tensors(self.kwargs, layout, self.free, found, offsets, indices)
+        for at, value in reversed(offsets):  # (from the last: the positions before stay valid)
+            if _bag_offsets_with_last(value, layout.rows, indices):
+                found.insert(at, (value, -1))  # one offset per bag, plus the end: not an axis of rows
         return found
 
     def split(self, layout: BatchLayout) -> list[ModelInputs]:

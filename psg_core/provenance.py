@@ -376,6 +376,23 @@ class _Computed:
     value: torch.Tensor
 
 
+def _fill_where_met(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], met_args: tuple[Any, ...],
+                    met_kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | _Computed:
+    """``masked_fill(input, mask, value)`` whose tensor ``value`` (0-d: the op takes no other) met
+    the batch: its meeting view has the output's shape, which the op refuses, so the fill is
+    computed as ``where(mask, value, input)`` (the same values; in place for ``masked_fill_``)."""
+    names = ("input", "mask", "value")
+    call, met = dict(zip(names, args), **kwargs), dict(zip(names, met_args), **met_kwargs)
+    value = met.get("value")
+    if not isinstance(value, torch.Tensor) or value is call.get("value"):
+        return met_args, met_kwargs  # the value did not meet the batch: the op as it is
+    target = met["input"]
+    filled = torch.where(met["mask"], value.to(target.dtype), target)
+    if name == "masked_fill_":
+        filled = call["input"].copy_(filled)
+    return _Computed(filled)
+
+
 def _own_params(layer: nn.Module) -> frozenset[int]:
     """ids of the layer's own trainable parameters."""
     return frozenset(id(p) for p in own_parameters(layer) if p.requires_grad)
@@ -981,7 +998,10 @@ class BatchTracker(TorchFunctionMode):
             return self._meeting_view(source, shape if shape is not None else tuple(source.shape), out_bd, merged,
                                       origin, where, pending=cast(_Frame, frame).pending if own else None)
 
-        return tree_map(expand, args), tree_map(expand, kwargs)
+        met_args, met_kwargs = tree_map(expand, args), tree_map(expand, kwargs)
+        if name in ("masked_fill", "masked_fill_"):
+            return _fill_where_met(name, args, kwargs, met_args, met_kwargs)
+        return met_args, met_kwargs
 
     def _meet_product(self, name: str, args: tuple[Any, ...], sources: dict[int, tuple[torch.Tensor, frozenset[int]]],
                       x: torch.Tensor, where: str) -> tuple[Any, ...]:

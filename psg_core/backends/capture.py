@@ -77,6 +77,10 @@ class LayerCall:
     #: per hooked output: the shape of an output whose gradient is taken at its base (see
     #: :func:`_grad_target`), else None; empty: every gradient is taken at the output itself.
     output_shapes: tuple[torch.Size | None, ...] = ()
+    #: the layer's ``weight`` or ``bias`` is computed from its parameters at each call (see
+    #: :func:`_computed_weight`): no sampler or ghost norm of the layer's type applies (they would
+    #: give the computed tensor's gradient, which no parameter receives).
+    computed_weight: bool = False
 
     def output_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The gradients of the call's outputs, from those of the tensors that were hooked (an
@@ -142,7 +146,8 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             return None
         first = next((a for a in args if isinstance(a, torch.Tensor) and tracker.is_batched(a)), first)
     entry = GRAD_SAMPLERS.lookup(layer)
-    if entry is not None and _computed_weight(layer):
+    computed = entry is not None and _computed_weight(layer)
+    if computed:
         entry = None  # the torch.func fallback differentiates the parameters it is computed from
     if entry is None and tracker is not None and tracker.met_own(layer):
         return None  # its own parameters met the batch in pointwise ops only: meeting points give theirs
@@ -199,7 +204,7 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      kwargs={k: _detached(v) for k, v in kwargs.items()}, entry=entry,
                      batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
                      num_outputs=len(index), merged=merged, row_factor=row_factor,
-                     versions=versions,
+                     versions=versions, computed_weight=computed,
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
                                                                            batch_dim),
                      input_dims=() if entry is not None else _input_dims(tracker, args, kwargs, rows))

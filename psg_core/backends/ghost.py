@@ -69,7 +69,7 @@ from psg_core.backends.base import (AbstractGradSampleModule, backward_to_edges,
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
 from psg_core.clipping import clip_factors, count_dropped, dropped_samples, kept_sum, zero_dropped
 from psg_core.config import DPConfig, DPGradient
-from psg_core.errors import BatchLayoutError, ConfigError
+from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
 from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, FactorKind, GhostFactors, GhostNormEntry, TensorMemo,
                                              WeightLayout, can_share, shared_sq_norms)
 from psg_core.layout import BatchLayout, ModelInputs
@@ -242,7 +242,9 @@ class _GhostBookkeeping:
                 f"dimension {captured.batch_dim}, but the batch has {self.rows} (N*K); the ghost backend needs "
                 "every layer with trainable parameters to see the batch's rows")
         # Gram factors need the layer's one output gradient and its rows on the batch axis.
-        norm = GHOST_NORMS.lookup(layer) if captured.num_outputs == 1 else None
+        # (not for a weight or bias computed at the call, a parametrization's: the family's factors
+        # are those of the computed tensor, whose gradient no parameter receives)
+        norm = GHOST_NORMS.lookup(layer) if captured.num_outputs == 1 and not captured.computed_weight else None
         if norm is not None and captured.custom_rows and not norm.whole_call:
             norm = None
         first = captured.args[0] if captured.args else None
@@ -347,6 +349,13 @@ class _GhostBookkeeping:
                 factors, others = state.norm.fn(layer, a, g, self.K)
             for param, grad_sample in others.items():  # e.g. a bias, small: materialised
                 if param.requires_grad:
+                    if not any(param is own for own in state.params):
+                        # a family's gradient of a tensor that is not one of the layer's parameters
+                        # would be dropped here, and its share of the norm with it: never silently
+                        raise UnsupportedModuleError(
+                            f"{_WHERE}: module {self._name(layer)}: its ghost norm gave a gradient for a "
+                            "tensor that is not one of its parameters (a computed weight or bias?); use "
+                            "mode='hooks' for this model")
                     self._add(param, grad_sample)
             state.buffer.append(factors)
             # A lookup table's clipped sum comes from its factors (the entries and their gradient

@@ -111,6 +111,25 @@ def test_a_position_vector_as_long_as_the_batch_is_refused_undeclared(mode: str)
         assert_close_scaled(got.grads[name], value.sum(0).to(torch.float32), name=name)
 
 
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_position_vector_one_longer_than_the_batch_is_no_bag_offsets(mode: str, K: int) -> None:
+    """``arange(N*K + 1)`` positions beside ``(N*K, N*K + 1)`` tokens have the shape and values of an
+    EmbeddingBag's offsets with the last one included (one per row, plus the end), and were taken
+    for them: refused as a layer called with the wrong number of rows. Offsets end at the size of
+    the indices they cut (none here): these are batch-free, and every mode gets the oracle's."""
+    torch.manual_seed(0)
+    model = Positions()
+    rows = N * K
+    ids, positions, y = torch.randint(0, 10, (rows, rows + 1)), torch.arange(rows + 1), torch.randint(0, 3, (rows,))
+    got = dp_gradient(model, (ids, positions), y, loss_fn=_loss,
+                      config=DPConfig(mode=mode, max_grad_norm=1e9, augmentation_multiplicity=K))
+    expected = microbatch_oracle(model, [((ids[n * K:(n + 1) * K], positions), y[n * K:(n + 1) * K]) for n in range(N)],
+                                 lambda out, t: _loss(out, t).mean())
+    for name, value in expected.items():
+        assert_close_scaled(got.grads[name], value.sum(0).to(torch.float32), name=name)
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ew", "functorch"])
 def test_a_wrapped_model_s_forward_takes_the_declaration(mode: str) -> None:
     torch.manual_seed(0)

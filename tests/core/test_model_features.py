@@ -78,6 +78,26 @@ def _parametrized(kind: str) -> Callable[[], nn.Module]:
     return build
 
 
+class _Softplus(nn.Module):
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return F.softplus(value)
+
+
+def _parametrized_bias(conv: bool) -> Callable[[], nn.Module]:
+    """A bias computed by a parametrization (``parametrize.register_parametrization(layer, "bias",
+    ...)``) under a plain weight, on ``(N*K, d)`` rows: ghost took the layer's own Gram norm, whose
+    bias gradient was the computed tensor's (no parameter's): dropped, norms short by its share."""
+    from torch.nn.utils import parametrize
+
+    def build() -> nn.Module:
+        layer: nn.Module = nn.Conv1d(1, 3, 2) if conv else nn.Linear(D, 6)
+        parametrize.register_parametrization(layer, "bias", _Softplus())
+        if conv:
+            return nn.Sequential(nn.Unflatten(1, (1, D)), layer, nn.Tanh(), nn.Flatten(), nn.Linear(3 * (D - 1), 3))
+        return nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
+    return build
+
+
 def _hooked_output() -> nn.Module:
     model = nn.Sequential(nn.Linear(D, 6), nn.Tanh(), nn.Linear(6, 3))
     model[0].register_forward_hook(lambda _m, _a, out: torch.tanh(out) * 3.0)
@@ -91,6 +111,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "parametrizations.weight_norm on a conv": _parametrized("conv"),
     "parametrizations.spectral_norm": _parametrized("spectral_norm"),
     "parametrizations.orthogonal": _parametrized("orthogonal"),
+    "parametrized bias": _parametrized_bias(conv=False),
+    "parametrized bias on a conv": _parametrized_bias(conv=True),
 }
 
 

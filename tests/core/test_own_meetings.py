@@ -223,3 +223,57 @@ def test_a_parameter_or_its_reshape_meets_the_batch_without_a_vjp(mode: str, mon
     else:
         per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode)
     assert batched == [1]  # table.t() only: gamma[:, None] needs none
+
+
+class Filled(nn.Module):
+    """Masks a hidden layer's negative inputs to a learned fill value: ``masked_fill`` with a 0-d
+    parameter (``form``: the method, ``torch.masked_fill``, the in-place method, a computed value
+    by keyword), the layer's own or, with ``borrowed``, another module's."""
+
+    def __init__(self, form: str, borrowed: bool) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(5, 5), nn.Linear(5, 2)
+        if borrowed:
+            self.holder = nn.Module()
+            self.holder.fill = nn.Parameter(torch.tensor(0.5))
+        else:
+            self.fill = nn.Parameter(torch.tensor(0.5))
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, mask = self.inp(x), x < 0
+        fill = self.holder.fill if hasattr(self, "holder") else self.fill
+        if self.form == "method":
+            h = h.masked_fill(mask, fill)
+        elif self.form == "function":
+            h = torch.masked_fill(h, mask, fill)
+        elif self.form == "in place":
+            h = h * 2.0  # (a product's backward needs none of its output, which is overwritten)
+            h.masked_fill_(mask, fill)
+        else:
+            h = h.masked_fill(mask=mask, value=fill * 2.0)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("borrowed", [False, True])
+@pytest.mark.parametrize("form", ["method", "function", "in place", "keyword"])
+def test_a_parameter_as_masked_fill_s_value(form: str, borrowed: bool, mode: str, K: int) -> None:
+    """The fill value's meeting view has the output's shape, which ``masked_fill`` refuses (it takes
+    a 0-d value): the hooks and ghost modes raised torch's RuntimeError. The fill is now computed as
+    ``where(mask, value, input)``, with the oracle's gradients."""
+    torch.manual_seed(0)
+    model = Filled(form, borrowed)
+    x, y = torch.randn(N * K, 5), torch.randint(0, 2, (N * K,))
+    expected = microbatch_oracle(model, [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)],
+                                 lambda out, t: _loss(out, t).mean())
+    if mode == "hooks":
+        got = per_sample_gradients(model, x, y, loss_fn=_loss, augmentation_multiplicity=K)
+    else:
+        got = dp_gradient(model, x, y, loss_fn=_loss,
+                          config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=1e9)).grads
+        expected = {name: g.sum(0) for name, g in expected.items()}
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert_close_scaled(got[name], value, name=name)
