@@ -235,6 +235,8 @@ class _Entry:
     #: the graph captured as a CUDA graph (``cuda_graphs=True``), once checked; tried once per graph
     cuda: CudaGraphReplay | None = None
     cuda_tried: bool = False
+    #: the CUDA devices whose random generators the step may draw from (its batch's and parameters')
+    devices: list[int] = field(default_factory=list)
 
     def drop_graph(self) -> None:
         """Forgets the recorded graph (and its CUDA graph): refused, or to be recorded again."""
@@ -448,10 +450,14 @@ class CapturedStep:
             holder["out"], holder["numbers"], holder["guards"] = out, numbers, tuple(record.guards)
             return list(out.grads.values()), out.per_sample_norms, numbers
 
+        devices = _rng_devices(tensors, self.module)
+        # (the recording runs the step for real: an eager step in its place starts where it did)
+        before = _StepState.of_module(self.module, devices)
         try:
             with _RECORDING, exclusive(self.module), _one_fake_mode():
                 graph = make_fx(step, tracing_mode="real")(*tensors)
         except Exception as error:  # noqa: BLE001 - any failure to record means: run eagerly
+            before.put_back()
             result = self._eager(inputs, targets)  # a genuine error of this batch raises here
             self._refuse(entry, _describe(error))
             self._count("refused")
@@ -465,12 +471,14 @@ class CapturedStep:
         entry.numbers = {name: _number_source(getattr(out, name))
                          for name in ("loss_sum", "num_clipped", "num_dropped")}
         entry.guards, entry.mutated = holder["guards"], _mutated_constants(graph.graph)
+        entry.devices = devices
         entry.validated, entry.misses = not self.validate, 0
         entry.recordings += 1
         self._count("recorded")
         numbers = holder["numbers"].tolist()
         if _failed(entry, numbers) is not None:
             self._count("reruns")
+            before.put_back()
             return self._eager(inputs, targets)  # (the graph stands for batches that drop no sample)
         return self._result(entry, out.grads, out.per_sample_norms, _numbers(entry, numbers), real)
 
@@ -500,13 +508,12 @@ class CapturedStep:
             entry.cuda_tried = True
             self._refuse_cuda_graph(reason)
             return self._replay(entry, leaves, real)
-        devices = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
-        before = _StepState.of(entry, devices)
+        before = _StepState.of(entry, entry.devices)
         replayed = self._replay(entry, leaves, real)
         if replayed is None or entry.graph is None:
             return replayed  # (tried again on a batch the graph holds for)
         entry.cuda_tried = True
-        after = _StepState.of(entry, devices)
+        after = _StepState.of(entry, entry.devices)
         captured: CudaGraphReplay | None
         try:
             captured = CudaGraphReplay(lambda xs: self._run_graph(entry, list(xs)), inputs)
@@ -537,14 +544,15 @@ class CapturedStep:
     def _replay(self, entry: _Entry, leaves: list[Any], real: int | None) -> DPGradient | None:
         """The graph's result on the batch; None where its guards say the recorded path does not
         hold for it (a sample dropped, a value the step read that reads otherwise): what the
-        graph wrote in the module (a buffer) is then put back, for the eager step."""
-        saved = _snapshot(entry)
+        graph wrote in the module (a buffer) and the random generators' states are then put back,
+        for the eager step (the draws it makes are the ones it would have made in the replay's place)."""
+        before = _StepState.of(entry, entry.devices)
         try:
             grads, norms, numbers = self._run(entry, leaves)
         except Exception as error:  # noqa: BLE001 - sizes the recording read, otherwise this time
             failed: Guard | None = next((guard for guard in entry.guards if guard.read), None)
             if failed is None:  # (no value read, so no reason to fail: the graph is not kept)
-                _restore(saved)
+                before.put_back()
                 self._refuse(entry, f"its replay failed: {_describe(error)}")
                 return None
         else:
@@ -553,7 +561,7 @@ class CapturedStep:
             if failed is None:
                 entry.misses = 0
                 return self._result(entry, dict(zip(entry.names, grads)), norms, _numbers(entry, values), real)
-        _restore(saved)
+        before.put_back()
         if failed.read:
             self._missed(entry)
         return None
@@ -574,8 +582,7 @@ class CapturedStep:
     def _validate(self, entry: _Entry, batch: tuple[Any, ...], leaves: list[Any], real: int | None) -> DPGradient:
         """The eager step and the graph's on this batch (padded when asked, the same draws of
         random numbers), the graph kept when they agree."""
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + list(self.module.parameters())
-        devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})  # (whose random draws to repeat)
+        devices = entry.devices  # (whose random draws to repeat)
         before = _StepState.of(entry, devices)
         eager = _trim(dp_gradient(self.module, batch[0], batch[1], loss_fn=self._loss_for(batch), config=self.config),
                       real)
@@ -713,6 +720,12 @@ class _StepState:
     def of(cls, entry: _Entry, devices: list[int]) -> _StepState:
         return cls(devices, torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], _snapshot(entry))
 
+    @classmethod
+    def of_module(cls, module: nn.Module, devices: list[int]) -> _StepState:
+        """Before a step whose writes are not known yet (a recording): every buffer of ``module``."""
+        written = [(buffer, buffer.clone()) for buffer in module.buffers()]
+        return cls(devices, torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], written)
+
     def put_back(self) -> None:
         torch.set_rng_state(self.cpu_rng)
         for d, state in zip(self.devices, self.cuda_rngs):
@@ -723,6 +736,12 @@ class _StepState:
         """Where the module's written tensors now differ from this state's (None: nowhere)."""
         return next(("a module tensor that the step writes" for tensor, value in self.written
                      if not _close(tensor, value)), None)
+
+
+def _rng_devices(tensors: list[torch.Tensor], module: nn.Module) -> list[int]:
+    """The CUDA devices of the batch's ``tensors`` and of ``module``'s parameters, whose generators
+    a step may draw from."""
+    return sorted({t.device.index or 0 for t in [*tensors, *module.parameters()] if t.is_cuda})
 
 
 def _snapshot(entry: _Entry) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -190,6 +190,51 @@ def test_a_value_the_step_reads_guards_its_replays(read: str) -> None:
     assert int(model.calls) == len(signs)
 
 
+class _DroppingReader(nn.Module):
+    """Dropout and a counting buffer before a value read: ``bool`` (a guard) or ``tolist`` (refuses the
+    recording, after its dropout drew and its buffer was written)."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+        self.first, self.drop, self.second = nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        h = self.drop(torch.tanh(self.first(x)))
+        positive = bool((x[:, 0] > 0).all()) if self.read == "bool" else min(x[:, 0].tolist()) > 0
+        return self.second(h * 2 if positive else -h)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("read", ["bool", "tolist"])
+def test_a_step_computed_eagerly_in_a_replay_s_place_draws_what_the_eager_step_draws(read: str, mode: str) -> None:
+    """A discarded replay (a guard reads otherwise, in a checked step or later) and a refused
+    recording have already run the step's random draws and buffer writes: both are put back before
+    the batch is computed eagerly, so every call equals dp_gradient from the same generator state,
+    leaves the generator where it does, and the buffer counts one write per batch. (The discarded
+    replays used to leave the generator advanced: the eager rerun drew other dropout masks.)"""
+    torch.manual_seed(0)
+    model = _DroppingReader(read).train()
+    twin = copy.deepcopy(model)
+    config = DPConfig(mode=mode, max_grad_norm=1.0)
+    step = CapturedStep(model, loss_fn=CE, config=config)
+    batches = _signed_batches("++-+-++-")
+    for seed, (inputs, targets) in enumerate(batches):
+        torch.manual_seed(100 + seed)
+        actual = step(inputs, targets)
+        after = torch.get_rng_state()
+        torch.manual_seed(100 + seed)
+        _assert_same(actual, dp_gradient(twin, inputs, targets, loss_fn=CE, config=config))
+        assert torch.equal(after, torch.get_rng_state()), (seed, step.last_path)
+    if read == "bool":  # eager, recorded, a check discarded, checked, discarded, replayed x2, discarded
+        assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 2, "refused": 0, "reruns": 3}
+    else:
+        assert step.stats["refused"] == len(batches) - 1 and "reads a tensor's values" in step.refusals[0]
+    assert int(model.calls) == int(twin.calls) == len(batches)
+
+
 def test_values_that_keep_changing_run_eagerly_after_three_recordings() -> None:
     torch.manual_seed(0)
     signs = "++" + "+" + "---" + "-" + "-" + "+++" + "+" + "+" + "---" + "--"
