@@ -376,6 +376,34 @@ class _Computed:
     value: torch.Tensor
 
 
+def _saved_tensors_hook() -> str:
+    """The qualified name of the innermost saved-tensor pack hook ('' for none)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return "" if top is None else getattr(top[0], "__qualname__", "")
+
+
+def _checkpointing() -> bool:
+    """Whether a non-reentrant activation checkpoint (``torch.utils.checkpoint``) is recording the
+    tensors autograd saves: its region's forward is being run for the first time."""
+    return _saved_tensors_hook().startswith("_checkpoint_hook.")
+
+
+def recomputing() -> bool:
+    """Whether a non-reentrant activation checkpoint is recomputing its region in the backward
+    pass: the layer calls it makes are not the forward pass's (their outputs' gradients are never
+    taken; the forward's own calls were captured), so the backends capture none of them.
+
+    >>> recomputing()
+    False
+    """
+    return _saved_tensors_hook().startswith("_recomputation_hook.")
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor kept as it is (the pack and unpack of an identity saved-tensor hook)."""
+    return tensor
+
+
 def _fill_where_met(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], met_args: tuple[Any, ...],
                     met_kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | _Computed:
     """``masked_fill(input, mask, value)`` whose tensor ``value`` (0-d: the op takes no other) met
@@ -831,11 +859,40 @@ class BatchTracker(TorchFunctionMode):
             else:
                 free = [t for t in leaves if t.requires_grad and not any(t is b for b, _ in batched)]
             if free:
+                if _checkpointing():
+                    return self._meet_checkpointed(func, name, args, kwargs, free, batched)
                 met = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
                 if isinstance(met, _Computed):
                     return batched, frozenset(), name, args, kwargs, met.value  # the op, rewritten
                 args, kwargs = met
         return batched, frozenset(), name, args, kwargs, None
+
+    def _meet_checkpointed(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                           free: list[torch.Tensor], batched: list[tuple[torch.Tensor, tuple[int, int]]]
+                           ) -> tuple[list[tuple[torch.Tensor, tuple[int, int]]], frozenset[int], str,
+                                      tuple[Any, ...], dict[str, Any], torch.Tensor | None]:
+        """:meth:`_meet` inside a non-reentrant activation checkpoint's forward. The backward pass
+        recomputes the region without the tracker, and torch matches the tensors the recomputed ops
+        save, one by one, with those the first forward saved (their shapes checked): a meeting's
+        rewritten op saves an expanded operand where the recomputed op saves the parameter's tensor.
+        So the rewritten op is computed with its saved tensors kept as they are (outside the
+        checkpoint, in memory until the backward), and the op as the model wrote it is computed
+        too, under the checkpoint, and dropped: the checkpoint's record of what this op saves is
+        the recomputation's, and the dropped tensors are not looked for again."""
+        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            met = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
+            if isinstance(met, _Computed):
+                value = met.value
+            elif met[0] is args and met[1] is kwargs:
+                return batched, frozenset(), name, args, kwargs, None  # not rewritten: the op as it is
+            elif name.endswith("_") and not name.endswith("__"):
+                raise self._cannot(name, self.current_module(), "it writes in place inside an activation checkpoint, "
+                                   "whose recomputation the rewritten op would not match; write it out of place "
+                                   "(x = x * w)")
+            else:
+                value = func(*met[0], **met[1])
+        func(*args, **kwargs)  # (dropped: the checkpoint's record of what the recomputed op saves)
+        return batched, frozenset(), name, args, kwargs, value
 
     def _after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[torch.Tensor],
                batched: list[tuple[torch.Tensor, tuple[int, int]]], origin: frozenset[int], name: str,

@@ -76,7 +76,7 @@ from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
 from psg_core.precision import as_dtype, compute_dtype, no_autocast, norm_dtype, to_compute, with_loss_scale
-from psg_core.provenance import BatchTracker, MeetingPoint
+from psg_core.provenance import BatchTracker, MeetingPoint, recomputing
 from psg_core.support import exclusive, hooked_modules, modules_of, own_parameters, reject_per_layer_unsupported
 
 __all__ = ["GhostClippingModule", "ghost_dp_gradient", "ghost_norm_layers"]
@@ -227,7 +227,7 @@ class _GhostBookkeeping:
     def _capture_call(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         """Records the call; returns the output that replaces the module's (see
         :func:`~psg_core.backends.capture.separate_outputs`), or None."""
-        if self._suspended or not torch.is_grad_enabled():
+        if self._suspended or not torch.is_grad_enabled() or recomputing():
             return None
         replaced = separate_outputs(output)
         if replaced is not None:

@@ -26,7 +26,7 @@ from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
 from psg_core.modes import LossReduction
 from psg_core.precision import layer_dtype, no_autocast, to_compute
-from psg_core.provenance import BatchTracker, MeetingPoint
+from psg_core.provenance import BatchTracker, MeetingPoint, recomputing
 from psg_core.support import FUSED, SAMPLE_MIXING, frequency_scaled, hooked_modules, is_unit, own_parameters
 
 __all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST", "hooks_per_sample"]
@@ -372,7 +372,7 @@ class GradSampleModule(AbstractGradSampleModule):
                       output: Any) -> Any:
         """Records the call; returns the output that replaces the module's (see
         :func:`~psg_core.backends.capture.separate_outputs`), or None."""
-        if not self._hooks_enabled or self._capture_suspended or not torch.is_grad_enabled():
+        if not self._hooks_enabled or self._capture_suspended or not torch.is_grad_enabled() or recomputing():
             return None
         if not _own_trainable(layer):
             return None

@@ -41,6 +41,12 @@ def _batch_axis(value: Any, followed: tuple[int, int] | None, batch_dim: int, ro
     return (batch_dim, 1) if _is_batched(value, batch_dim, rows) else None
 
 
+#: Forward hooks that only mark a layer's output as requiring grad: transformers' and peft's
+#: ``enable_input_require_grads`` (which activation checkpointing turns on for the input embeddings),
+#: by their functions' names. The per-sample run leaves them out (see functorch_layer_grad_sample).
+_INPUT_GRAD_HOOKS = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
+
+
 def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 backprops: list[torch.Tensor | None], augmentation_multiplicity: int,
                                 batch_dim: int, rows: int, output_dims: Sequence[tuple[int, int]] | None = None,
@@ -87,6 +93,9 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                    for b, (d, m) in zip(backprops, out_dims)]
 
     own_call = _SAMPLE_CALLS.get(f"{type(layer).__module__}.{type(layer).__qualname__}")
+    # (their ``output.requires_grad_(True)`` changes no value or gradient, and raises under torch.func)
+    hooks = dict(layer._forward_hooks)
+    input_grad_hooks = [key for key, hook in hooks.items() if getattr(hook, "__name__", "") in _INPUT_GRAD_HOOKS]
 
     def sample_loss(sample_params: dict[str, torch.Tensor], inputs: list[Any],
                     bps: list[torch.Tensor | None]) -> torch.Tensor:
@@ -118,18 +127,25 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                    for n in range(_num_samples(batched_inputs, in_dims, batched_bps))]
         return {name: torch.stack([r[name] for r in results]) for name in params}
 
-    if own_call is not None:  # it reads one sample's values: never batchable
-        per_sample = one_at_a_time()
-    else:
-        try:
-            per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
-                              randomness="different")(params, batched_inputs, batched_bps)
-        except RuntimeError as err:
-            if not is_vmap_limit(err):
-                raise
-            # vmap cannot batch the layer (an in-place write into a tensor it creates, a
-            # data-dependent shape): the same function, one sample at a time.
+    for key in input_grad_hooks:
+        del layer._forward_hooks[key]
+    try:
+        if own_call is not None:  # it reads one sample's values: never batchable
             per_sample = one_at_a_time()
+        else:
+            try:
+                per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
+                                  randomness="different")(params, batched_inputs, batched_bps)
+            except RuntimeError as err:
+                if not is_vmap_limit(err):
+                    raise
+                # vmap cannot batch the layer (an in-place write into a tensor it creates, a
+                # data-dependent shape): the same function, one sample at a time.
+                per_sample = one_at_a_time()
+    finally:
+        if input_grad_hooks:  # (in their places among the others)
+            layer._forward_hooks.clear()
+            layer._forward_hooks.update(hooks)
     return {named[name]: g for name, g in per_sample.items()}
 
 

@@ -60,6 +60,84 @@ def test_non_reentrant_checkpointing_gives_the_oracle(mode: str, K: int) -> None
         assert_close_scaled(out.grads[name], value.sum(0), name=name)
 
 
+class Scale(nn.Module):
+    """A layer without a grad sampler whose own weight meets the batch pointwise (an RMSNorm's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x
+
+
+class Table(nn.Module):
+    """Batch-free rows computed from its parameters (a position table's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows, self.fill = nn.Parameter(0.1 * torch.randn(5, 8)), nn.Parameter(torch.tensor(0.3))
+        self.mix = nn.Parameter(0.3 * torch.randn(8, 8))
+
+
+class MeetingBlock(nn.Module):
+    """Parameters meeting the batch inside a checkpointed region: a layer's own weight, another
+    module's rows added, a fill value (``masked_fill``, computed by ``where``), a weight computed from
+    another module's parameter in ``F.linear``; ``in_place``: the rows added in place."""
+
+    def __init__(self, table: Table, in_place: bool = False) -> None:
+        super().__init__()
+        self.scale, self.lin, self.table, self.in_place = Scale(), nn.Linear(8, 8), [table], in_place
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, 5, 8)
+        table = self.table[0]
+        h = self.scale(h)
+        if self.in_place:
+            h = h * 1.0
+            h.add_(table.rows)
+        else:
+            h = h + table.rows
+        h = torch.tanh(h).masked_fill(h < -0.5, table.fill)
+        return self.lin(h) + F.linear(h, torch.tanh(table.mix))
+
+
+class CheckpointedMeetings(nn.Module):
+    def __init__(self, in_place: bool = False) -> None:
+        super().__init__()
+        self.table = Table()
+        self.inp, self.block, self.out = nn.Linear(6, 8), MeetingBlock(self.table, in_place), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 5, 6)
+        return self.out(checkpoint(self.block, self.inp(x), use_reentrant=False).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_parameters_meeting_the_batch_inside_a_checkpointed_region(mode: str, K: int) -> None:
+    """A meeting rewrites its op (an operand expanded to the batch's shape): the recomputation,
+    without psg, saved other shapes than the first forward, and torch's checkpoint raised
+    CheckpointError (a Llama's RMSNorm weights, fully fine-tuned with gradient checkpointing).
+    Inside a checkpoint the rewritten op keeps what it saves, and the op as written is recorded
+    for the recomputation: the oracle's gradients."""
+    torch.manual_seed(0)
+    model = CheckpointedMeetings()
+    x, y = torch.randn(4 * K, 5, 6), torch.randint(0, 3, (4 * K,))
+    out = dp_gradient(model, x, y, loss_fn=_loss,
+                      config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=1e6))
+    samples = [((x[K * n: K * n + K],), y[K * n: K * n + K]) for n in range(4)]
+    expected = microbatch_oracle(model, samples, lambda o, t: _loss(o, t).mean())
+    assert set(out.grads) == set(expected)
+    for name, value in expected.items():
+        assert_close_scaled(out.grads[name], value.sum(0), name=name)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_an_in_place_meeting_inside_a_checkpointed_region_is_refused(mode: str) -> None:
+    x, y = torch.randn(4, 5, 6), torch.randint(0, 3, (4,))
+    with pytest.raises(UnsupportedModuleError, match="activation checkpoint"):
+        dp_gradient(CheckpointedMeetings(in_place=True), x, y, loss_fn=_loss, config=DPConfig(mode=mode))
+
+
 def test_ew_refuses_checkpointed_blocks() -> None:
     x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
     with pytest.raises(UnsupportedModuleError, match="saved-tensor hooks"):

@@ -526,3 +526,24 @@ def test_seq2seq_language_models_match_the_oracle(which: str, mode: str, K: int,
     model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
     _mode_matches_the_oracle(model, inputs, labels, oracle, mode=mode, K=K, where=f"{which}/{mode}/K={K}",
                              loss_fn=_token_loss)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "t5"])
+def test_gradient_checkpointing_of_fully_fine_tuned_models(family: str, mode: str, device: torch.device) -> None:
+    """Activation (gradient) checkpointing, non-reentrant, on a fully fine-tuned model: its RMSNorm
+    weights (LlamaRMSNorm, Gemma2's, T5LayerNorm: no grad sampler) meet the batch pointwise inside
+    the checkpointed blocks, and torch's checkpoint raised CheckpointError on psg's rewritten ops.
+    Train mode (the blocks are checkpointed only when training; these configurations have no
+    dropout), against the oracle of the model in eval mode without checkpointing."""
+    model = hf.build(family, lora=False)
+    inputs, labels = hf.batch(family, N)
+    oracle = hf.oracle(model, inputs, labels, 1)
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # (transformers >= 5.24; the old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+    model, inputs, labels = model.to(device), to_device(inputs, device), labels.to(device)
+    _mode_matches_the_oracle(model, inputs, labels, oracle, mode=mode, K=1, where=f"{family}/checkpointed/{mode}")
