@@ -422,6 +422,10 @@ class PrivacyAccountant:
     def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
         """Records ``num_steps`` Poisson-subsampled Gaussian steps, after :meth:`check_step`.
 
+        The check and the record are one atomic operation (under the accountant's lock): of
+        concurrent callers that compete for the last steps of a budget, only those within it are
+        recorded, and the others raise. Call it before releasing what the steps pay for.
+
         Args:
             noise_multiplier: sigma >= 0 (0: no noise, epsilon becomes infinite).
             sample_rate: q in (0, 1], each example's probability of joining the batch.

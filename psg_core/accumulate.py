@@ -2,8 +2,10 @@
 physical batches (what fits in memory).
 
 The clipped sums of the physical batches add up (:meth:`~psg_core.config.DPGradient.merge`), and
-the privacy step runs once on the total: one budget check before the first physical batch, noise
-once, one normalisation, one accounted step. Per-sample gradients exist for one physical batch at a
+the privacy step runs once on the total: one budget check before the first physical batch, one
+accounted step (charged before anything is released), noise once, one normalisation. Every
+physical batch is clipped with the configuration the logical batch started with, the one its noise
+is calibrated for. Per-sample gradients exist for one physical batch at a
 time, so memory is bounded by the physical batch (plus one gradient-sized running sum and one norm
 per sample). The released gradient is that of the whole logical batch in one call, up to floating
 point summation order (and exactly the same noise for the same generator state).
@@ -24,15 +26,16 @@ point summation order (and exactly the same noise for the same generator state).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from psg_core.adaptive_clipping import gradient_noise_multiplier, private_unclipped_fraction, updated_bound
+from psg_core.adaptive_clipping import (QuantileClipping, gradient_noise_multiplier, private_unclipped_fraction,
+                                        updated_bound)
 from psg_core.backends.base import trainable_parameters
-from psg_core.config import DPGradient
+from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import ConfigError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.privacy_step import PrivacyStep
@@ -150,15 +153,40 @@ def _holds_packed(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and any(_holds_packed(item) for item in value)
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What one logical batch is clipped, noised, accounted and adapted with: the step's settings
+    when its first physical batch arrived (``config`` is a frozen dataclass, so the snapshot is the
+    object itself)."""
+
+    config: DPConfig
+    privacy: PrivacyStep
+    adaptive: QuantileClipping | None
+    expected_batch_size: float
+
+    @classmethod
+    def of(cls, step: DPStep) -> _Settings:
+        config = step.config  # read once: the privacy step is that of the configuration clipped with
+        return cls(config=config, privacy=PrivacyStep.for_config(config, sample_rate=step.sample_rate,
+                                                                 expected_batch_size=step.expected_batch_size),
+                   adaptive=step.adaptive_clipping, expected_batch_size=step.expected_batch_size)
+
+
 class GradientAccumulator:
     """One logical batch of a :class:`~psg_core.dp_step.DPStep`, fed physical batch by physical batch.
 
     :meth:`add` computes a physical batch's clipped sum (:func:`psg_core.dp_gradient`) and adds it to
-    the running total; :meth:`release` adds noise once, normalises, fills ``p.grad`` and accounts one
-    step, as :class:`~psg_core.dp_step.DPStep` does for a batch given whole, and, with the step's
-    ``adaptive_clipping``, moves its clipping bound (:mod:`psg_core.adaptive_clipping`). The privacy
-    settings (sigma, bound, sample rate, normaliser) are those of the step when the first physical
-    batch arrives, and the budget is checked then, before anything is computed.
+    the running total; :meth:`release` accounts one step, then adds noise once, normalises and fills
+    ``p.grad``, as :class:`~psg_core.dp_step.DPStep` does for a batch given whole, and, with the
+    step's ``adaptive_clipping``, moves its clipping bound (:mod:`psg_core.adaptive_clipping`).
+
+    The settings of a logical batch are those of the step when its first physical batch arrives:
+    the whole configuration (every physical batch is clipped with it, so a sample contributes at
+    most the sensitivity the noise is calibrated for), sigma, sample rate, normaliser and adaptive
+    clipping. A change of ``step.config`` (by the caller, or by another accumulator's release under
+    adaptive clipping) applies from the next logical batch. The budget is checked at the first
+    physical batch, before anything is computed, and charged at :meth:`release`, before anything
+    is released.
 
     Args:
         step: the DPStep whose model, loss, configuration, accountant and generator are used.
@@ -178,7 +206,7 @@ class GradientAccumulator:
 
     def __init__(self, step: DPStep) -> None:
         self._step = step
-        self._privacy: PrivacyStep | None = None
+        self._settings: _Settings | None = None
         self._total: DPGradient | None = None
         self._batches = 0
 
@@ -193,49 +221,63 @@ class GradientAccumulator:
         return self._batches
 
     def add(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
-        """Adds one physical batch's clipped sum; returns that batch's own statistics.
+        """Adds one physical batch's clipped sum, clipped with the logical batch's configuration
+        (the step's at the first physical batch); returns that batch's own statistics.
 
         Raises:
             BudgetExhaustedError: on the first physical batch, when one more step would exceed the
                 accountant's budget (nothing computed, nothing recorded).
         """
         step = self._step
-        if self._privacy is None:
-            privacy = step.privacy_step()
-            privacy.check_budget(step.accountant)
-            self._privacy = privacy
-        part = step.clipped_sum(inputs, targets)
+        if self._settings is None:
+            settings = _Settings.of(step)
+            settings.privacy.check_budget(step.accountant)
+            self._settings = settings
+        part = step.clipped_sum(inputs, targets, config=self._settings.config)
         self._total = part if self._total is None else DPGradient.merge([self._total, part])
         self._batches += 1
         return part
 
     def release(self) -> DPGradient:
-        """Noise once, normalise, fill ``p.grad`` of every trainable parameter and account one step;
-        the accumulator is then empty for the next logical batch.
+        """Account one step, then noise once, normalise and fill ``p.grad`` of every trainable
+        parameter; the accumulator is then empty for the next logical batch, whether the release
+        succeeded or raised.
+
+        The step is charged first: the accountant checks the budget and records the step in one
+        atomic operation, and only a charged step is released. The budget checked at the first
+        :meth:`add` may be spent by then (an accountant shared with other steps or accumulators,
+        threads); the release is then refused with nothing released.
 
         Returns:
             the statistics of the whole logical batch (clipped sum before noise, every sample's norm,
             loss sum, counts).
+
+        Raises:
+            BudgetExhaustedError: one more step would now exceed the accountant's budget: nothing
+                recorded, ``p.grad`` left as it was, the logical batch discarded.
         """
-        if self._total is None or self._privacy is None:
+        if self._total is None or self._settings is None:
             raise ConfigError("GradientAccumulator.release: no physical batch was added (an empty Poisson "
                               "batch is one add() of zero rows)")
-        step, privacy, total = self._step, self._privacy, self._total
-        adaptive = step.adaptive_clipping
+        step, settings, total = self._step, self._settings, self._total
+        self._settings, self._total, self._batches = None, None, 0
+        privacy, adaptive = settings.privacy, settings.adaptive
+        # Charge, then release: gradient and count together are one mechanism of sigma z.
+        privacy.account(step.accountant)
+        if privacy.noise_multiplier == 0:
+            step._warn_without_noise()
         noising = privacy if adaptive is None else replace(privacy, noise_multiplier=gradient_noise_multiplier(
             privacy.noise_multiplier, adaptive.count_noise_multiplier))
         released = noising.noise_and_normalise(total.grads, generator=step.generator, secure_rng=step.secure_rng)
         for name, param in trainable_parameters(step.model).items():
             param.grad = released[name].to(param.dtype)  # (*param.shape)
-        privacy.account(step.accountant)  # gradient and count together: one mechanism of sigma z
         if adaptive is not None:
             # Flat clipping (DPStep checks): the sensitivity is the bound this batch was clipped at.
             fraction = private_unclipped_fraction(total.per_sample_norms, privacy.sensitivity,
                                                   count_noise_multiplier=adaptive.count_noise_multiplier,
-                                                  expected_batch_size=step.expected_batch_size,
+                                                  expected_batch_size=settings.expected_batch_size,
                                                   generator=step.generator, secure_rng=step.secure_rng)
             bound = updated_bound(privacy.sensitivity, unclipped_fraction=fraction, clipping=adaptive)
             step.config = replace(step.config, max_grad_norm=bound)
             step.unclipped_fraction = fraction
-        self._privacy, self._total, self._batches = None, None, 0
         return total

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -35,6 +36,8 @@ __all__ = ["DPStep", "DP_STEP_STATE_VERSION"]
 DP_STEP_STATE_VERSION = 1
 _STATE_FORMAT = "psg_core.DPStep"
 
+logger = logging.getLogger(__name__)
+
 
 class DPStep:
     """Computes a DP-SGD gradient for ``model`` and stores it in ``p.grad``, so that any torch
@@ -48,7 +51,13 @@ class DPStep:
     ``expected_batch_size`` (the fixed normaliser Poisson sampling calls for, not the realised
     batch size), the private analogue of a batch-mean gradient; with ``"sum"`` it is used as is.
     With a budget, a step that would exceed it raises
-    :class:`~psg_core.errors.BudgetExhaustedError` before anything is computed.
+    :class:`~psg_core.errors.BudgetExhaustedError` before anything is computed; the step is
+    charged (checked and recorded at once) before ``p.grad`` is written, so a budget spent
+    meanwhile (an accountant shared with other steps) refuses it with ``p.grad`` left as it was.
+
+    Noise is on request: with ``noise_multiplier = 0`` (DPConfig's default, without
+    ``target_epsilon``) the released gradient carries no noise and the accountant's epsilon is
+    infinite; the step logs a warning saying so, once per DPStep.
 
     Instead of ``config.noise_multiplier``, give ``target_epsilon`` with ``delta`` and the planned
     ``epochs`` or ``steps``: sigma is then the smallest that keeps epsilon within the target after
@@ -186,6 +195,7 @@ class DPStep:
         self.cuda_graphs = cuda_graphs
         self._captured: CapturedStep | None = None
         self._physical: int | None = None  # the running call's max_physical_batch_size
+        self._warned_without_noise = False
 
     def __call__(self, inputs: Any, targets: torch.Tensor, *,
                  max_physical_batch_size: int | None = None) -> DPGradient:
@@ -224,21 +234,34 @@ class DPStep:
             accumulator.add(inputs, targets)
         return accumulator.release()
 
-    def clipped_sum(self, inputs: Any, targets: torch.Tensor) -> DPGradient:
-        """:func:`psg_core.dp_gradient` of one physical batch with this step's model, loss and
-        configuration: recorded once per batch signature and replayed with ``capture=True``
-        (:class:`~psg_core.capture.CapturedStep`, kept while the model, loss and configuration are)."""
+    def clipped_sum(self, inputs: Any, targets: torch.Tensor, *, config: DPConfig | None = None) -> DPGradient:
+        """:func:`psg_core.dp_gradient` of one physical batch with this step's model and loss, and
+        ``config`` (default: this step's configuration; a
+        :class:`~psg_core.accumulate.GradientAccumulator` passes its logical batch's): recorded once
+        per batch signature and replayed with ``capture=True`` (:class:`~psg_core.capture.CapturedStep`,
+        kept while the model, loss and configuration are)."""
+        config = self.config if config is None else config
         if not self.capture:
-            return dp_gradient(self.model, inputs, targets, loss_fn=self.loss_fn, config=self.config)
+            return dp_gradient(self.model, inputs, targets, loss_fn=self.loss_fn, config=config)
         pad = self.pad_to_multiple if self.pad_to_multiple is not None else (
-            self._physical if self.config.mode is not GradSampleMode.FUNCTORCH else None)
+            self._physical if config.mode is not GradSampleMode.FUNCTORCH else None)
         captured = self._captured
         if captured is None or captured.module is not self.model or captured.loss_fn is not self.loss_fn \
-                or captured.config != self.config or captured.pad_to_multiple != pad \
+                or captured.config != config or captured.pad_to_multiple != pad \
                 or captured.cuda_graphs != self.cuda_graphs:
-            captured = self._captured = CapturedStep(self.model, loss_fn=self.loss_fn, config=self.config,
+            captured = self._captured = CapturedStep(self.model, loss_fn=self.loss_fn, config=config,
                                                      pad_to_multiple=pad, cuda_graphs=self.cuda_graphs)
         return captured(inputs, targets)
+
+    def _warn_without_noise(self) -> None:
+        """Logs, once per step object, that a step without noise was released (its accountant's
+        epsilon is now infinite)."""
+        if self._warned_without_noise:
+            return
+        self._warned_without_noise = True
+        logger.warning("DPStep: noise_multiplier is 0, so the released gradients carry no noise and the "
+                       "accountant's epsilon is infinite: these steps are not differentially private (set "
+                       "config.noise_multiplier > 0, or target_epsilon to calibrate it)")
 
     @property
     def normaliser(self) -> float:

@@ -1,7 +1,11 @@
 """The privacy half of a DP-SGD step, written once for :class:`~psg_core.dp_step.DPStep` and for the
 gradient service's frontend.
 
-A step is: check the budget -> compute the clipped sum -> add noise once -> normalise -> account.
+A step is: check the budget -> compute the clipped sum -> account (the charge) -> add noise once ->
+normalise -> release. The charge comes before the release: the budget checked before computing
+may be spent meanwhile (an accountant shared with other steps, threads), and
+:meth:`PrivacyStep.account` checks it again and records the step in one atomic operation, so a
+refused step releases nothing and a released one is always recorded.
 Computing the clipped sum is the caller's (one :func:`~psg_core.dp.dp_gradient` call in process;
 shards on workers, merged on the frontend, in the service); :class:`PrivacyStep` does the rest, so
 both paths release the same gradient and record the same ledger entry for the same batch.
@@ -12,9 +16,9 @@ both paths release the same gradient and record the same ledger entry for the sa
 ...                                  expected_batch_size=4)
 >>> accountant = PrivacyAccountant("rdp")
 >>> privacy.check_budget(accountant)                      # before computing the clipped sum
+>>> privacy.account(accountant)                           # after it, before releasing anything
 >>> released = privacy.noise_and_normalise({"w": torch.zeros(3)},
 ...                                        generator=torch.Generator().manual_seed(0))
->>> privacy.account(accountant)                           # after
 >>> released["w"].shape, accountant.steps
 (torch.Size([3]), 1)
 """
@@ -133,6 +137,12 @@ class PrivacyStep:
         return _scaled_(noised, scale)
 
     def account(self, accountant: PrivacyAccountant | None) -> None:
-        """Records the step in ``accountant`` (after :meth:`noise_and_normalise`)."""
+        """Charges the step to ``accountant``: checks the budget and records the step in one atomic
+        operation (:meth:`PrivacyAccountant.step`). Call it before releasing the step's gradient, and
+        release only when it returns.
+
+        Raises:
+            BudgetExhaustedError: one more step would exceed the budget (nothing recorded).
+        """
         if accountant is not None:
             accountant.step(self.noise_multiplier, self.sample_rate)

@@ -118,6 +118,108 @@ def test_an_empty_logical_batch_is_one_noised_step() -> None:
     assert all(g.abs().sum() > 0 for g in grads_.values())
 
 
+def _one_step_left(noise_multiplier: float = 1.0, sample_rate: float = 0.05) -> PrivacyAccountant:
+    """An RDP accountant with a budget of which one step of (noise_multiplier, sample_rate) is left."""
+    accountant = PrivacyAccountant("rdp", target_epsilon=3.0, target_delta=1e-5)
+    left = accountant.steps_within_budget(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+    accountant.step(noise_multiplier, sample_rate, num_steps=left - 1)
+    return accountant
+
+
+def test_a_release_the_budget_refuses_releases_nothing() -> None:
+    """The budget is checked at the first add(), but it can be spent before release() (a shared
+    accountant, interleaved accumulators, threads): release() charges the step first, atomically,
+    and on refusal leaves p.grad as it was and discards the logical batch."""
+    accountant = _one_step_left()
+    model = mlp()
+    step = DPStep(model, loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0), sample_rate=0.05,
+                  expected_batch_size=4.0, accountant=accountant)
+    accumulator = GradientAccumulator(step)
+    accumulator.add(*batch(4))  # one step left: accepted
+    step(*batch(4, seed=1))  # another logical batch spends it
+    steps = accountant.steps
+    before = {name: torch.full_like(p, 7.0) for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad = before[name].clone()
+    with pytest.raises(BudgetExhaustedError):
+        accumulator.release()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, before[name]), name  # not the noised gradient
+    assert accountant.steps == steps
+    assert (accumulator.num_batches, accumulator.num_samples) == (0, 0)
+    with pytest.raises(ConfigError, match="no physical batch"):
+        accumulator.release()
+
+
+def test_a_dp_step_whose_budget_is_spent_mid_accumulation_releases_nothing() -> None:
+    """DPStep's own path: the budget spent while its physical batches are computed."""
+    accountant = _one_step_left()
+    allowed = accountant.steps + 1
+    model = mlp()
+    step = DPStep(model, loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0), sample_rate=0.05,
+                  expected_batch_size=4.0, accountant=accountant)
+    other = DPStep(mlp(1), loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=1.0), sample_rate=0.05,
+                   expected_batch_size=4.0, accountant=accountant)
+
+    def physical_batches() -> Any:
+        yield batch(2)
+        other(*batch(4, seed=1))  # spends the last step of the shared budget
+        yield batch(2, seed=2)
+
+    with pytest.raises(BudgetExhaustedError):
+        step.accumulate(physical_batches())
+    assert all(p.grad is None for p in model.parameters())
+    assert accountant.steps == allowed  # the other step's only
+
+
+def test_every_physical_batch_is_clipped_at_the_first_one_s_configuration() -> None:
+    """The noise is calibrated for the configuration of the first add(): a configuration changed
+    between physical batches applies from the next logical batch, not to the open one."""
+    model = mlp()
+    step = DPStep(model, loss_fn=nn.MSELoss(), config=DPConfig(max_grad_norm=0.1, noise_multiplier=1e-9),
+                  sample_rate=0.05, expected_batch_size=1.0, accountant=PrivacyAccountant("rdp"))
+    accumulator = GradientAccumulator(step)
+    accumulator.add(*batch(0))  # the logical batch's settings: C = 0.1
+    step.config = DPConfig(max_grad_norm=50.0, noise_multiplier=1e-9, loss_reduction="sum")
+    inputs, targets = batch(1)
+    inputs, targets = inputs * 100, targets - 100  # one sample of a large gradient
+    part = accumulator.add(inputs, targets)
+    assert part.per_sample_norms[0] > 50.0 and part.num_clipped == 1
+    norm = torch.cat([g.reshape(-1) for g in part.grads.values()]).norm()
+    assert norm == pytest.approx(0.1, rel=1e-4)
+    stats = accumulator.release()
+    released = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
+    assert released == pytest.approx(0.1, rel=1e-4)  # normalised by the first config's mean reduction
+    assert stats.num_clipped == 1
+    # The next logical batch has the new configuration.
+    assert step(inputs, targets).num_clipped == 1
+    released = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
+    assert released == pytest.approx(50.0, rel=1e-4)
+
+
+def test_adaptive_clipping_does_not_move_the_bound_of_an_open_accumulation() -> None:
+    """Two accumulators of one DPStep with adaptive clipping, interleaved: the first one's release
+    moves the bound, the second one's later physical batches are still clipped at the bound its
+    noise is calibrated for."""
+    from psg_core.adaptive_clipping import QuantileClipping
+    step = DPStep(mlp(), loss_fn=nn.MSELoss(), config=DPConfig(max_grad_norm=0.05, noise_multiplier=1.0),
+                  sample_rate=0.05, expected_batch_size=4.0, accountant=PrivacyAccountant("rdp"),
+                  generator=torch.Generator().manual_seed(3),
+                  adaptive_clipping=QuantileClipping(learning_rate=2.0, count_noise_multiplier=2.0))
+    first, second = GradientAccumulator(step), GradientAccumulator(step)
+    inputs, targets = batch(4)
+    first.add(inputs, targets)
+    second.add(inputs, targets)
+    first.release()
+    assert step.config.max_grad_norm != pytest.approx(0.05)  # the bound moved
+    part = second.add(inputs[:1] * 100, targets[:1] - 100)
+    assert part.per_sample_norms[0] > 1.0
+    norm = torch.cat([g.reshape(-1) for g in part.grads.values()]).norm()
+    assert norm == pytest.approx(0.05, rel=1e-4)
+    second.release()
+    assert step.accountant.steps == 2
+
+
 # ------------------------------------------------------------------------------------ split_batch
 def test_split_keeps_samples_whole_and_inputs_in_their_form() -> None:
     inputs, targets = batch(10)

@@ -134,3 +134,27 @@ def test_an_odd_normaliser_releases_the_sum_times_its_reciprocal() -> None:
     sums = {"w": torch.randn(50, dtype=torch.float64)}
     released = privacy.noise_and_normalise(sums)
     torch.testing.assert_close(released["w"], sums["w"] / 3.0, rtol=1e-15, atol=0)
+
+
+def test_a_dp_step_without_noise_warns_once_that_its_gradients_are_not_private(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """noise_multiplier = 0 is allowed (noise is on request), but it releases un-noised gradients
+    and makes epsilon infinite: a DPStep says so, once per step object."""
+    def make(sigma: float) -> DPStep:
+        return DPStep(nn.Linear(3, 1), loss_fn=nn.MSELoss(), config=DPConfig(noise_multiplier=sigma),
+                      sample_rate=0.01, expected_batch_size=4.0, accountant=PrivacyAccountant("rdp"))
+
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    with caplog.at_level("WARNING", logger="psg_core"):
+        step = make(0.0)
+        step(x, y)
+        step(x, y, max_physical_batch_size=2)
+        assert step.epsilon(1e-5) == math.inf
+        records = [r for r in caplog.records if "no noise" in r.getMessage()]
+        assert len(records) == 1 and records[0].levelname == "WARNING"
+        assert "infinite" in records[0].getMessage()
+        make(0.0)(x, y)  # another step object warns again
+        assert len([r for r in caplog.records if "no noise" in r.getMessage()]) == 2
+        caplog.clear()
+        make(1.0)(x, y)
+        assert not caplog.records
