@@ -71,7 +71,7 @@ from psg_core.clipping import clip_factors, count_dropped, dropped_samples, kept
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
 from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, FactorKind, GhostFactors, GhostNormEntry, TensorMemo,
-                                             WeightLayout, can_share, shared_sq_norms)
+                                             WeightLayout, can_share, gram_dtype, shared_sq_norms)
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
@@ -429,7 +429,8 @@ class _GhostBookkeeping:
                 continue  # another owner is still to finish
             shared = self._shared_factors.pop(param, None) if self._shared_factors else None
             if shared:
-                self._add_sq_norm(param, shared_sq_norms(shared, param.shape, self.norm_dtype))
+                # (its cross terms' Grams in float64 too, see gram_dtype)
+                self._add_sq_norm(param, shared_sq_norms(shared, param.shape, gram_dtype(self.norm_dtype)))
             grad_sample = self._materialised.get(param)
             if grad_sample is not None:
                 flat = grad_sample.reshape(self.num_samples, -1)  # (N, numel)

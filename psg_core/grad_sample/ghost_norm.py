@@ -46,7 +46,7 @@ from psg_core.grad_sample._type_registry import LayerKey, LayerTypeRegistry
 from psg_core.precision import as_dtype
 
 __all__ = ["FactorKind", "GhostFactors", "GhostNormEntry", "GhostNormRegistry", "GHOST_NORMS", "TensorMemo",
-           "WeightLayout", "can_share", "register_ghost_norm", "shared_sq_norms"]
+           "WeightLayout", "can_share", "gram_dtype", "register_ghost_norm", "shared_sq_norms"]
 
 
 class FactorKind(enum.Enum):
@@ -160,6 +160,7 @@ class GhostFactors:
         True
         """
         right = as_dtype(self.right, dtype)
+        precise = gram_dtype(dtype)
         if self.kind is FactorKind.KEYED:
             if self.source is not None and self.weight is not None:
                 weight = as_dtype(self.weight, dtype)
@@ -174,18 +175,35 @@ class GhostFactors:
             left = as_dtype(self.left, dtype)
             products = torch.linalg.vecdot(left, left) * torch.linalg.vecdot(right, right)  # (N, G, 1)
             return products.view(products.shape[0]) if products.shape[1] == 1 else products.sum((1, 2))
-        # (N, [G,] T, T); a one-row Gram is a squared norm: computing it costs less than looking it up
-        gram_right = _gram(right) if grams is None or right.shape[-2] == 1 else grams.get(right, _gram)
+        # (N, [G,] T, T) in float64 (see gram_dtype); a one-row Gram is a squared norm: computing it
+        # costs less than looking it up
+        cast_gram = functools.partial(_cast_gram, dtype=precise)
+        gram_right = cast_gram(self.right) if grams is None or right.shape[-2] == 1 else \
+            grams.get(self.right, cast_gram, precise)
         if self.kind is FactorKind.DOT:
-            gram_left = _gram(as_dtype(self.left, dtype)) if left_grams is None else \
-                left_grams.get(self.left, functools.partial(_cast_gram, dtype=dtype), dtype)  # (N, G, T, T)
-            return (gram_left * gram_right).sum((1, 2, 3)).clamp_min(0)
+            gram_left = cast_gram(self.left) if left_grams is None else \
+                left_grams.get(self.left, cast_gram, precise)  # (N, G, T, T)
+            return as_dtype((gram_left * gram_right).sum((1, 2, 3)).clamp_min(0), dtype)
         same_token = self.left.unsqueeze(2) == self.left.unsqueeze(1)  # (N, T, T)
-        return (gram_right * same_token).sum((1, 2)).clamp_min(0)
+        return as_dtype((gram_right * same_token).sum((1, 2)).clamp_min(0), dtype)
 
 
 def _shape(tensor: torch.Tensor | None) -> tuple[int, ...] | None:
     return None if tensor is None else tuple(tensor.shape)
+
+
+def gram_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision a squared norm's Gram matrices are computed in: float64 below it.
+
+    ``sum_{i,j} (a_i . a_j)(g_i . g_j)`` is the squared norm of ``sum_i g_i a_i^T``, and rows that
+    nearly cancel there (a sample's tokens ``a`` and ``a + d`` with opposite output gradients)
+    leave a norm far below the terms: in float32 (a unit roundoff of 6e-8 of terms up to
+    ``(sum_i |a_i| |g_i|)^2``) the computed value is rounding noise, even 0 (measured: one crafted
+    sample of a Linear layer on 2-token rows reported norm 0 and added 31 times the clipping
+    bound to the clipped sum, which the per-sample gradient's own norm clips to 1). Products of
+    float32 numbers are exact in float64, whose rounding (1.1e-16) is then far below any norm the
+    clipping could act on."""
+    return torch.float64 if dtype in (torch.float32, torch.float16, torch.bfloat16) else dtype
 
 
 def _cast_gram(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -320,9 +338,10 @@ def _weighted_keyed_sq_norms(left: torch.Tensor, source: torch.Tensor, weight: t
     slot = source - sample * K  # (M,) the entry's row among its sample's K
     coef = weight.new_zeros(runs * K).index_add_(0, run * K + slot, weight).view(runs, K)  # (R, K)
     pairs = weight.new_zeros(samples * K, K).index_add_(0, source, coef[run] * weight[:, None])  # (N*K, K)
-    gram = per_sample @ per_sample.transpose(1, 2)  # (N, K, K)
-    pairs = pairs.view(samples, K, K)
-    return torch.where(pairs != 0, pairs * gram, 0).sum((1, 2)).clamp_min(0)
+    precise = per_sample.to(gram_dtype(per_sample.dtype))  # (see gram_dtype: copies that nearly cancel)
+    gram = precise @ precise.transpose(1, 2)  # (N, K, K)
+    pairs = pairs.view(samples, K, K).to(precise.dtype)
+    return as_dtype(torch.where(pairs != 0, pairs * gram, 0).sum((1, 2)).clamp_min(0), rows.dtype)
 
 
 def _run_of_entry(sample: torch.Tensor, tokens: torch.Tensor, table_rows: int = 0) -> tuple[torch.Tensor, int]:
