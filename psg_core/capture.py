@@ -81,7 +81,7 @@ from psg_core.accumulate import pad_batch
 from psg_core.layout import ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim
 from psg_core.provenance import active_tracker
-from psg_core.precision import fp16_autocast
+from psg_core.precision import fp16_autocast, no_autocast
 from psg_core.support import exclusive
 
 __all__ = ["CapturedStep"]
@@ -493,8 +493,9 @@ class CapturedStep:
 
     def _run_graph(self, entry: _Entry, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor,
                                                                              torch.Tensor]:
-        """The recorded graph operator by operator."""
-        with exclusive(self.module), torch.no_grad():
+        """The recorded graph operator by operator (outside the caller's autocast: the recording
+        holds the casts autocast made, and a second pass of autocast over them casts again)."""
+        with exclusive(self.module), torch.no_grad(), no_autocast():
             grads, norms, numbers = entry.graph(*inputs)
         return grads, norms, numbers
 

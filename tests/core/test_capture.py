@@ -605,3 +605,26 @@ def test_padding_argument_errors() -> None:
         CapturedStep(nn.Linear(2, 2), loss_fn=CE, config=DPConfig(), pad_to_multiple=0)
     with pytest.raises(ConfigError, match="functorch"):
         CapturedStep(nn.Linear(2, 2), loss_fn=CE, config=DPConfig(mode="functorch"), pad_to_multiple=4)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks", "functorch"])
+def test_steps_under_bfloat16_autocast_replay_and_equal_the_eager_step(mode: str) -> None:
+    """The recording holds the casts autocast made; its replays ran inside the caller's autocast,
+    which cast again (hooks, functorch: the replay failed on mixed dtypes; ghost: the check refused
+    the graph): every call ran eagerly. Replays now run outside it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 5))
+    twin, config = copy.deepcopy(model), DPConfig(mode=mode, max_grad_norm=0.5)
+    step = CapturedStep(model, loss_fn=CE, config=config)
+    for _ in range(5):
+        inputs, targets = (torch.randn(8, 10),), torch.randint(0, 5, (8,))
+        # (autocast around the steps only, as around a forward pass: its cache of the parameters'
+        # casts lives as long as the region, and would hide the updates below)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            actual = step(inputs, targets)
+            expected = dp_gradient(twin, inputs, targets, loss_fn=CE, config=config)
+        _assert_same(actual, expected)
+        _sgd_(model, expected.grads)
+        _sgd_(twin, expected.grads)
+    assert step.stats == {"eager": 1, "recorded": 1, "validated": 1, "replayed": 2, "refused": 0, "reruns": 0}, \
+        (step.stats, step.refusals)
