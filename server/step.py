@@ -151,8 +151,10 @@ def _prepare_input(key: int | str, tensor: torch.Tensor, spec: InputSpec | None,
             return tensor.to(torch.int64)
         if spec.kind == "index":
             tensor = tensor.to(torch.int64)
+            if spec.num_embeddings is None or not tensor.numel():  # an empty (Poisson) batch holds no index
+                return tensor
             low, high = int(tensor.min()), int(tensor.max())
-            if spec.num_embeddings is not None and (low < 0 or high >= spec.num_embeddings):
+            if low < 0 or high >= spec.num_embeddings:
                 raise InvalidRequestError(f"{where} holds indices in [{low}, {high}], outside "
                                           f"[0, {spec.num_embeddings})")
             return tensor
