@@ -39,6 +39,7 @@ __all__ = [
     "SessionNotFoundError",
     "StaleParametersError",
     "Status",
+    "StepSeedReusedError",
     "StepTimeoutError",
     "StreamIdleError",
     "translate",
@@ -65,6 +66,11 @@ class LossNotFoundError(PsgError, LookupError):
 
 class StaleParametersError(PsgError):
     """The step names a parameter version older than the session's latest."""
+
+
+class StepSeedReusedError(PsgError):
+    """A step names a step seed an earlier step of the session used: the same seed would draw the
+    same noise (:mod:`psg_server.step_seeds`)."""
 
 
 class ParametersMissingError(PsgError):
@@ -107,6 +113,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (ParametersMissingError, grpc.StatusCode.FAILED_PRECONDITION, Reason.PARAMETERS_MISSING),
     (BudgetExhaustedError, grpc.StatusCode.FAILED_PRECONDITION, Reason.BUDGET_EXHAUSTED),
     (AccumulationLostError, grpc.StatusCode.FAILED_PRECONDITION, Reason.ACCUMULATION_LOST),
+    (StepSeedReusedError, grpc.StatusCode.FAILED_PRECONDITION, Reason.STEP_SEED_REUSED),
     (TensorLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.LIMIT_EXCEEDED),
     (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.LIMIT_EXCEEDED),
     (NoWorkersError, grpc.StatusCode.UNAVAILABLE, Reason.NO_WORKERS),

@@ -44,7 +44,7 @@ from psg_server.security import AuthInterceptor, TokenAuthenticator, check_bind_
 from psg_server.sessions import SessionStore, open_session, parameter_specs, restore_session, signature_info
 from psg_server.state import SessionDatabase
 from psg_server.step import StepRunner
-from psg_server.streams import pushed_bytes, read_header, receive_parameters
+from psg_server.streams import push_parameters, pushed_bytes, read_header
 from psg_wire.codec import CodecLimits, FrameWire
 from psg_wire.names import REASON_METADATA_KEY, SERVICE_NAME
 from psg_wire.v1 import gradient_service_pb2 as pb
@@ -134,9 +134,8 @@ class GradientServicer:
         owner = self._auth.principal_of(context)
         header = await read_header(requests, rpc="PushParameters")
         session = self._store.get(header.session_id, owner)
-        parameters = await receive_parameters(requests, session, header, self._parameter_limits,
-                                              pin_memory=self._executor.pinned_inputs)
-        self._store.store_parameters(session, parameters)
+        parameters = await push_parameters(requests, self._store, session, header, self._parameter_limits,
+                                           pin_memory=self._executor.pinned_inputs)
         return pb.PushParametersResponse(version=parameters.version, num_bytes=pushed_bytes(session, parameters),
                                          frozen_version=parameters.frozen_from)
 

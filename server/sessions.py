@@ -16,6 +16,16 @@ flat bound (:attr:`Session.clip_bound`): every step clips at it and moves it as
 :class:`psg_core.DPStep` does in process (:mod:`psg_core.adaptive_clipping`); the bound is part of
 the progress written with each step.
 
+Parameter versions only go up: a push is refused (STALE_PARAMETERS) unless its version is above
+every version the session was pushed before, checked when the push's header arrives and again,
+atomically, when the set is stored (:meth:`SessionStore.store_parameters`), so a version never names
+two parameter sets (workers keep a model loaded at a version and reload only on another one).
+
+No two steps of a session draw the same noise: a step seed an earlier step used is refused
+(:mod:`psg_server.step_seeds`, :meth:`Session.check_step_seed`); the seeds used are kept with the
+session's progress. A step is accounted in memory and in the database together or not at all
+(:meth:`SessionStore.record_step`).
+
 A session opened with ``capture`` (``CreateSessionRequest.capture``, :attr:`SessionSpec.capture`)
 has its workers run its steps through :class:`psg_core.capture.CapturedStep`; that holds the bound
 fixed, so it is refused together with adaptive clipping. The flag is part of the request the
@@ -46,22 +56,39 @@ from psg_core.modes import Clipping
 from psg_core.privacy_step import PrivacyStep
 from psg_server.config import ServerConfig
 from psg_server.errors import (InvalidRequestError, LimitExceededError, ParametersMissingError,
-                               SessionNotFoundError, StaleParametersError)
+                               SessionNotFoundError, StaleParametersError, StepSeedReusedError)
 from psg_server.accumulation import PendingBatch
 from psg_server.executor import ParameterSet, SessionSpec
 from psg_server.losses import LossEntry, get_loss
 from psg_server.models import ModelRegistry, ModelSignature, ParameterInfo
 from psg_wire.convert import dp_config_from_proto, lora_from_proto, parameter_spec_to_proto, privacy_from_proto
 from psg_server.state import SessionDatabase, SessionRecord
+from psg_server.step_seeds import UsedSeeds
 from psg_wire.convert import WireDtypes, dp_config_to_proto, wire_dtypes_from_proto, wire_dtypes_to_proto
 from psg_wire.convert import adaptive_clipping_from_proto, adaptive_clipping_to_proto
 from psg_wire.names import input_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 
-__all__ = ["MAX_NOISE_MULTIPLIER", "MAX_NOISE_SCALE", "BoundUpdate", "PrivacyPlan", "Session", "SessionStore",
-           "open_session", "parameter_specs", "restore_session", "signature_info"]
+__all__ = ["MAX_NOISE_MULTIPLIER", "MAX_NOISE_SCALE", "MAX_PARAMETER_VERSION", "BoundUpdate", "PrivacyPlan", "Session",
+           "SessionStore", "open_session", "parameter_specs", "restore_session", "signature_info"]
 
 logger = logging.getLogger(__name__)
+
+
+#: Largest parameter version a push may name: the session database keeps versions as SQLite
+#: integers (signed 64-bit), so 2**63 and above could not be stored.
+MAX_PARAMETER_VERSION = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class _Progress:
+    """What accounting a step changes in a :class:`Session` (:meth:`Session.record_step`), to put
+    back when the step cannot be stored."""
+
+    steps: int
+    ledger: dict | None
+    epsilon_spent: float
+    clip_bound: float
 
 
 @dataclass(frozen=True)
@@ -119,6 +146,8 @@ class Session:
         self.steps = 0
         self.parameters: ParameterSet | None = None
         self.latest_version = 0
+        #: The step seeds its steps drew noise from (psg_server.step_seeds): none may be used again.
+        self.used_step_seeds = UsedSeeds()
         #: The parts received of a logical batch sent in several requests (psg_server.accumulation).
         self.pending: PendingBatch | None = None
         #: The CreateSessionRequest as opened (sigma chosen, seed drawn): what rebuilds the session.
@@ -153,6 +182,19 @@ class Session:
         """target_epsilon - epsilon_spent, or +inf without a budget."""
         target = self.privacy.target_epsilon
         return math.inf if target is None else target - self.epsilon_spent
+
+    def check_new_version(self, version: int, *, rpc: str) -> None:
+        """Refuses a pushed ``version`` the session cannot take: :class:`InvalidRequestError` above
+        :data:`MAX_PARAMETER_VERSION`, :class:`StaleParametersError` unless it is above every version
+        pushed before."""
+        if version > MAX_PARAMETER_VERSION:
+            raise InvalidRequestError(f"{rpc}: parameter version {version} is above {MAX_PARAMETER_VERSION} "
+                                      "(2**63 - 1), the largest the server can keep (its session database stores "
+                                      "signed 64-bit integers); number versions from 1 up")
+        if version <= self.latest_version:
+            raise StaleParametersError(f"{rpc}: version {version} is not newer than the session's "
+                                       f"version {self.latest_version}; a push must name a version above every "
+                                       "version pushed before")
 
     def parameters_for(self, version: int) -> ParameterSet:
         """The parameter set a step asks for, or why it cannot have it."""
@@ -213,6 +255,41 @@ class Session:
         self.steps += 1
         return self.steps
 
+    @property
+    def seeds_noise(self) -> bool:
+        """Whether a step draws noise from a generator seeded by its step seed (it draws noise,
+        and not from the CSPRNG): then no two steps may have the same step seed."""
+        return self.draws_noise and not self.secure_rng
+
+    def step_seed_of(self, step_seed: int | None) -> int:
+        """The step seed the next step's noise follows: ``step_seed``, or its 1-based index."""
+        return self.steps + 1 if step_seed is None else step_seed
+
+    def check_step_seed(self, step_seed: int | None, *, rpc: str = "ComputeGradients") -> None:
+        """:class:`StepSeedReusedError` when the next step, with ``step_seed`` (None: its index),
+        would draw the noise of an earlier step (see :mod:`psg_server.step_seeds`)."""
+        if not self.seeds_noise:
+            return
+        seed = self.step_seed_of(step_seed)
+        if seed not in self.used_step_seeds:
+            return
+        given = (f"step_seed {seed}" if step_seed is not None else
+                 f"its default step seed {seed} (its step index; the request gives no step_seed)")
+        raise StepSeedReusedError(f"{rpc}: this step of session {self.id!r} would use {given}, which an earlier step "
+                                  "of the session used: it would draw the same noise, and the difference of the two "
+                                  "gradients would show the difference of their clipped sums without noise. Give "
+                                  "each step of a session its own step_seed (or leave it unset when no step sets one)")
+
+    def _progress(self) -> _Progress:
+        return _Progress(steps=self.steps,
+                         ledger=None if self._accountant is None else self._accountant.state_dict(),
+                         epsilon_spent=self.epsilon_spent, clip_bound=self.clip_bound)
+
+    def _put_back(self, progress: _Progress) -> None:
+        self.steps, self.epsilon_spent, self.clip_bound = progress.steps, progress.epsilon_spent, progress.clip_bound
+        if self._accountant is not None and progress.ledger is not None:
+            self._accountant.load_state_dict(progress.ledger)
+
     def noise_seed(self, step_seed: int | None) -> int:
         """Seed of this step's noise generator: a hash of the session seed and the step seed
         (the step index when the client gives none)."""
@@ -246,6 +323,7 @@ class Session:
         """Takes the progress of a stored session: steps, ledger, epsilon, parameter version and,
         with adaptive clipping, the bound."""
         self.steps, self.latest_version = record.steps, record.param_version
+        self.used_step_seeds = UsedSeeds(record.step_seeds)
         if self._accountant is not None and record.ledger is not None:
             self._accountant.load_state_dict(json.loads(record.ledger))
             self.epsilon_spent = record.epsilon_spent
@@ -460,15 +538,37 @@ class SessionStore:
         """Whether sessions are written to a database (:meth:`persist` does something)."""
         return self._database is not None
 
-    def persist(self, session: Session) -> None:
+    def persist(self, session: Session, *, step_seeds: tuple[int, int] | None = None) -> None:
         """Writes ``session``'s progress (steps, ledger, parameter version, adaptive clipping's
-        bound) to the database, durably; the step runner calls it after accounting a step and before
-        returning its result. Blocking (an fsync): call it off the event loop."""
+        bound and, given ``step_seeds``, that run of used step seeds) to the database, durably.
+        Blocking (an fsync): call it off the event loop."""
         if self._database is not None:
             record = session.record()
             self._database.save_progress(session.id, steps=record.steps, ledger=record.ledger,
                                          epsilon_spent=record.epsilon_spent, param_version=record.param_version,
-                                         clip_bound=record.clip_bound)
+                                         clip_bound=record.clip_bound, step_seeds=step_seeds)
+
+    def record_step(self, session: Session, update: BoundUpdate | None = None, *,
+                    step_seed: int | None = None) -> int:
+        """Accounts a step whose result is about to be released: :meth:`Session.record_step`, its
+        step seed (``step_seed``, None: its index) marked used when the step drew seeded noise and,
+        with a database, all of it written durably before this returns. All or nothing: when the
+        write fails, the session is put back as it was and the error raised, so no result goes out
+        that the database does not account, and memory never counts a step the database lacks.
+        Returns the step's 1-based index. Blocking (the accountant, an fsync): call it off the event
+        loop, under the session's lock."""
+        seed = session.step_seed_of(step_seed) if session.seeds_noise else None
+        before = session._progress() if self._database is not None else None
+        step = session.record_step(update)
+        if before is not None:
+            try:
+                self.persist(session, step_seeds=None if seed is None else session.used_step_seeds.run_with(seed))
+            except BaseException:
+                session._put_back(before)
+                raise
+        if seed is not None:
+            session.used_step_seeds.add(seed)
+        return step
 
     def restore(self, build: Callable[[SessionRecord], Session]) -> int:
         """Reopens the database's sessions with ``build`` (:func:`restore_session`); those idle
@@ -550,12 +650,19 @@ class SessionStore:
             logger.info("sessions: %s expired after %.0f s idle", session.id, self._idle_seconds)
         return expired
 
-    def store_parameters(self, session: Session, parameters: ParameterSet) -> None:
+    def store_parameters(self, session: Session, parameters: ParameterSet, *, rpc: str = "PushParameters") -> None:
         """Makes ``parameters`` the session's current set, dropping other sessions' sets (least
-        recently used first) while the total exceeds the memory cap."""
+        recently used first) while the total exceeds the memory cap.
+
+        The version is checked here again (:meth:`Session.check_new_version`: above every version
+        stored before), with nothing awaited between the check and the store, so two pushes that
+        overlap can never move the session's version back nor store two sets under one version.
+        Callers hold the session's lock (a push-and-step stores and computes under it).
+        """
+        session.check_new_version(parameters.version, rpc=rpc)
         size = parameters.num_bytes
         if size > self._memory:
-            raise LimitExceededError(f"PushParameters: {size} parameter bytes exceed the server's "
+            raise LimitExceededError(f"{rpc}: {size} parameter bytes exceed the server's "
                                      f"parameter memory of {self._memory}")
         session.parameters = None
         held = sum(s.parameters.num_bytes for s in self._sessions.values() if s.parameters is not None)

@@ -4,11 +4,17 @@
 One row per open session holds what cannot be rebuilt: the ``CreateSessionRequest`` as the session
 was opened (the sigma it chose, the seed it drew), its owner, and its progress: steps, the
 accountant's :meth:`~psg_core.accounting.PrivacyAccountant.state_dict`, the latest parameter
-version and, with adaptive clipping, the bound the next step clips at. The frontend writes the
+version and, with adaptive clipping, the bound the next step clips at; and in the ``step_seeds``
+table, the step seeds its steps used (runs of consecutive seeds, :mod:`psg_server.step_seeds`), so a
+restarted server still refuses a seed that would repeat a step's noise. The frontend writes the
 progress of a step *before* it returns the step's gradient, so a gradient a client received is
 always in the ledger after a restart (a step accounted but not delivered, when the process dies in
 between, over-counts epsilon, never under-counts it). Parameter tensors are not kept: after a
 restart, steps answer PARAMETERS_MISSING and the client pushes again.
+
+SQLite integers are signed 64-bit: a parameter version must be below 2**63 (the server refuses
+larger ones at push), and step seeds (``uint64`` on the wire) are stored shifted by -2**63, which
+keeps their order.
 
 Every write is one committed transaction in WAL mode with ``synchronous=FULL``: durable when
 the call returns, even if the process is killed right after. One server owns a state directory at
@@ -27,6 +33,7 @@ a time (an exclusive ``flock`` on ``state_dir/lock``, released by the kernel whe
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -34,6 +41,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,9 +54,10 @@ logger = logging.getLogger(__name__)
 #: File name of the database inside the state directory.
 DATABASE_NAME = "sessions.sqlite3"
 #: Layout of the tables; a database of another version is refused rather than misread (one of
-#: version 1, before ``sessions.clip_bound``, is upgraded in place: its sessions have no adaptive
-#: clipping).
-SCHEMA_VERSION = 2
+#: version 1, before ``sessions.clip_bound``, or 2, before ``step_seeds``, is upgraded in place: its
+#: sessions have no adaptive clipping, and each is taken to have used the step seeds 1..steps, the
+#: default seeds of its steps; the explicit ones they were given before are not known).
+SCHEMA_VERSION = 3
 _LOCK_NAME = "lock"
 
 _SCHEMA = """
@@ -71,9 +80,21 @@ CREATE TABLE IF NOT EXISTS sessions (
     -- adaptive clipping: the flat bound the next step clips at; NULL for a session without
     clip_bound REAL
 );
+CREATE TABLE IF NOT EXISTS step_seeds (
+    session_id TEXT NOT NULL,
+    -- a run of consecutive step seeds the session used, low..high included, each stored minus 2**63
+    low INTEGER NOT NULL,
+    high INTEGER NOT NULL,
+    PRIMARY KEY (session_id, low)
+) WITHOUT ROWID;
 """
 # Version 1 -> 2: adaptive clipping's bound (NULL for every session of a version 1 database).
 _UPGRADE_FROM_1 = "ALTER TABLE sessions ADD COLUMN clip_bound REAL"
+#: Step seeds are stored shifted by this (an order-preserving map of uint64 onto SQLite's int64).
+_SEED_OFFSET = 1 << 63
+# Version 2 -> 3: the step seeds used; a session's default ones (its step indices) are all that is known.
+_UPGRADE_FROM_2 = ("INSERT OR IGNORE INTO step_seeds (session_id, low, high) "
+                   "SELECT session_id, 1 + ?, steps + ? FROM sessions WHERE steps > 0", (-_SEED_OFFSET, -_SEED_OFFSET))
 
 
 @dataclass(frozen=True)
@@ -93,6 +114,8 @@ class SessionRecord:
     updated: float
     #: Adaptive clipping: the bound the session's next step clips at; None without.
     clip_bound: float | None = None
+    #: The step seeds its steps used: runs ``(low, high)`` of consecutive seeds, in order.
+    step_seeds: tuple[tuple[int, int], ...] = ()
 
 
 class SessionDatabase:
@@ -150,21 +173,29 @@ class SessionDatabase:
         if row is None:
             self._open().execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
                                      (str(SCHEMA_VERSION),))
-        elif row[0] == "1":  # one transaction: the column and the version together, or neither
-            connection = self._open()
-            connection.execute("BEGIN IMMEDIATE")
-            try:
-                connection.execute(_UPGRADE_FROM_1)
+        elif row[0] in ("1", "2"):  # one transaction: the changes and the version together, or neither
+            with self._transaction() as connection:
+                if row[0] == "1":
+                    connection.execute(_UPGRADE_FROM_1)
+                connection.execute(*_UPGRADE_FROM_2)
                 connection.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
-            except BaseException:
-                connection.execute("ROLLBACK")
-                raise
-            connection.execute("COMMIT")
-            logger.info("state: upgraded the session database %s from schema version 1 to %d", self.path,
-                        SCHEMA_VERSION)
+            logger.info("state: upgraded the session database %s from schema version %s to %d", self.path,
+                        row[0], SCHEMA_VERSION)
         elif row[0] != str(SCHEMA_VERSION):
             raise ConfigError(f"psg-server: the session database {str(self.path)!r} has schema version "
                               f"{row[0]}; this server reads version {SCHEMA_VERSION}")
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One transaction: every statement inside commits together, or none does."""
+        connection = self._open()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            yield connection
+        except BaseException:
+            connection.execute("ROLLBACK")
+            raise
+        connection.execute("COMMIT")
 
     def _release(self) -> None:
         if self._connection is not None:
@@ -184,19 +215,32 @@ class SessionDatabase:
                  record.epsilon_spent, record.param_version, record.updated, record.clip_bound))
 
     def save_progress(self, session_id: str, *, steps: int, ledger: str | None, epsilon_spent: float,
-                      param_version: int, clip_bound: float | None = None) -> None:
+                      param_version: int, clip_bound: float | None = None,
+                      step_seeds: tuple[int, int] | None = None) -> None:
         """Records a session's progress after a step (with adaptive clipping, ``clip_bound``: the
-        bound its next step clips at); durable when it returns."""
-        with self._lock:
-            self._open().execute(
+        bound its next step clips at; ``step_seeds``: the run of used step seeds that now holds the
+        step's seed, which replaces the runs it covers); one transaction, durable when it returns.
+
+        Raises:
+            OverflowError: a value SQLite cannot store (an integer beyond 64 bits); nothing is written.
+        """
+        with self._lock, self._transaction() as connection:
+            connection.execute(
                 "UPDATE sessions SET steps = ?, ledger = ?, epsilon_spent = ?, param_version = ?, clip_bound = ?, "
                 "updated = ? WHERE session_id = ?",
                 (steps, ledger, epsilon_spent, param_version, clip_bound, time.time(), session_id))
+            if step_seeds is not None:
+                low, high = step_seeds[0] - _SEED_OFFSET, step_seeds[1] - _SEED_OFFSET
+                connection.execute("DELETE FROM step_seeds WHERE session_id = ? AND low BETWEEN ? AND ?",
+                                   (session_id, low, high))
+                connection.execute("INSERT INTO step_seeds (session_id, low, high) VALUES (?, ?, ?)",
+                                   (session_id, low, high))
 
     def delete(self, session_id: str) -> None:
         """Forgets a closed or expired session."""
-        with self._lock:
-            self._open().execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+        with self._lock, self._transaction() as connection:
+            connection.execute("DELETE FROM step_seeds WHERE session_id = ?", (session_id,))
+            connection.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
 
     # ----------------------------------------------------------------------------- reads
     def load(self) -> list[SessionRecord]:
@@ -205,8 +249,13 @@ class SessionDatabase:
             rows = self._open().execute(
                 "SELECT session_id, owner, request, steps, ledger, epsilon_spent, param_version, updated, "
                 "clip_bound FROM sessions ORDER BY updated").fetchall()
+            seeds: dict[str, list[tuple[int, int]]] = {}
+            for session_id, low, high in self._open().execute(
+                    "SELECT session_id, low, high FROM step_seeds ORDER BY session_id, low"):
+                seeds.setdefault(session_id, []).append((low + _SEED_OFFSET, high + _SEED_OFFSET))
         return [SessionRecord(session_id=row[0], owner=row[1], request=bytes(row[2]), steps=row[3], ledger=row[4],
-                              epsilon_spent=row[5], param_version=row[6], updated=row[7], clip_bound=row[8])
+                              epsilon_spent=row[5], param_version=row[6], updated=row[7], clip_bound=row[8],
+                              step_seeds=tuple(seeds.get(row[0], ())))
                 for row in rows]
 
     def close(self) -> None:

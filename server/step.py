@@ -266,9 +266,14 @@ class StepRunner:
         with metrics.phase("receive"):
             header = await read_header(requests, rpc="ComputeGradients")
             session = self._store.get(header.session_id, owner)
-            pushing = _check_version(session, header)  # fail before the batch is uploaded
+            # Fail before the batch is uploaded; each check is made again under the session's lock.
+            pushing = _check_version(session, header)
             reply_chunk_bytes = self._reply_chunk_bytes(session, header)
             check_part(session.pending, part=header.part, param_version=header.param_version, session_id=session.id)
+            step_seed = header.step_seed if header.HasField("step_seed") else None
+            releases = not header.more_parts  # the request whose step draws noise (the last part)
+            if releases:
+                session.check_step_seed(step_seed)
             limits = self._limits
             if pushing:  # the parameters travel too: room for every one of them
                 limits = dataclasses.replace(limits, max_tensors=limits.max_tensors + len(session.parameter_info))
@@ -276,17 +281,23 @@ class StepRunner:
                                                                        pushing=pushing),
                                     pin_memory=self._executor.pinned_inputs)
             tensors = await read_tensors(requests, decoder, header)
-        with metrics.phase("validate"):
-            if pushing:  # stored as PushParameters would, then the step runs at that version
-                pushed = {parameter: tensors.pop(name) for name, parameter in
-                          [(name, parse_parameter_name(name)) for name in list(tensors)] if parameter is not None}
-                self._store.store_parameters(session, parameter_set(session, header.push_version, pushed,
-                                                                    rpc="ComputeGradients"))
-            batch = validate_batch(session, tensors)
-        step_seed = header.step_seed if header.HasField("step_seed") else None
+        # Under the lock, the checks made when the header came are made again (another request may
+        # have pushed, stepped or sent a part meanwhile), atomically with what they guard: storing
+        # the pushed set, computing at a version, adding a part, releasing under a step seed.
         async with session.lock:
-            parameters = session.parameters_for(header.param_version)
             with metrics.phase("validate"):
+                if pushing:  # stored as PushParameters would, then the step runs at that version
+                    pushed = {parameter: tensors.pop(name) for name, parameter in
+                              [(name, parse_parameter_name(name)) for name in list(tensors)] if parameter is not None}
+                    self._store.store_parameters(session, parameter_set(session, header.push_version, pushed,
+                                                                        rpc="ComputeGradients"),
+                                                 rpc="ComputeGradients")
+                batch = validate_batch(session, tensors)
+                parameters = session.parameters_for(header.param_version)
+                check_part(session.pending, part=header.part, param_version=header.param_version,
+                           session_id=session.id)
+                if releases:
+                    session.check_step_seed(step_seed)
                 # Refuse before computing, not after. Accounting (here and below) can take a good
                 # fraction of a second under PLD, so it runs on a thread, off the event loop.
                 if header.part == 0 or not header.more_parts:
@@ -321,9 +332,10 @@ class StepRunner:
                     grads, update = self._release(session, total, step_seed)
                     reply = reply_tensors(grads, dtype=session.wire.gradients)
                 with metrics.phase("account"):
-                    step = await _account(session, functools.partial(session.record_step, update))
-                    if self._store.persistent:  # before the result goes out: no accounted step is lost
-                        await _off_loop(functools.partial(self._store.persist, session))
+                    # Accounted and (with --state-dir) written durably before the result goes out,
+                    # all or nothing: no released step is lost, none counted that was not released.
+                    record = functools.partial(self._store.record_step, session, update, step_seed=step_seed)
+                    step = await (_off_loop(record) if self._store.persistent else _account(session, record))
         metrics.samples.inc(merged.num_samples)
         if total is None:  # a part of a logical batch: its statistics, nothing released
             yield pb.ComputeGradientsResponse(stats=_stats(session, merged, step=0, version=parameters.version,

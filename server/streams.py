@@ -13,15 +13,15 @@ from typing import Any, TypeVar
 import torch
 
 from psg_core.errors import NonFiniteInputError
-from psg_server.errors import InvalidRequestError, ParametersMissingError, StaleParametersError
+from psg_server.errors import InvalidRequestError, ParametersMissingError
 from psg_server.executor import ParameterSet
 from psg_server.models import ParameterInfo
-from psg_server.sessions import Session
+from psg_server.sessions import Session, SessionStore
 from psg_wire.codec import CodecLimits, FrameWire, HeaderCheck, TensorDecoder
 from psg_wire.flat import FlatLayout, FlatTensors
 
-__all__ = ["all_finite", "check_push_version", "parameter_check", "parameter_set", "pushed_bytes", "read_header",
-           "read_tensors", "receive_parameters", "tensor_messages"]
+__all__ = ["all_finite", "check_push_version", "parameter_check", "parameter_set", "push_parameters", "pushed_bytes",
+           "read_header", "read_tensors", "tensor_messages"]
 
 Message = TypeVar("Message")
 
@@ -63,10 +63,12 @@ async def read_tensors(requests: AsyncIterator[Any], decoder: TensorDecoder, hea
 
 
 def check_push_version(session: Session, version: int, *, rpc: str) -> None:
-    """:class:`StaleParametersError` unless ``version`` is newer than every version pushed before."""
-    if version <= session.latest_version:
-        raise StaleParametersError(f"{rpc}: version {version} is not newer than the session's "
-                                   f"version {session.latest_version}")
+    """A push's version, checked when its header arrives, before the upload: not above
+    :data:`~psg_server.sessions.MAX_PARAMETER_VERSION` (:class:`InvalidRequestError`), newer than
+    every version pushed before (:class:`~psg_server.errors.StaleParametersError`). Only a fast
+    refusal: :meth:`SessionStore.store_parameters` checks again when it stores the set, since
+    another push may have been stored during the upload."""
+    session.check_new_version(version, rpc=rpc)
 
 
 def parameter_check(session: Session, *, rpc: str) -> HeaderCheck:
@@ -146,15 +148,21 @@ def _widened(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, Paramet
     return {name: out[name] for name in tensors}
 
 
-async def receive_parameters(requests: AsyncIterator[Any], session: Session, header: Any,
-                             limits: CodecLimits, *, pin_memory: bool = False) -> ParameterSet:
-    """Decodes the parameter set a ``PushParametersHeader`` announces for ``session``, refusing any
-    tensor that does not match the model's parameters before allocating it (see :func:`parameter_set`)."""
-    check_push_version(session, header.version, rpc="PushParameters")
+async def push_parameters(requests: AsyncIterator[Any], store: SessionStore, session: Session, header: Any,
+                          limits: CodecLimits, *, pin_memory: bool = False) -> ParameterSet:
+    """PushParameters: decodes the parameter set a ``PushParametersHeader`` announces for
+    ``session``, refusing any tensor that does not match the model's parameters before allocating
+    it, then, under the session's lock, builds the set (:func:`parameter_set`: the frozen tensors it
+    keeps are those held then) and stores it (:meth:`SessionStore.store_parameters`, which checks the
+    version again). Returns the stored set."""
+    check_push_version(session, header.version, rpc="PushParameters")  # before the upload
     decoder = TensorDecoder(limits, check_header=parameter_check(session, rpc="PushParameters"),
                             pin_memory=pin_memory)
     tensors = await read_tensors(requests, decoder, header)
-    return parameter_set(session, header.version, tensors, rpc="PushParameters")
+    async with session.lock:
+        parameters = parameter_set(session, header.version, tensors, rpc="PushParameters")
+        store.store_parameters(session, parameters, rpc="PushParameters")
+    return parameters
 
 
 def pushed_bytes(session: Session, parameters: ParameterSet) -> int:

@@ -116,6 +116,9 @@ class Reason:
     #: A part of a logical batch came out of order (its earlier parts were never received, or were
     #: lost with a server restart): send the logical batch again from part 0.
     ACCUMULATION_LOST = "ACCUMULATION_LOST"
+    #: A step's seed was used by an earlier step of the session (the same seed draws the same
+    #: noise): give each step its own ``step_seed``, or leave it unset.
+    STEP_SEED_REUSED = "STEP_SEED_REUSED"
     LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
     NO_WORKERS = "NO_WORKERS"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"

@@ -246,14 +246,14 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
     connection.close()
     database = SessionDatabase(tmp_path)
     [old] = database.load()
-    assert (old.session_id, old.steps, old.clip_bound) == ("old", 3, None)
+    assert (old.session_id, old.steps, old.clip_bound, old.step_seeds) == ("old", 3, None, ((1, 3),))
     database.save_progress("old", steps=4, ledger=None, epsilon_spent=0.0, param_version=2, clip_bound=0.75)
     assert database.load()[0].clip_bound == 0.75
     database.close()
     with sqlite3.connect(tmp_path / DATABASE_NAME) as connection:
         version = connection.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
     connection.close()
-    assert version == str(SCHEMA_VERSION) == "2"
+    assert version == str(SCHEMA_VERSION) == "3"
     SessionDatabase(tmp_path).close()  # opens as it is now
 
 

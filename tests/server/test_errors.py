@@ -12,7 +12,8 @@ from psg_core.errors import (BatchLayoutError, BudgetExhaustedError, ConfigError
                              UnsupportedModuleError)
 from psg_server.errors import (STATUS_TABLE, AuthenticationError, InvalidRequestError, LimitExceededError,
                                LossNotFoundError, ModelNotFoundError, NoWorkersError, ParametersMissingError,
-                               SessionNotFoundError, StaleParametersError, StepTimeoutError, translate)
+                               SessionNotFoundError, StaleParametersError, StepSeedReusedError, StepTimeoutError,
+                               translate)
 from psg_wire.codec import CodecError, TensorLimitError
 
 Code = grpc.StatusCode
@@ -31,6 +32,7 @@ Code = grpc.StatusCode
     (StaleParametersError("v"), Code.FAILED_PRECONDITION, "STALE_PARAMETERS"),
     (ParametersMissingError("v"), Code.FAILED_PRECONDITION, "PARAMETERS_MISSING"),
     (BudgetExhaustedError("eps"), Code.FAILED_PRECONDITION, "BUDGET_EXHAUSTED"),
+    (StepSeedReusedError("seed"), Code.FAILED_PRECONDITION, "STEP_SEED_REUSED"),
     (TensorLimitError("big"), Code.RESOURCE_EXHAUSTED, "LIMIT_EXCEEDED"),
     (LimitExceededError("big"), Code.RESOURCE_EXHAUSTED, "LIMIT_EXCEEDED"),
     (NoWorkersError("none"), Code.UNAVAILABLE, "NO_WORKERS"),

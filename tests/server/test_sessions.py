@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +20,8 @@ from psg_server.errors import (InvalidRequestError, LimitExceededError, Paramete
                                StaleParametersError)
 from psg_server.executor import ParameterSet
 from psg_server.models import default_registry
-from psg_server.sessions import Session, SessionStore, open_session
+from psg_server.sessions import MAX_PARAMETER_VERSION, Session, SessionStore, open_session, restore_session
+from psg_server.state import SessionDatabase
 from psg_server.step import StepRunner
 from psg_wire.v1 import gradient_service_pb2 as pb
 
@@ -177,3 +181,70 @@ def test_the_session_runs_psg_core_privacy_step_with_the_l2_sensitivity() -> Non
     for name, grad in expected.items():
         assert torch.equal(released[name], grad / 4.0)
     assert torch.equal(merged.grads["0.bias"], torch.ones(2))
+
+
+def test_the_store_checks_the_version_again_when_it_stores() -> None:
+    # PushParameters checks the version when the header comes, then uploads: another push may have
+    # been stored meanwhile, so storing checks again, and a lower or equal version is refused.
+    store = SessionStore(max_sessions=4, idle_seconds=10, parameter_memory_bytes=1 << 20)
+    session = make()
+    store.add(session)
+    newer = params(5)
+    store.store_parameters(session, newer)
+    for version in (3, 5):
+        with pytest.raises(StaleParametersError, match=f"ComputeGradients: version {version} is not newer than "
+                                                       "the session's version 5"):
+            store.store_parameters(session, params(version), rpc="ComputeGradients")
+        assert session.parameters is newer and session.latest_version == 5
+
+
+def test_versions_the_database_cannot_keep_are_invalid() -> None:
+    session = make()
+    with pytest.raises(InvalidRequestError, match=re.escape("PushParameters: parameter version 9223372036854775808 is "
+                                                            "above 9223372036854775807 (2**63 - 1)")):
+        session.check_new_version(2**63, rpc="PushParameters")
+    with pytest.raises(InvalidRequestError, match="above 9223372036854775807"):
+        session.check_new_version(2**64 - 1, rpc="PushParameters")
+    session.check_new_version(MAX_PARAMETER_VERSION, rpc="PushParameters")  # the largest SQLite keeps
+
+
+class FailingDatabase(SessionDatabase):
+    """A database whose progress writes fail while ``failing`` is set (a full disk, say)."""
+
+    failing = False
+
+    def save_progress(self, *args: object, **kwargs: object) -> None:
+        if self.failing:
+            raise sqlite3.OperationalError("database or disk is full")
+        super().save_progress(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_step_whose_progress_cannot_be_written_is_not_counted(tmp_path: Path) -> None:
+    database = FailingDatabase(tmp_path)
+    store = SessionStore(max_sessions=4, idle_seconds=10, parameter_memory_bytes=1 << 20, database=database)
+    request = pb.CreateSessionRequest(model="mlp", model_kwargs_json='{"in_features": 2, "num_classes": 2}',
+                                      loss="cross_entropy", expected_batch_size=4,
+                                      dp=pb.DPSettings(max_grad_norm=1.0, noise_multiplier=1.0),
+                                      privacy=pb.PrivacySettings(accountant="rdp", sample_rate=0.1, delta=1e-5))
+    session = open_session(request, owner="a", registry=REGISTRY, config=ServerConfig())
+    store.add(session)
+    assert store.record_step(session, step_seed=4) == 1
+    one = (session.steps, session.epsilon_spent, session.record().ledger, session.used_step_seeds.runs())
+    database.failing = True
+    with pytest.raises(sqlite3.OperationalError):
+        store.record_step(session, step_seed=5)
+    # Memory is put back as the database has it: the step was never released, nor charged.
+    assert (session.steps, session.epsilon_spent, session.record().ledger, session.used_step_seeds.runs()) == one
+    [stored] = database.load()
+    assert (stored.steps, stored.epsilon_spent, stored.ledger, stored.step_seeds) == (1, one[1], one[2], ((4, 4),))
+    database.failing = False
+    assert store.record_step(session, step_seed=5) == 2
+    assert session.used_step_seeds.runs() == [(4, 5)]
+    store.close()
+    reopened = SessionStore(max_sessions=4, idle_seconds=10, parameter_memory_bytes=1 << 20,
+                            database=SessionDatabase(tmp_path))
+    reopened.restore(lambda record: restore_session(record, registry=REGISTRY, config=ServerConfig()))
+    again = reopened.get(session.id, "a")
+    assert (again.steps, again.epsilon_spent, again.used_step_seeds.runs()) == (2, session.epsilon_spent, [(4, 5)])
+    assert json.loads(again.record().ledger or "null") == json.loads(session.record().ledger or "null")
+    reopened.close()

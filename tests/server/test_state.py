@@ -12,9 +12,10 @@ import sqlite3
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
-from psg_client import RetryPolicy
+from psg_client import RetryPolicy, ServiceError
 from psg_core.accounting import PrivacyAccountant
 from psg_core.calibration import calibrate_noise_multiplier
 from psg_core.config import DPConfig
@@ -213,3 +214,61 @@ def test_a_restarted_server_resumes_sessions_and_the_client_carries_on(tmp_path:
         assert attached.push_parameters(model) == 3
         assert attached.compute_gradients(inputs, targets).step == 5
     client.close()
+
+
+def test_a_version_the_database_cannot_keep_is_refused_at_push(tmp_path: Path) -> None:
+    # SQLite keeps signed 64-bit integers: version 2**63 used to be accepted, then every step failed
+    # INTERNAL after being charged in memory, and a restart forgot the charges.
+    port = free_port()
+    model = build()
+    inputs, targets = mlp_batch(4)
+    with serve(port=port, state_dir=tmp_path) as server, client_for(server) as client:
+        session = client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4,
+                                        config=DPConfig(noise_multiplier=1.0), delta=1e-5)
+        session.param_version = 2**63 - 1
+        for push in (lambda: session.push_parameters(model),
+                     lambda: session.compute_gradients(inputs, targets, parameters=model)):
+            with pytest.raises(ServiceError) as err:
+                push()
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "parameter version 9223372036854775808 is above 9223372036854775807 (2**63 - 1)" in err.value.details
+        info = session.info()
+        assert (info.steps, info.latest_param_version, info.epsilon_spent) == (0, 0, 0.0)
+        session.param_version = 2**63 - 2
+        assert session.push_parameters(model) == 2**63 - 1  # the largest that fits is kept
+        spent = session.compute_gradients(inputs, targets).epsilon_spent
+    with serve(port=port, state_dir=tmp_path) as server, client_for(server) as client:
+        info = client.session(session.id).info()
+        assert (info.steps, info.latest_param_version, info.epsilon_spent) == (1, 2**63 - 1, spent)
+
+
+def test_a_step_whose_progress_cannot_be_written_is_neither_returned_nor_charged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    failing = {"on": False}
+    save_progress = SessionDatabase.save_progress
+
+    def flaky(self: SessionDatabase, *args: object, **kwargs: object) -> None:
+        if failing["on"]:
+            raise sqlite3.OperationalError("database or disk is full")
+        save_progress(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SessionDatabase, "save_progress", flaky)
+    port = free_port()
+    inputs, targets = mlp_batch(4)
+    with serve(port=port, state_dir=tmp_path) as server, client_for(server) as client:
+        session = client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4,
+                                        config=DPConfig(noise_multiplier=1.0), delta=1e-5, sample_rate=0.1)
+        session.push_parameters(build())
+        first = session.compute_gradients(inputs, targets, step_seed=1)
+        failing["on"] = True
+        with pytest.raises(ServiceError) as err:
+            session.compute_gradients(inputs, targets, step_seed=2)
+        assert err.value.code == grpc.StatusCode.INTERNAL
+        info = session.info()  # as the database has it: one step
+        assert (info.steps, info.epsilon_spent) == (1, first.epsilon_spent)
+        failing["on"] = False
+        second = session.compute_gradients(inputs, targets, step_seed=2)  # its seed was never used
+        assert second.step == 2
+    with serve(port=port, state_dir=tmp_path) as server, client_for(server) as client:
+        info = client.session(session.id).info()
+        assert (info.steps, info.epsilon_spent) == (2, second.epsilon_spent)
