@@ -483,6 +483,11 @@ def open_session(request: pb.CreateSessionRequest, *, owner: str, registry: Mode
         raise InvalidRequestError(f"CreateSession: {what} takes its batch on dimension 0; set batch_first=True")
     if request.expected_batch_size < 1:
         raise InvalidRequestError("CreateSession: expected_batch_size must be >= 1 (samples per step)")
+    K = dp_config.augmentation_multiplicity
+    if session_id is None and K > config.max_batch_rows:  # (a reopened session keeps what it was opened with)
+        raise InvalidRequestError(f"CreateSession: augmentation_multiplicity {K} is above the server's "
+                                  f"max_batch_rows={config.max_batch_rows}: a sample's {K} rows travel in one "
+                                  "request, so no request could carry a sample")
     dp_config = _calibrated(request, dp_config, config.default_accountant)
     _check_scales(dp_config)
     adaptive = _adaptive_clipping(request, dp_config)

@@ -8,6 +8,7 @@ import re
 import sqlite3
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from psg_core.noise import add_noise
 from psg_core.privacy_step import PrivacyStep
 from psg_server.config import ServerConfig
 from psg_server.errors import (InvalidRequestError, LimitExceededError, ParametersMissingError, SessionNotFoundError,
-                               StaleParametersError)
+                               StaleParametersError, translate)
 from psg_server.executor import ParameterSet
 from psg_server.models import default_registry
 from psg_server.sessions import MAX_PARAMETER_VERSION, Session, SessionStore, open_session, restore_session
@@ -206,6 +207,20 @@ def test_versions_the_database_cannot_keep_are_invalid() -> None:
     with pytest.raises(InvalidRequestError, match="above 9223372036854775807"):
         session.check_new_version(2**64 - 1, rpc="PushParameters")
     session.check_new_version(MAX_PARAMETER_VERSION, rpc="PushParameters")  # the largest SQLite keeps
+
+
+def test_augmentation_multiplicity_must_fit_the_servers_batch_rows() -> None:
+    def request(K: int) -> pb.CreateSessionRequest:
+        return pb.CreateSessionRequest(model="mlp", model_kwargs_json='{"in_features": 2, "num_classes": 2}',
+                                       loss="cross_entropy", expected_batch_size=4,
+                                       dp=pb.DPSettings(max_grad_norm=1.0, augmentation_multiplicity=K))
+    config = ServerConfig(max_batch_rows=8)
+    widest = open_session(request(8), owner="a", registry=REGISTRY, config=config)
+    assert widest.dp_config.augmentation_multiplicity == 8
+    with pytest.raises(InvalidRequestError, match=re.escape("CreateSession: augmentation_multiplicity 9 is above the "
+                                                            "server's max_batch_rows=8")) as err:
+        open_session(request(9), owner="a", registry=REGISTRY, config=config)
+    assert translate(err.value).code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 class FailingDatabase(SessionDatabase):
