@@ -18,7 +18,7 @@ from psg_core.errors import ConfigError
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced
 from psg_core.modes import GradSampleMode, LossReduction, parse_enum
-from psg_core.precision import as_dtype, no_autocast, with_loss_scale
+from psg_core.precision import as_dtype, at_least_single, no_autocast, with_loss_scale
 from psg_core.support import exclusive, one_walk
 
 __all__ = ["PerSampleOutput", "per_sample_gradients", "compute_per_sample", "BACKENDS"]
@@ -56,18 +56,36 @@ def _compute(module: nn.Module, model_inputs: ModelInputs, targets: torch.Tensor
              backend: Any, layout: BatchLayout, reduction: LossReduction) -> PerSampleOutput:
     params = trainable_parameters(module)
 
-    def run(scale: float) -> PerSampleOutput:
-        scaled = unreduced if scale == 1.0 else (lambda outputs, y: unreduced(outputs, y) * scale)
-        out = backend(module, model_inputs, targets, scaled, layout=layout, reduction=reduction)
+    def run(scale: float, pending: torch.Tensor | None) -> PerSampleOutput:
+        # (every sample is computed again: a backend's results are per sample, merged below)
+        def scaled(outputs: Any, y: torch.Tensor) -> torch.Tensor:
+            # in float32 at least: a float16 loss times the scale would overflow (the gradient
+            # reaching it, the scale itself at most, is representable: see INITIAL_LOSS_SCALE)
+            return at_least_single(unreduced(outputs, y)) * scale
+
+        out = backend(module, model_inputs, targets, unreduced if scale == 1.0 else scaled, layout=layout,
+                      reduction=reduction)
         # Each parameter's per-sample gradients in its own dtype (psg_core.precision), unscaled.
         if scale == 1.0:  # (no autocast loss scale: nothing to divide, on every step)
             return PerSampleOutput(grads={name: as_dtype(g, params[name].dtype) for name, g in out.grads.items()},
                                    per_sample_losses=out.per_sample_losses, num_samples=out.num_samples)
-        with no_autocast():
+        with no_autocast():  # (dividing by a power of two: the losses are exactly the unscaled ones)
             return PerSampleOutput(grads={name: (g / scale).to(params[name].dtype) for name, g in out.grads.items()},
                                    per_sample_losses=out.per_sample_losses / scale, num_samples=out.num_samples)
 
-    return with_loss_scale(run, lambda out: all(bool(torch.isfinite(g).all()) for g in out.grads.values()))
+    def finite(out: PerSampleOutput) -> torch.Tensor:
+        """``(N,)``: the samples whose gradient is finite in every parameter."""
+        rows = [torch.isfinite(g.reshape(out.num_samples, -1)).all(1) for g in out.grads.values()]
+        return torch.stack(rows).all(0) if rows else torch.ones(out.num_samples, dtype=torch.bool,
+                                                                 device=out.per_sample_losses.device)
+
+    def merge(kept: PerSampleOutput, new: PerSampleOutput, take: torch.Tensor) -> PerSampleOutput:
+        """``kept`` with the ``take`` samples' gradients from ``new`` (losses are unscaled in both)."""
+        return PerSampleOutput(grads={name: torch.where(take.view(-1, *[1] * (g.dim() - 1)), new.grads[name], g)
+                                      for name, g in kept.grads.items()},
+                               per_sample_losses=kept.per_sample_losses, num_samples=kept.num_samples)
+
+    return with_loss_scale(run, finite, merge)
 
 
 def per_sample_gradients(module: nn.Module, inputs: Any, targets: torch.Tensor, *,

@@ -10,8 +10,11 @@ Three rules, all with bound ``C = max_grad_norm``:
 * ``automatic``: every sample is scaled by ``C / (norm + 0.01)`` (Bu et al., 2022, "Automatic
   clipping"), so each contribution has norm just below ``C`` whatever its size.
 
-Norms are computed in (at least) fp32 whatever the gradients' dtype, and reported in fp32. A
-sample whose gradient is not finite is dropped (factor 0, counted in ``num_dropped``), never summed.
+Norms are computed in (at least) fp32 whatever the gradients' dtype, and reported in fp32; so are the
+factors, and a half-precision gradient is multiplied by them and summed in fp32 too, the sum cast to
+the gradients' dtype once (a factor cast to fp16 is 0 below ~6e-8: the bound must hold for what is
+summed). A sample whose gradient is not finite is dropped (factor 0, counted in ``num_dropped``),
+never summed.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ import torch
 from psg_core._host import capturing, expect_zero, host_int
 from psg_core.errors import ConfigError
 from psg_core.modes import Clipping, parse_enum
-from psg_core.precision import as_dtype, norm_dtype as promoted_norm_dtype
+from psg_core.precision import accumulation_dtype, as_dtype, norm_dtype as promoted_norm_dtype
 
-__all__ = ["ClipResult", "clip_and_sum", "clip_factors", "dropped_samples", "zero_dropped", "count_dropped", "kept_sum", "FLAT_EPSILON",
+__all__ = ["ClipResult", "clip_and_sum", "clip_factors", "weighted_sum", "dropped_samples", "zero_dropped", "count_dropped", "kept_sum", "FLAT_EPSILON",
            "AUTOMATIC_STABILITY"]
 
 #: Added to the norm in the flat and per-layer factors so that a zero gradient gives factor 1.
@@ -89,10 +92,32 @@ def _per_layer_bounds(names: Sequence[str], max_grad_norm: float,
     return bounds
 
 
-def _weighted_sum(factors: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``sum_n factors[n] * grad[n]`` without materialising the scaled (N, ...) tensor."""
+#: elements of a half-precision ``(N, numel)`` gradient cast to float32 at a time by :func:`weighted_sum`
+_UPCAST_CHUNK = 1 << 22
+
+
+def weighted_sum(factors: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``sum_n factors[n] * grad[n]`` for ``(N,)`` factors and an ``(N, ...)`` gradient, without
+    materialising the scaled (N, ...) tensor; multiplied and accumulated in
+    :func:`~psg_core.precision.accumulation_dtype` (float32 for half precision: a factor cast to
+    float16 is 0 below ~6e-8 and inexact below ~6e-5, and the bound ``C`` would not hold for what is
+    summed), returned in the accumulation dtype (the caller casts once).
+
+    >>> g = torch.full((4, 3), 1.0, dtype=torch.float16)
+    >>> weighted_sum(torch.full((4,), 1e-8), g)  # each 1e-8 is 0 in float16
+    tensor([4.0000e-08, 4.0000e-08, 4.0000e-08])
+    """
     flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))  # (N, numel)
-    summed = torch.mv(flat.t(), as_dtype(factors, flat.dtype))  # (numel,): matmul's product, fewer dispatches
+    dtype = accumulation_dtype(flat.dtype)
+    weights = as_dtype(factors, dtype)
+    width = max(1, _UPCAST_CHUNK // max(1, flat.shape[0]))
+    if dtype == flat.dtype:
+        summed = torch.mv(flat.t(), weights)  # (numel,): matmul's product, fewer dispatches
+    elif flat.shape[1] <= width:
+        summed = torch.mv(flat.to(dtype).t(), weights)
+    else:  # half precision, large: a chunk of columns cast at a time (not a float32 copy of the whole)
+        summed = torch.cat([torch.mv(flat[:, start:start + width].to(dtype).t(), weights)
+                            for start in range(0, flat.shape[1], width)])
     return summed.reshape(grad.shape[1:])
 
 
@@ -211,10 +236,11 @@ def clip_and_sum(per_sample: Mapping[str, torch.Tensor], *, max_grad_norm: float
                                            clipping=rule, per_layer_max_grad_norms=per_layer_max_grad_norms)
     dropped = dropped_samples(norms)
     if rule is Clipping.PER_LAYER:
-        grads = {name: _weighted_sum(factors[:, i], zero_dropped(per_sample[name], dropped))
-                 for i, name in enumerate(names)}
+        grads = {name: as_dtype(weighted_sum(factors[:, i], zero_dropped(per_sample[name], dropped)),
+                                per_sample[name].dtype) for i, name in enumerate(names)}
     else:
-        grads = {name: _weighted_sum(factors, zero_dropped(per_sample[name], dropped)) for name in names}
+        grads = {name: as_dtype(weighted_sum(factors, zero_dropped(per_sample[name], dropped)), per_sample[name].dtype)
+                 for name in names}
     return ClipResult(grads=grads, per_sample_norms=norms.to(torch.float32),
                       num_clipped=host_int(clipped.sum()), clip_factors=factors.to(torch.float32),
                       num_dropped=count_dropped(dropped))

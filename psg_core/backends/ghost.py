@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -67,7 +68,7 @@ from psg_core._module_hooks import ModuleHooks
 from psg_core.backends.base import (AbstractGradSampleModule, backward_to_edges, on_output_grads,
                                     trainable_parameters)
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
-from psg_core.clipping import clip_factors, count_dropped, dropped_samples, kept_sum, zero_dropped
+from psg_core.clipping import clip_factors, count_dropped, dropped_samples, kept_sum, weighted_sum, zero_dropped
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
 from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, FactorKind, GhostFactors, GhostNormEntry, TensorMemo,
@@ -75,7 +76,8 @@ from psg_core.grad_sample.ghost_norm import (GHOST_NORMS, FactorKind, GhostFacto
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, as_unreduced, loss_batch_dim, per_sample_loss
 from psg_core.modes import Clipping, GradSampleMode, LossReduction
-from psg_core.precision import as_dtype, compute_dtype, no_autocast, norm_dtype, to_compute, with_loss_scale
+from psg_core.precision import (accumulation_dtype, as_dtype, at_least_single, compute_dtype, no_autocast, norm_dtype,
+                                to_compute, with_loss_scale)
 from psg_core.provenance import BatchTracker, MeetingPoint, recomputing
 from psg_core.support import exclusive, hooked_modules, modules_of, own_parameters, reject_per_layer_unsupported
 
@@ -467,12 +469,14 @@ class _GhostBookkeeping:
         sum is its layer's weight gradient with each output-gradient row scaled by its sample's
         factor ("book-keeping", Bu et al. 2023): one weight-gradient kernel per call instead of a
         second backward pass through the whole model. Frees what it used.
+
+        Half-precision layers are scaled and summed in float32 (a factor, or a row times it, would
+        underflow float16): the sums are in :func:`~psg_core.precision.accumulation_dtype` of
+        their parameters' dtype, cast to it by the caller once.
         """
         sums: dict[torch.Tensor, torch.Tensor] = {}
         for param, grad_sample in self._materialised.items():
-            weights = as_dtype(factors[param], grad_sample.dtype)  # (N,)
-            flat = zero_dropped(grad_sample.reshape(self.num_samples, -1), dropped)  # (N, numel)
-            sums[param] = torch.mv(flat.t(), weights).view(param.shape)  # (matmul's product, fewer dispatches)
+            sums[param] = weighted_sum(factors[param], zero_dropped(grad_sample, dropped))  # param.shape
         self._materialised = {}
         # Output gradients scaled by their rows' factors, by (gradient, factors): layers fed one
         # output gradient (a DP LSTM's ih and hh) under one factor vector scale it once.
@@ -486,6 +490,8 @@ class _GhostBookkeeping:
             for a, g, calls in _stacked_calls(state.kept):
                 total = self._weight_sum(layer, norm, weight, a, g, calls, factors=sample_factors,
                                          dropped=dropped, scaled_grads=scaled_grads)
+                # (a family's weight_sum returns the weight's dtype: the calls add up in float32)
+                total = as_dtype(total, accumulation_dtype(weight.dtype))
                 current = sums.get(weight)
                 sums[weight] = total if current is None else current + total
             state.kept = []
@@ -495,21 +501,24 @@ class _GhostBookkeeping:
                     calls: int, *, factors: torch.Tensor, dropped: torch.Tensor | None,
                     scaled_grads: TensorMemo) -> torch.Tensor:
         """``calls`` stacked calls' share of ``weight``'s clipped sum, from their kept input (a
-        lookup table's factors) and output gradient, each sample's rows under its factor."""
+        lookup table's factors) and output gradient, each sample's rows under its factor.
+
+        A half-precision layer's rows are scaled in float32 (:func:`_scale_rows`), and its other
+        operand is cast to float32 too: the family's kernel multiplies and sums in float32."""
         if isinstance(a, GhostFactors):
             return _table_sum(a, factors, dropped, weight)
         assert norm.weight_sum is not None  # every family but the tables has one
         scale = functools.partial(_scale_rows, factors=factors, K=self.K, calls=calls, dropped=dropped)
-        if dropped is None and norm.linear_in_input and isinstance(a, torch.Tensor) and a.is_floating_point() \
-                and a.numel() < g.numel():
+        floating = isinstance(a, torch.Tensor) and a.is_floating_point()
+        if dropped is None and norm.linear_in_input and floating and a.numel() < g.numel():
             # The input's rows are fewer numbers to scale (a Linear widening its input, a recurrent
             # layer's input and state beside its gates' gradient, a first conv).
-            return norm.weight_sum(layer, scale(a), g)
+            return norm.weight_sum(layer, scale(a), as_dtype(g, accumulation_dtype(g.dtype)))
         scaled = scaled_grads.get(g, scale, id(factors), calls)
-        if dropped is not None and isinstance(a, torch.Tensor) and a.is_floating_point():
+        if dropped is not None and floating:
             # an overflowing input row: inf * 0 would be NaN
             a = zero_dropped(a, dropped.repeat_interleave(self.K).repeat(calls))  # (calls*N*K,)
-        return norm.weight_sum(layer, a, scaled)
+        return norm.weight_sum(layer, as_dtype(a, scaled.dtype) if floating else a, scaled)
 
 
 def _scale_rows(g: torch.Tensor, *, factors: torch.Tensor, K: int, calls: int, dropped: torch.Tensor | None
@@ -517,15 +526,18 @@ def _scale_rows(g: torch.Tensor, *, factors: torch.Tensor, K: int, calls: int, d
     """Rows ``(calls*N*K, ...)`` of an output gradient or an input (``calls`` stacked calls, each
     ``N*K`` rows sample by sample) scaled by their sample's factor from ``(N,)`` ``factors`` (a
     dropped sample's rows zeroed): broadcast over a view that splits the rows, never a per-row
-    copy of the factors."""
+    copy of the factors. In :func:`~psg_core.precision.accumulation_dtype` (half-precision rows
+    in float32: a factor below ~6e-5, or a row times it, would underflow float16)."""
     samples = factors.shape[0]
+    dtype = accumulation_dtype(g.dtype)
+    weights = as_dtype(factors, dtype)
     if calls == 1 and K == 1 and dropped is None:  # one row per sample
-        return g * as_dtype(factors, g.dtype).view((samples,) + (1,) * (g.dim() - 1))
+        return as_dtype(g, dtype) * weights.view((samples,) + (1,) * (g.dim() - 1))
     rows = g.unflatten(0, (calls, samples, K))  # a view: splitting one axis needs no copy
     shape = (1, samples, 1) + (1,) * (g.dim() - 1)
     if dropped is not None:
         rows = zero_dropped(rows.transpose(0, 1), dropped).transpose(0, 1)  # samples first for it
-    return (rows * as_dtype(factors, g.dtype).view(shape)).flatten(0, 2)
+    return (as_dtype(rows, dtype) * weights.view(shape)).flatten(0, 2)
 
 
 def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: torch.Tensor | None,
@@ -533,37 +545,42 @@ def _table_sum(factors: GhostFactors, sample_factors: torch.Tensor, dropped: tor
     """``sum_n c_n grad_n`` of a lookup table from its INDEX or KEYED factors (a family with a
     table layout, :attr:`GhostNormEntry.sums_from_factors`): each entry's gradient
     row, scaled by its sample's factor (zero for a dropped sample: its rows may hold inf), added
-    into the entry's table row. The ``(V, d)`` sum, in the weight's dtype."""
+    into the entry's table row. The ``(V, d)`` sum, in the weight's
+    :func:`~psg_core.precision.accumulation_dtype` (a half-precision table's rows are scaled and
+    added in float32: a factor below ~6e-5 would underflow float16)."""
+    dtype = accumulation_dtype(factors.right.dtype)
+    out_dtype = accumulation_dtype(weight.dtype)
     if factors.kind is FactorKind.KEYED and factors.source is not None and factors.weight is not None:
         # Weighted rows of the samples' own rows (EmbeddingBag: each token's bag gradient): each
         # entry's scale folds its weight and its sample's factor.
-        dtype = factors.right.dtype
         entry_weight, sample_factors = as_dtype(factors.weight, dtype), as_dtype(sample_factors, dtype)
-        if factors.right.device.type == "cpu":
+        right = as_dtype(factors.right, dtype)  # (N*K, d)
+        if right.device.type == "cpu":
             # psg's native kernel: one pass over the entries, a dropped sample's (factor 0) left out
-            total = native.keyed_table_sum(factors.left, factors.source, entry_weight, factors.right,
+            total = native.keyed_table_sum(factors.left, factors.source, entry_weight, right,
                                            sample_factors, weight.shape[0])
             if total is not None:
-                return as_dtype(total, weight.dtype)
+                return as_dtype(total, out_dtype)
         if dropped is None:
             # One (M, d) buffer in all. Every sample's norm is finite here, so a row holding inf
             # or NaN has weight 0 in all of its sample's entries (an empty bag's): it adds
             # nothing, and must not add 0 * inf.
-            right = torch.nan_to_num(factors.right, nan=0.0, posinf=0.0, neginf=0.0)  # (N*K, d)
+            right = torch.nan_to_num(right, nan=0.0, posinf=0.0, neginf=0.0)  # (N*K, d)
             scale = entry_weight * sample_factors[factors.left[0]]  # (M,)
             scaled = right.index_select(0, factors.source).mul_(scale[:, None])  # (M, d)
             total = right.new_zeros(weight.shape).index_add_(0, factors.left[1], scaled)  # (V, d)
-            return as_dtype(total, weight.dtype)
+            return as_dtype(total, out_dtype)
     if factors.kind is FactorKind.KEYED:
         samples, rows, right = factors.left[0], factors.left[1], factors.entries()  # (M,), (M,), (M, d)
     else:
         tokens, right = factors.left, factors.right  # (N, T), (N, T, d)
         samples = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(tokens).reshape(-1)
         rows, right = tokens.reshape(-1), right.reshape(-1, right.shape[-1])  # (N*T,), (N*T, d)
-    scale = as_dtype(sample_factors, right.dtype)[samples][:, None]  # (M, 1)
+    right = as_dtype(right, dtype)
+    scale = as_dtype(sample_factors, dtype)[samples][:, None]  # (M, 1)
     scaled = right * scale if dropped is None else torch.where(dropped[samples][:, None], 0, right * scale)
     total = right.new_zeros(weight.shape).index_add_(0, rows, scaled)  # (V, d)
-    return as_dtype(total, weight.dtype)
+    return as_dtype(total, out_dtype)
 
 
 def _stacked_calls(kept: list[tuple[Any, torch.Tensor]]) -> Iterator[tuple[Any, torch.Tensor, int]]:
@@ -589,8 +606,9 @@ def _check_supported(module: nn.Module) -> None:
 
 
 def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter], config: DPConfig,
-                  loss_scale: float = 1.0) -> tuple[dict[torch.Tensor, torch.Tensor], torch.Tensor, int]:
-    """Each parameter's ``(N,)`` clipping factors, the ``(N,)`` total norms and the clip count."""
+                  loss_scale: float = 1.0) -> tuple[dict[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Each parameter's ``(N,)`` clipping factors, the ``(N,)`` total norms and the ``(N,)`` bool
+    of the samples scaled down."""
     names = list(params)
     layer_norms = total = None
     if config.clipping is Clipping.PER_LAYER:
@@ -607,7 +625,33 @@ def _clip_factors(bookkeeping: _GhostBookkeeping, params: dict[str, nn.Parameter
         by_param = {params[n]: factors[:, i] for i, n in enumerate(names)}
     else:
         by_param = {p: factors for p in params.values()}
-    return by_param, norms, host_int(clipped.sum())
+    return by_param, norms, clipped
+
+
+@dataclass
+class _Attempt:
+    """One ghost pass at one loss scale (see :func:`~psg_core.precision.with_loss_scale`): the
+    clipped sums of the samples it included, unscaled, in their parameters'
+    :func:`~psg_core.precision.accumulation_dtype`, and per sample what merging passes needs."""
+
+    grads: dict[str, torch.Tensor]
+    norms: torch.Tensor  # (N,) float32
+    clipped: torch.Tensor  # (N,) bool: scaled down (finite samples only)
+    dropped: torch.Tensor | None  # (N,) bool: not finite, left out of the sums; None: none
+    losses: torch.Tensor  # (N,) unscaled
+
+    def merged(self, new: _Attempt, take: torch.Tensor) -> _Attempt:
+        """This attempt with the ``take`` samples of ``new`` (a pass that summed only those)."""
+        return _Attempt(grads={name: g + new.grads[name] for name, g in self.grads.items()},
+                        norms=torch.where(take, new.norms, self.norms),
+                        clipped=torch.where(take, new.clipped, self.clipped),
+                        dropped=None if self.dropped is None else self.dropped & ~take, losses=self.losses)
+
+    def result(self, params: dict[str, nn.Parameter]) -> DPGradient:
+        return DPGradient(grads={name: as_dtype(g, params[name].dtype) for name, g in self.grads.items()},
+                          per_sample_norms=self.norms, loss_sum=host_float(kept_sum(self.losses, self.dropped)),
+                          num_samples=int(self.norms.shape[0]), num_clipped=host_int(self.clipped.sum()),
+                          num_dropped=count_dropped(self.dropped))
 
 
 def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,
@@ -618,7 +662,9 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
     :func:`psg_core.clip_and_sum`, but it holds no ``(N, *param.shape)`` tensor for the layers
     where the Gram matrices are cheaper. ``config.mode`` is not consulted; ``noise_multiplier``
     is ignored (noise is added once per step, elsewhere). Under fp16 autocast the backward pass
-    runs on a scaled loss (see :func:`psg_core.precision.with_loss_scale`).
+    runs on a scaled loss (see :func:`psg_core.precision.with_loss_scale`): where a sample
+    overflows, the pass is run again at lower scales, each summing only the samples still
+    without a finite result (the others' factors 0), and the sums add up.
 
     Args:
         module: the model; ``p.grad`` and ``p.grad_sample`` are left untouched.
@@ -641,14 +687,19 @@ def ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: 
     (3, torch.Size([3]), torch.Size([8, 4]))
     """
     with exclusive(module):  # one thread at a time on a model (see psg_core.support.exclusive)
-        return with_loss_scale(lambda scale: _ghost_dp_gradient(module, inputs, targets, loss_fn=loss_fn,
-                                                                config=config, loss_scale=scale, layout=layout),
-                               lambda out: bool(torch.isfinite(out.per_sample_norms).all()))
+        attempt = with_loss_scale(
+            lambda scale, pending: _ghost_dp_gradient(module, inputs, targets, loss_fn=loss_fn, config=config,
+                                                      loss_scale=scale, pending=pending, layout=layout),
+            lambda attempt: attempt.norms < math.inf,  # (a norm is >= 0: isfinite in one comparison)
+            lambda kept, new, take: kept.merged(new, take))
+        return attempt.result(trainable_parameters(module))
 
 
 def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn: LossFn | nn.Module,
-                       config: DPConfig, loss_scale: float, layout: BatchLayout | None) -> DPGradient:
-    """One attempt of :func:`ghost_dp_gradient` with the backward pass's loss scaled by ``loss_scale``."""
+                       config: DPConfig, loss_scale: float, pending: torch.Tensor | None,
+                       layout: BatchLayout | None) -> _Attempt:
+    """One attempt of :func:`ghost_dp_gradient` with the backward pass's loss scaled by
+    ``loss_scale``, summing the ``pending`` samples only (None: all)."""
     if not isinstance(config, DPConfig):
         raise ConfigError(f"{_WHERE}: config must be a DPConfig, got {type(config).__name__}")
     _check_supported(module)
@@ -661,12 +712,12 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
     params = trainable_parameters(module)
     if num_samples == 0 or not params:
         with torch.no_grad():
-            loss_sum = 0.0 if num_samples == 0 else float(per_sample_loss(
+            losses = torch.zeros(0) if num_samples == 0 else at_least_single(per_sample_loss(
                 loss_fn(module(*model_inputs.args, **model_inputs.kwargs), targets), num_samples=num_samples,
-                batch_dim=layout.batch_dim, reduction=config.loss_reduction).sum())
-        return DPGradient(grads={n: torch.zeros_like(p) for n, p in params.items()},
-                          per_sample_norms=torch.zeros(num_samples), loss_sum=loss_sum,
-                          num_samples=num_samples, num_clipped=0)
+                batch_dim=layout.batch_dim, reduction=config.loss_reduction))
+        return _Attempt(grads={n: torch.zeros_like(p) for n, p in params.items()},
+                        norms=torch.zeros(num_samples), clipped=torch.zeros(num_samples, dtype=torch.bool),
+                        dropped=None, losses=losses)
     bookkeeping = _GhostBookkeeping(module, layout)
     try:
         with BatchTracker(module, num_samples=num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
@@ -679,15 +730,26 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
                 tracker.check_rows(per_element, "the loss")
             loss_dim = loss_batch_dim(per_element, layout.batch_dim, tracker.batch_dim(per_element))
             tracker.release()
-        losses = per_sample_loss(per_element, num_samples=num_samples, batch_dim=loss_dim,
+        # A half-precision loss is reduced and scaled in float32: float16 times the loss scale would
+        # overflow (the gradient reaching it, the scale at most, is representable: INITIAL_LOSS_SCALE).
+        losses = per_sample_loss(at_least_single(per_element), num_samples=num_samples, batch_dim=loss_dim,
                                  reduction=config.loss_reduction)  # (N,)
         bookkeeping.backward(losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum())
         with no_autocast():
-            factors, norms, num_clipped = _clip_factors(bookkeeping, params, config, loss_scale)
+            factors, norms, clipped = _clip_factors(bookkeeping, params, config, loss_scale)
             dropped = dropped_samples(norms)  # not finite: factor 0, rows zeroed, counted
-            sums = bookkeeping.clipped_sums(factors, dropped)
+            # A later pass of with_loss_scale sums only the samples still pending (the others
+            # were summed at a higher scale): left out like dropped ones.
+            left_out = dropped if pending is None else ~pending if dropped is None else dropped | ~pending
             if loss_scale != 1.0:
-                sums = {p: g / loss_scale for p, g in sums.items()}
+                # the sums unscaled through their factors (shared by the parameters of flat clipping):
+                # a sum of scaled rows could overflow a half-precision kernel's output
+                unscaled: dict[int, torch.Tensor] = {}
+                for f in factors.values():
+                    if id(f) not in unscaled:
+                        unscaled[id(f)] = f / loss_scale
+                factors = {p: unscaled[id(f)] for p, f in factors.items()}
+            sums = bookkeeping.clipped_sums(factors, left_out)
         summed = [sums.get(p) for p in params.values()]
     finally:
         bookkeeping.remove()
@@ -696,11 +758,9 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
         grad = torch.zeros_like(p) if grad is None else (grad.to_dense() if grad.is_sparse else grad)
         # contiguous: a clipped sum may be a transposed view (psg_core.gemm.mm_tn), made dense
         # here (by psg's tiled copy), once the pass's activations are freed
-        grads[name] = native.contiguous(as_dtype(grad.detach() if grad.requires_grad else grad, p.dtype))
-    return DPGradient(grads=grads, per_sample_norms=as_dtype(norms.detach() if norms.requires_grad else norms,
-                                                             torch.float32),
-                      loss_sum=host_float(kept_sum(losses.detach(), dropped)),
-                      num_samples=num_samples, num_clipped=num_clipped, num_dropped=count_dropped(dropped))
+        grads[name] = native.contiguous(grad.detach() if grad.requires_grad else grad)
+    return _Attempt(grads=grads, norms=as_dtype(norms.detach() if norms.requires_grad else norms, torch.float32),
+                    clipped=clipped, dropped=dropped, losses=losses.detach())
 
 
 class GhostClippingModule(AbstractGradSampleModule):

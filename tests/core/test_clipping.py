@@ -151,6 +151,25 @@ def test_fp16_norm_does_not_overflow(device: torch.device) -> None:
     assert torch.isfinite(result.grads["w"]).all()
 
 
+@pytest.mark.parametrize("C", [1e-2, 1e-3, 1e-5])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_sums_multiply_and_add_in_float32(dtype: torch.dtype, clipping: str, C: float,
+                                                         device: torch.device) -> None:
+    """A clipping factor cast to float16 is subnormal below ~6e-5 and 0 below ~6e-8 (bf16 keeps
+    8 bits of it): 4 identical samples of norm 6e3 summed to 1.1 x N*C at C=1e-3 and to 0 at
+    C=1e-4. The factors multiply in float32 and the sum is cast to the gradients' dtype once:
+    the float64 sum of the float32 factors times the half-precision rows, to its rounding."""
+    per_sample = {"w": scaled_rows([6000.0], 64).repeat(4, 1).to(device, dtype)}
+    result = clip_and_sum(per_sample, max_grad_norm=C, clipping=clipping)
+    assert result.grads["w"].dtype == dtype
+    expected = reference(per_sample, result.clip_factors)["w"]  # float64
+    eps = torch.finfo(dtype).eps  # the result is the float32 sum rounded to nearest: half a unit
+    torch.testing.assert_close(result.grads["w"].double(), expected, rtol=0.5 * eps + 1e-6,
+                               atol=0.5 * torch.finfo(dtype).tiny * eps * (1 + 1e-3))
+    assert float(result.grads["w"].double().norm()) == pytest.approx(4 * C, rel=2e-3)  # each sample C
+
+
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
 def test_empty_batch_gives_zeros(clipping: str, device: torch.device) -> None:
     per_sample = {"w": torch.zeros(0, 3, 2, device=device), "b": torch.zeros(0, 3, device=device)}
