@@ -881,16 +881,14 @@ class BatchTracker(TorchFunctionMode):
         the recomputation's, and the dropped tensors are not looked for again."""
         with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
             met = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
-            if isinstance(met, _Computed):
-                value = met.value
-            elif met[0] is args and met[1] is kwargs:
+            if not isinstance(met, _Computed) and met[0] is args and met[1] is kwargs:
                 return batched, frozenset(), name, args, kwargs, None  # not rewritten: the op as it is
-            elif name.endswith("_") and not name.endswith("__"):
+            if name.endswith("_") and not name.endswith("__"):
+                # (the op as written, run again in place, would write the tensor a second time)
                 raise self._cannot(name, self.current_module(), "it writes in place inside an activation checkpoint, "
                                    "whose recomputation the rewritten op would not match; write it out of place "
                                    "(x = x * w)")
-            else:
-                value = func(*met[0], **met[1])
+            value = met.value if isinstance(met, _Computed) else func(*met[0], **met[1])
         func(*args, **kwargs)  # (dropped: the checkpoint's record of what the recomputed op saves)
         return batched, frozenset(), name, args, kwargs, value
 
