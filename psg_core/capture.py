@@ -718,14 +718,18 @@ class _StepState:
     written: list[tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
+    def now(cls, devices: list[int], written: list[tuple[torch.Tensor, torch.Tensor]]) -> _StepState:
+        """The generators' states now, with ``written``: tensors and their copies."""
+        return cls(devices, torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], written)
+
+    @classmethod
     def of(cls, entry: _Entry, devices: list[int]) -> _StepState:
-        return cls(devices, torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], _snapshot(entry))
+        return cls.now(devices, _snapshot(entry))
 
     @classmethod
     def of_module(cls, module: nn.Module, devices: list[int]) -> _StepState:
         """Before a step whose writes are not known yet (a recording): every buffer of ``module``."""
-        written = [(buffer, buffer.clone()) for buffer in module.buffers()]
-        return cls(devices, torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], written)
+        return cls.now(devices, [(buffer, buffer.clone()) for buffer in module.buffers()])
 
     def put_back(self) -> None:
         torch.set_rng_state(self.cpu_rng)

@@ -188,11 +188,7 @@ def test_two_last_parts_of_one_logical_batch_release_it_once(client: GradientCli
     # Both continue the pending batch when their headers arrive; only the first to run may.
     rest = [HeldCall(stub.ComputeGradients, compute_messages(session.id, 1, inputs[3:], targets[3:], part=1))
             for _ in range(2)]
-    held(*rest)
-    for call in rest:
-        call.finish()
-    [done] = [call for call in rest if call.error is None]
-    [refused] = [call for call in rest if call.error is not None]
+    done, refused = _one_done_one_refused(rest)
     code, reason, _ = refused.refusal()
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.ACCUMULATION_LOST)
     stats = done.result[0].stats
@@ -208,12 +204,19 @@ def test_two_steps_with_one_step_seed_at_once_release_one_noise_draw(client: Gra
     session.push_parameters(build())
     calls = [HeldCall(stub.ComputeGradients, compute_messages(session.id, 1, *mlp_batch(3, seed=seed), step_seed=7))
              for seed in (1, 2)]
-    held(*calls)  # both headers pass: no step has used seed 7 yet
-    for call in calls:
-        call.finish()
-    [done] = [call for call in calls if call.error is None]
-    [refused] = [call for call in calls if call.error is not None]
+    done, refused = _one_done_one_refused(calls)  # both headers pass: no step has used seed 7 yet
     code, reason, details = refused.refusal()
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.STEP_SEED_REUSED)
     assert "step_seed 7" in details
     assert done.result[0].stats.step == 1 and session.info().steps == 1
+
+
+def _one_done_one_refused(calls: list[HeldCall]) -> tuple[HeldCall, HeldCall]:
+    """Holds ``calls`` after their headers, finishes them, and returns the one that succeeded and
+    the one that was refused (exactly one each)."""
+    held(*calls)
+    for call in calls:
+        call.finish()
+    [done] = [call for call in calls if call.error is None]
+    [refused] = [call for call in calls if call.error is not None]
+    return done, refused
