@@ -1,5 +1,6 @@
 /* psg's native CPU kernels: a recurrent direction's whole time loop (LSTM, GRU, RNN), forward and
- * backward; and an EmbeddingBag's ghost norms and clipped sum (table.h).
+ * backward; an EmbeddingBag's ghost norms and clipped sum (table.h); ghost clipping's float64 Gram
+ * matrices of float32 rows (gram.h).
  *
  * psg's DP recurrent layers run their time loop step by step: per step one matrix product with
  * the hidden weight and the cell's pointwise ops. From Python each step costs a product call
@@ -78,6 +79,7 @@ typedef float psg_vfu __attribute__((vector_size(VEC_BYTES), aligned(4)));
 #include "sequence.h"
 #include "table.h"
 #include "copy.h"
+#include "gram.h"
 #undef REAL
 #undef LANES
 #undef VEC
@@ -100,6 +102,7 @@ typedef double psg_vdu __attribute__((vector_size(VEC_BYTES), aligned(8)));
 #include "sequence.h"
 #include "table.h"
 #include "copy.h"
+#include "gram.h"
 
 /* The library's interface version: psg_core.native refuses a library built from another source. */
-int psg_native_version(void) { return 9; }
+int psg_native_version(void) { return 10; }

@@ -364,7 +364,8 @@ def test_bad_arguments_are_refused() -> None:
 
 @pytest.mark.parametrize(("name", "kernels"), [
     ("embedding_bag", {"psg.bag_entries.default", "psg.keyed_sq_norms.default", "psg.keyed_table_sum.default"}),
-    ("lstm", {"psg.recurrent_forward.default", "psg.recurrent_backward.default"}),
+    ("lstm", {"psg.recurrent_forward.default", "psg.recurrent_backward.default", "psg.gram64.default",
+              "psg.keyed_sq_norms.default"}),  # (the embedding's norms: its rows' runs)
 ])
 def test_the_native_kernels_are_recorded_as_operators(name: str, kernels: set[str]) -> None:
     """Where psg's native kernels build, a recorded step calls them through torch.ops.psg (a replay

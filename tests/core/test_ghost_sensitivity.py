@@ -5,7 +5,8 @@ Ghost takes a sample's squared norm as ``sum_{i,j} (a_i . a_j)(g_i . g_j)`` over
 that nearly cancel (tokens ``a`` and ``a + d``, output gradients ``+b`` and ``-b``) make that norm
 tiny beside the terms it is computed from: in float32 the result was rounding noise, even 0, so
 the crafted sample went unclipped and added 31 times the bound (an audit's measurement). The
-Gram matrices are now computed in float64 (psg_core.grad_sample.ghost_norm.gram_dtype).
+Gram matrices are now computed in float64 (psg_core.grad_sample.ghost_norm.gram_dtype), on a CPU by
+psg's native kernel where it builds (psg_core.native.gram64) and else in torch: both are tested.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from psg_core import DPConfig, dp_gradient
+from psg_core import DPConfig, dp_gradient, native
 
 D, C = 32, 1.0
 
@@ -48,10 +49,18 @@ def _batch(rows: torch.Tensor, layout: str) -> torch.Tensor:
     return rows if layout == "rows" else rows.transpose(1, 2)[:, :, None, :]
 
 
+@pytest.mark.parametrize("kernels", ["auto", "off"])
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("kind", ["linear", "conv", "tied"])
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])
-def test_a_sample_whose_rows_nearly_cancel_is_clipped(mode: str, kind: str, K: int) -> None:
+def test_a_sample_whose_rows_nearly_cancel_is_clipped(mode: str, kind: str, K: int, kernels: str) -> None:
+    if kernels == "auto" and native.library() is None:
+        pytest.skip(f"native kernels not built here: {native.build_error()}")
+    with native.native_kernels(kernels):
+        _check_crafted_sample_clipped(mode, kind, K)
+
+
+def _check_crafted_sample_clipped(mode: str, kind: str, K: int) -> None:
     torch.manual_seed(0)
     model, layout = _model_and_layout(kind)
     config = DPConfig(mode=mode, max_grad_norm=C, augmentation_multiplicity=K)

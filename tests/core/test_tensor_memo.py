@@ -90,13 +90,13 @@ def test_dplstm_ghost_computes_the_gate_gradient_gram_once(monkeypatch) -> None:
             return self.lstm(x)[0][:, -1]
 
     shapes: list[tuple[int, ...]] = []
-    real = ghost_norm._gram
+    real = ghost_norm._cast_gram  # (a Gram in float64: psg's native kernel or torch's)
 
-    def counting(rows: torch.Tensor) -> torch.Tensor:
+    def counting(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         shapes.append(tuple(rows.shape))
-        return real(rows)
+        return real(rows, dtype)
 
-    monkeypatch.setattr(ghost_norm, "_gram", counting)
+    monkeypatch.setattr(ghost_norm, "_cast_gram", counting)
     torch.manual_seed(0)
     model, x, y = Model(), torch.randn(3, 8, 12), torch.randn(3, 16)
     out = dp_gradient(model, x, y, loss_fn=nn.MSELoss(reduction="none"),
@@ -128,13 +128,13 @@ def test_projections_of_one_input_compute_its_gram_once(monkeypatch) -> None:  #
             return self.out(scores @ self.v(x)).mean(1)
 
     shapes: list[int] = []
-    real = ghost_norm._gram
+    real = ghost_norm._cast_gram  # (a Gram in float64: psg's native kernel or torch's)
 
-    def counting(rows: torch.Tensor) -> torch.Tensor:
+    def counting(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         shapes.append(rows.shape[-1])
-        return real(rows)
+        return real(rows, dtype)
 
-    monkeypatch.setattr(ghost_norm, "_gram", counting)
+    monkeypatch.setattr(ghost_norm, "_cast_gram", counting)
     torch.manual_seed(0)
     model, x, y = Attention(), torch.randn(6, 9, 40), torch.randn(6, 2)
     for K in (1, 2):
