@@ -30,9 +30,9 @@ typedef double psg_gram_vd __attribute__((vector_size(PSG_GRAM_LANES * 8)));
 #endif
 #define PSG_GRAM_KC 512 /* doubles of each row per panel: a 64-row panel is 256 KB */
 
-static double psg_gram_hsum(psg_gram_vd v) {
+static double psg_gram_hsum(const psg_gram_vd *v) { /* (by address: a 64-byte vector by value has no stable ABI) */
   double s = 0;
-  for (int i = 0; i < PSG_GRAM_LANES; ++i) s += v[i];
+  for (int i = 0; i < PSG_GRAM_LANES; ++i) s += (*v)[i];
   return s;
 }
 
@@ -55,7 +55,7 @@ static PSG_FUSED void psg_gram_panel(long T, long Tp, long kc, const double *pan
       for (int r = 0; r < PSG_GRAM_RB; ++r)
         for (int c = 0; c < PSG_GRAM_RB; ++c) {
           const long i = i0 + r, j = j0 + c;
-          if (i <= j && j < T) o[i * T + j] += psg_gram_hsum(acc[r][c]);
+          if (i <= j && j < T) o[i * T + j] += psg_gram_hsum(&acc[r][c]);
         }
     }
 }

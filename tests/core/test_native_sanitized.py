@@ -1,6 +1,7 @@
-"""psg's C kernels for EmbeddingBag ghost clipping built with AddressSanitizer and UBSan and
-driven on random bag layouts, valid and invalid (tests/data/native_table_driver.c): no
-out-of-bounds access, leak or undefined behaviour, and every valid layout accepted. Skipped where
+"""psg's C kernels for EmbeddingBag ghost clipping and its float64 Gram kernel built with
+AddressSanitizer and UBSan and driven on random bag layouts, valid and invalid, and random Gram
+shapes and strides (tests/data/native_table_driver.c): no out-of-bounds access, leak or undefined
+behaviour, every valid layout accepted and every Gram equal to a plain double loop. Skipped where
 no C compiler with the sanitizer runtimes is at hand."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 /* Drives psg's EmbeddingBag kernels (psg_core/csrc/table.h) on random bag layouts, valid and not
  * (empty bags, padding, tokens outside the table, offsets past the input, entries outside their
- * sample's rows, inf rows, one and two threads), for tests/core/test_native_sanitized.py, which
+ * sample's rows, inf rows, one and two threads), and its float64 Gram kernel (gram.h) on random
+ * shapes and strides against a plain double loop, for tests/core/test_native_sanitized.py, which
  * builds it with AddressSanitizer and UBSan: any out-of-bounds access, leak or undefined
  * behaviour aborts the run. Exits 1 where a kernel refused numbers it should have taken. */
 #include <stdio.h>
@@ -18,6 +19,8 @@ int psg_f32_keyed_sq_norms(long M, long N, long K, long d, const long *sample, c
 int psg_f32_keyed_table_sum(long M, long N, long d, long V, long n_rows, const long *sample, const long *token,
                             const long *source, const float *weight, const float *factor, const float *rows,
                             long row_stride, float *out);
+int psg_f32_gram64(long B, long T, long D, const float *x, long bs, long rs, int threads, double *out);
+int psg_f64_gram64(long B, long T, long D, const double *x, long bs, long rs, int threads, double *out);
 static long rnd(long n) { return n > 0 ? rand() % n : 0; }
 int main(void) {
   srand(7);
@@ -75,6 +78,35 @@ int main(void) {
     for (long i = 0; i < N * K * d; ++i) rows[i] = 1.0;
     psg_f64_keyed_sq_norms(M, N, K, d, sample, token, source, weight, rows, d, 2, out);
     free(sample); free(token); free(source); free(weight); free(rows); free(out);
+  }
+  /* gram64: every shape of up to 3 matrices, 13 rows and 1100 columns (several panels), rows and
+   * matrices spaced apart (the gaps hold NaN: a read outside a row would show), 1 and 2 threads */
+  for (int it = 0; it < 400; ++it) {
+    long B = 1 + rnd(3), T = 1 + rnd(13), D = rnd(4) ? 1 + rnd(40) : 500 + rnd(600);
+    long rs = D + rnd(3), bs = T * rs + rnd(5);
+    int dbl = rnd(2), threads = 1 + rnd(2);
+    float *xf = malloc(sizeof(float) * B * bs);
+    double *xd = malloc(sizeof(double) * B * bs), *out = malloc(sizeof(double) * B * T * T);
+    for (long i = 0; i < B * bs; ++i) { xf[i] = NAN; xd[i] = NAN; }
+    for (long b = 0; b < B; ++b)
+      for (long i = 0; i < T; ++i)
+        for (long k = 0; k < D; ++k) xf[b * bs + i * rs + k] = (float)(xd[b * bs + i * rs + k] = rnd(2001) / 1000.0 - 1.0);
+    int status = dbl ? psg_f64_gram64(B, T, D, xd, bs, rs, threads, out) : psg_f32_gram64(B, T, D, xf, bs, rs, threads, out);
+    runs++;
+    if (status != 0) fails++;
+    for (long b = 0; b < B && status == 0; ++b)
+      for (long i = 0; i < T; ++i)
+        for (long j = 0; j < T; ++j) {
+          double ref = 0, mag = 0;
+          for (long k = 0; k < D; ++k) {
+            const double p = (dbl ? xd[b * bs + i * rs + k] * xd[b * bs + j * rs + k]
+                                  : (double)xf[b * bs + i * rs + k] * (double)xf[b * bs + j * rs + k]);
+            ref += p;
+            mag += fabs(p);
+          }
+          if (!(fabs(out[b * T * T + i * T + j] - ref) <= 1e-12 * (mag + 1))) { fails++; i = T; break; }
+        }
+    free(xf); free(xd); free(out);
   }
   printf("runs %ld unexpected failures %ld\n", runs, fails);
   return fails ? 1 : 0;
