@@ -9,7 +9,9 @@
  * into chunks of PSG_GRAM_KC) into a zero-padded float64 buffer that stays in cache, and only the
  * blocks on and above the diagonal are computed: PSG_GRAM_RB x PSG_GRAM_RB dot products at a time,
  * their accumulators (PSG_GRAM_LANES-wide GCC vectors, which the compiler maps to the host's
- * widest SIMD) held in registers, then mirrored. An LSTM's gate gradients at batch 8, 64 steps,
+ * widest SIMD) held in registers, then mirrored. Rows that are all zero are left out (their
+ * products are 0): the padded positions of a right-padded batch get zero output gradients in
+ * every layer of a causal model, so its gradients' Grams cost the real tokens' rows only. An LSTM's gate gradients at batch 8, 64 steps,
  * 1024 gates: 1.0 ms against torch's 2.2-5.5 ms (cast and product) on one core of the 2-core AMD
  * EPYC, where the float32 product takes 0.8 ms.
  *
@@ -36,11 +38,13 @@ static double psg_gram_hsum(const psg_gram_vd *v) { /* (by address: a 64-byte ve
   return s;
 }
 
-/* o[i][j] += panel_i . panel_j for i <= j < T: `panel` is (Tp, kc) float64, rows of 64-byte
- * alignment, kc a multiple of PSG_GRAM_LANES, rows T .. Tp-1 zero. */
-static PSG_FUSED void psg_gram_panel(long T, long Tp, long kc, const double *panel, double *o) {
-  for (long i0 = 0; i0 < Tp; i0 += PSG_GRAM_RB)
-    for (long j0 = i0; j0 < Tp; j0 += PSG_GRAM_RB) {
+/* o[row[i]][row[j]] += panel_i . panel_j for i <= j < n (o is T x T): `panel` is (np, kc) float64,
+ * rows of 64-byte alignment, kc a multiple of PSG_GRAM_LANES, rows n .. np-1 zero; row[i] is
+ * panel row i's row of the matrix. */
+static PSG_FUSED void psg_gram_panel(long T, long n, long np, long kc, const double *panel, const long *row,
+                                     double *o) {
+  for (long i0 = 0; i0 < np; i0 += PSG_GRAM_RB)
+    for (long j0 = i0; j0 < np; j0 += PSG_GRAM_RB) {
       psg_gram_vd acc[PSG_GRAM_RB][PSG_GRAM_RB];
       for (int r = 0; r < PSG_GRAM_RB; ++r)
         for (int c = 0; c < PSG_GRAM_RB; ++c) acc[r][c] = (psg_gram_vd){0};
@@ -55,7 +59,7 @@ static PSG_FUSED void psg_gram_panel(long T, long Tp, long kc, const double *pan
       for (int r = 0; r < PSG_GRAM_RB; ++r)
         for (int c = 0; c < PSG_GRAM_RB; ++c) {
           const long i = i0 + r, j = j0 + c;
-          if (i <= j && j < T) o[i * T + j] += psg_gram_hsum(&acc[r][c]);
+          if (i <= j && j < n) o[row[i] * T + row[j]] += psg_gram_hsum(&acc[r][c]);
         }
     }
 }
@@ -66,28 +70,45 @@ static int NAME(gram_range)(long b0, long b1, long T, long D, const REAL *x, lon
   const long Tp = (T + PSG_GRAM_RB - 1) / PSG_GRAM_RB * PSG_GRAM_RB;
   const long width = D < PSG_GRAM_KC ? (D + PSG_GRAM_LANES - 1) / PSG_GRAM_LANES * PSG_GRAM_LANES : PSG_GRAM_KC;
   double *panel = (double *)aligned_alloc(64, sizeof(double) * (size_t)(Tp * width));
-  if (panel == NULL) return -1;
+  long *row = (long *)malloc(sizeof(long) * (size_t)T);
+  if (panel == NULL || row == NULL) {
+    free(panel);
+    free(row);
+    return -1;
+  }
   for (long b = b0; b < b1; ++b) {
+    const REAL *xb = x + b * bs;
     double *o = out + b * T * T;
     for (long i = 0; i < T * T; ++i) o[i] = 0;
-    for (long k0 = 0; k0 < D; k0 += PSG_GRAM_KC) {
+    /* the rows that are not all zero (NaN and inf included): a zero row's products are 0, and
+     * a padded sequence's positions get zero output gradients in every layer */
+    long n = 0;
+    for (long i = 0; i < T; ++i) {
+      const REAL *src = xb + i * rs;
+      long k = 0;
+      while (k < D && src[k] == 0) ++k;
+      if (k < D) row[n++] = i;
+    }
+    const long np = (n + PSG_GRAM_RB - 1) / PSG_GRAM_RB * PSG_GRAM_RB;
+    for (long k0 = 0; k0 < D && n > 0; k0 += PSG_GRAM_KC) {
       const long kn = D - k0 < PSG_GRAM_KC ? D - k0 : PSG_GRAM_KC;
       const long kc = (kn + PSG_GRAM_LANES - 1) / PSG_GRAM_LANES * PSG_GRAM_LANES;
-      for (long i = 0; i < Tp; ++i) {
-        double *row = panel + i * kc;
+      for (long i = 0; i < np; ++i) {
+        double *dst = panel + i * kc;
         long k = 0;
-        if (i < T) {
-          const REAL *src = x + b * bs + i * rs + k0;
-          for (; k < kn; ++k) row[k] = (double)src[k];
+        if (i < n) {
+          const REAL *src = xb + row[i] * rs + k0;
+          for (; k < kn; ++k) dst[k] = (double)src[k];
         }
-        for (; k < kc; ++k) row[k] = 0;
+        for (; k < kc; ++k) dst[k] = 0;
       }
-      psg_gram_panel(T, Tp, kc, panel, o);
+      psg_gram_panel(T, n, np, kc, panel, row, o);
     }
     for (long i = 1; i < T; ++i)
       for (long j = 0; j < i; ++j) o[i * T + j] = o[j * T + i];
   }
   free(panel);
+  free(row);
   return 0;
 }
 

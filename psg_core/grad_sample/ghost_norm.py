@@ -159,8 +159,11 @@ class GhostFactors:
         >>> torch.allclose(GhostFactors.dot(a, g).sq_norms(torch.float32), grads.square().sum((1, 2, 3)))
         True
         """
-        right = as_dtype(self.right, dtype)
         precise = gram_dtype(dtype)
+        # (cast where the rows are read as they are: the Grams below read the rows in their own
+        # dtype, and a float64 copy of a tied LM head's (N, T, V) rows is 131 MB at GPT-2's sizes)
+        right = as_dtype(self.right, dtype) if self.kind is not FactorKind.DOT or self.right.shape[-2] == 1 \
+            else self.right
         if self.kind is FactorKind.KEYED:
             if self.source is not None and self.weight is not None:
                 weight = as_dtype(self.weight, dtype)
@@ -466,7 +469,12 @@ def shared_sq_norms(parts: Sequence[tuple[WeightLayout, GhostFactors]], shape: S
             raise ConfigError(f"shared_sq_norms: a ghost norm declared with layout {layout.name} gave "
                               f"{factors.kind.name} factors of shapes {tuple(factors.left.shape)} and "
                               f"{tuple(factors.right.shape)}")
-    products = [_rows_on_right(layout, factors, dtype) for layout, factors in parts if factors.kind is FactorKind.DOT]
+    # the products' rows in one dtype, not widened: their Grams are float64 whatever the rows'
+    # dtype (sq_norms), and a tied LM head's rows in float64 would be an (N, T, V) copy
+    dot_parts = [(layout, factors) for layout, factors in parts if factors.kind is FactorKind.DOT]
+    common = functools.reduce(torch.promote_types, (f.right.dtype for _, f in dot_parts), torch.float32) \
+        if dot_parts else dtype
+    products = [_rows_on_right(layout, factors, common) for layout, factors in dot_parts]
     tables = [factors for _, factors in parts if factors.kind is not FactorKind.DOT]
     product = _concat_products(products, math.prod(shape)) if products else None
     table = _concat_tables(tables) if tables else None
@@ -530,10 +538,10 @@ def _product_table_dot(product: GhostFactors, table: GhostFactors, dtype: torch.
     ...                                   torch.float32), expected, atol=1e-5)
     True
     """
-    right, left = product.right[:, 0].to(dtype), product.left[:, 0].to(dtype)  # (N, T, V), (N, T, d)
+    right, left = product.right[:, 0], product.left[:, 0].to(dtype)  # (N, T, V), (N, T, d)
     rows = table.right.to(dtype)  # (N, S, d)
     tokens = table.left.unsqueeze(1).expand(-1, right.shape[1], -1)  # (N, T, S)
-    at_tokens = right.gather(2, tokens)  # (N, T, S): R[t, tok_s]
+    at_tokens = right.gather(2, tokens).to(dtype)  # (N, T, S): R[t, tok_s] (gathered, then widened)
     return (at_tokens * (left @ rows.transpose(1, 2))).sum((1, 2))  # (N,)
 
 

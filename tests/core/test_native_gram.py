@@ -6,6 +6,8 @@ tensors the kernel cannot read are refused (None: the caller computes in torch).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -35,6 +37,28 @@ def test_grams_equal_the_float64_product(positions: int, width: int, dtype: torc
     assert got is not None and got.dtype == torch.float64 and got.shape == (3, positions, positions)
     torch.testing.assert_close(got, _reference(rows), rtol=1e-13, atol=1e-9 * width)
     assert torch.equal(got, got.transpose(1, 2))  # one triangle computed, mirrored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zero_rows_are_left_out_and_the_grams_unchanged(dtype: torch.dtype) -> None:
+    """A right-padded batch's gradients: zero rows (a padded position's), whose products are 0;
+    a row with one non-zero entry, NaN or inf is not one of them."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(4, 37, 600, generator=gen, dtype=dtype)
+    rows[0, 20:] = 0.0  # a sequence of 20 tokens
+    rows[1, ::2] = 0.0
+    rows[2] = 0.0  # all padding
+    rows[3, 5] = 0.0
+    rows[3, 5, 599] = 1e-30  # not zero
+    got = native.gram64(rows)
+    assert got is not None
+    torch.testing.assert_close(got, _reference(rows), rtol=1e-13, atol=1e-9)
+    assert torch.equal(got[0, 20:], torch.zeros_like(got[0, 20:])) and torch.equal(got[2], torch.zeros_like(got[2]))
+    assert got[3, 5, 5] > 0
+    rows[3, 6] = 0.0
+    rows[3, 6, 0], rows[3, 7, 0] = math.nan, math.inf
+    got = native.gram64(rows)
+    assert got is not None and got[3, 6, 6].isnan() and got[3, 7, 7].isinf()
 
 
 def test_strided_stacks_and_thread_counts() -> None:

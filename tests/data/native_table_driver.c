@@ -79,7 +79,7 @@ int main(void) {
     psg_f64_keyed_sq_norms(M, N, K, d, sample, token, source, weight, rows, d, 2, out);
     free(sample); free(token); free(source); free(weight); free(rows); free(out);
   }
-  /* gram64: every shape of up to 3 matrices, 13 rows and 1100 columns (several panels), rows and
+  /* gram64: every shape of up to 3 matrices, 13 rows and 1100 columns (several panels), zero rows, rows and
    * matrices spaced apart (the gaps hold NaN: a read outside a row would show), 1 and 2 threads */
   for (int it = 0; it < 400; ++it) {
     long B = 1 + rnd(3), T = 1 + rnd(13), D = rnd(4) ? 1 + rnd(40) : 500 + rnd(600);
@@ -90,7 +90,8 @@ int main(void) {
     for (long i = 0; i < B * bs; ++i) { xf[i] = NAN; xd[i] = NAN; }
     for (long b = 0; b < B; ++b)
       for (long i = 0; i < T; ++i)
-        for (long k = 0; k < D; ++k) xf[b * bs + i * rs + k] = (float)(xd[b * bs + i * rs + k] = rnd(2001) / 1000.0 - 1.0);
+        for (long k = 0, zero = rnd(3) == 0; k < D; ++k) /* a third of the rows all zero (left out) */
+          xf[b * bs + i * rs + k] = (float)(xd[b * bs + i * rs + k] = zero ? 0.0 : rnd(2001) / 1000.0 - 1.0);
     int status = dbl ? psg_f64_gram64(B, T, D, xd, bs, rs, threads, out) : psg_f32_gram64(B, T, D, xf, bs, rs, threads, out);
     runs++;
     if (status != 0) fails++;
