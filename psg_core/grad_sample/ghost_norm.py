@@ -472,8 +472,8 @@ def shared_sq_norms(parts: Sequence[tuple[WeightLayout, GhostFactors]], shape: S
     # the products' rows in one dtype, not widened: their Grams are float64 whatever the rows'
     # dtype (sq_norms), and a tied LM head's rows in float64 would be an (N, T, V) copy
     dot_parts = [(layout, factors) for layout, factors in parts if factors.kind is FactorKind.DOT]
-    common = functools.reduce(torch.promote_types, (f.right.dtype for _, f in dot_parts), torch.float32) \
-        if dot_parts else dtype
+    common = functools.reduce(torch.promote_types, (t.dtype for _, f in dot_parts for t in (f.left, f.right)),
+                              torch.float32)
     products = [_rows_on_right(layout, factors, common) for layout, factors in dot_parts]
     tables = [factors for _, factors in parts if factors.kind is not FactorKind.DOT]
     product = _concat_products(products, math.prod(shape)) if products else None

@@ -168,3 +168,30 @@ def test_ghost_steps_equal_with_the_kernels_and_without(K: int) -> None:
     assert got.num_clipped == expected.num_clipped > 0
     for name in expected.grads:
         torch.testing.assert_close(got.grads[name], expected.grads[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float64, torch.float32)])
+def test_shared_norms_of_a_tied_table_keep_the_rows_dtypes(dtypes: tuple[torch.dtype, torch.dtype],
+                                                           kernels: str) -> None:
+    """A tied table and head (GPT-2's): the head's product rows are no longer copied to float64
+    before their Grams, whose products are float64 whatever the rows' dtypes (mixed ones
+    included); equal to the dense per-sample gradient's norm in float64."""
+    from psg_core.grad_sample.ghost_norm import WeightLayout, shared_sq_norms
+
+    left_dtype, right_dtype = dtypes
+    gen = torch.Generator().manual_seed(11)
+    samples, positions, vocab, width = 3, 9, 7, 5
+    tokens = torch.randint(0, vocab, (samples, positions), generator=gen)
+    rows = torch.randn(samples, positions, width, generator=gen)
+    left = torch.randn(samples, 1, positions, width, generator=gen).to(left_dtype)
+    right = torch.randn(samples, 1, positions, vocab, generator=gen).to(right_dtype)
+    parts = [(WeightLayout.TABLE, GhostFactors.index(tokens, rows)),
+             (WeightLayout.ROWS_RIGHT, GhostFactors.dot(left, right))]
+    with native.native_kernels(kernels):
+        got = shared_sq_norms(parts, (vocab, width), torch.float64)
+    dense = right[:, 0].double().transpose(1, 2) @ left[:, 0].double()  # (N, V, d)
+    for n in range(samples):
+        dense[n].index_add_(0, tokens[n], rows[n].double())
+    torch.testing.assert_close(got, dense.square().sum((1, 2)), rtol=1e-12, atol=1e-12)
