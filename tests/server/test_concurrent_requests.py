@@ -27,22 +27,10 @@ from psg_wire.names import Reason, input_name, parameter_name
 from psg_wire.v1 import gradient_service_pb2 as pb
 from psg_wire.v1 import gradient_service_pb2_grpc as pb_grpc
 from psg_wire.v1.tensor_pb2 import TensorHeader
-from tests.server.service_harness import MLP_KWARGS, build, client_for, local_dp, mlp_batch, serve
+from tests.server.service_harness import MLP_KWARGS, build, local_dp, mlp_batch
 
 #: Time for the server to read and check a header the test has sent (it takes well under a millisecond).
 HEADER_SECONDS = 0.5
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[BackgroundServer]:
-    with serve(num_workers=1) as running:
-        yield running
-
-
-@pytest.fixture()
-def client(server: BackgroundServer) -> Iterator[GradientClient]:
-    with client_for(server) as connected:
-        yield connected
 
 
 @pytest.fixture()

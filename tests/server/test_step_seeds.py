@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -16,7 +15,6 @@ import torch
 
 from psg_client import GradientClient, ServiceError, Session
 from psg_core.config import DPConfig
-from psg_server.background import BackgroundServer
 from psg_server.state import DATABASE_NAME, SCHEMA_VERSION, SessionDatabase
 from psg_server.step_seeds import MAX_STEP_SEED, UsedSeeds
 from psg_wire.names import Reason
@@ -49,18 +47,6 @@ def test_used_seeds_are_a_set_kept_as_runs() -> None:
 
 
 # ---------------------------------------------------------------------------------- the service
-@pytest.fixture(scope="module")
-def server() -> Iterator[BackgroundServer]:
-    with serve(num_workers=1) as running:
-        yield running
-
-
-@pytest.fixture()
-def client(server: BackgroundServer) -> Iterator[GradientClient]:
-    with client_for(server) as connected:
-        yield connected
-
-
 def open_noisy(client: GradientClient, config: DPConfig = NOISY, **kwargs: object) -> Session:
     session = client.create_session("mlp", model_kwargs=MLP_KWARGS, loss="cross_entropy", expected_batch_size=4,
                                     config=config, delta=1e-5, **kwargs)  # type: ignore[arg-type]
