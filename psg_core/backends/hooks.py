@@ -21,6 +21,7 @@ from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, b
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
 from psg_core.errors import BatchLayoutError, ConfigError, GradAccumulationError, UnsupportedModuleError
+from psg_core.grad_sample._utils import accumulating_into
 from psg_core.grad_sample.registry import GRAD_SAMPLERS
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
@@ -441,20 +442,44 @@ class GradSampleModule(AbstractGradSampleModule):
                 dtype = layer_dtype(call.layer)
                 backprops = [to_compute(b, dtype) * scale if b is not None else None for b in backprops]
                 scale = 1.0
-        grad_samples = call_grad_samples(call, backprops, self.augmentation_multiplicity,
-                                         where="GradSampleModule", force_functorch=self.force_functorch,
-                                         suspend=self._suspend_capture())
+        # A parameter this pass already has a per-sample gradient of, in a tensor of this
+        # wrapper's (a tied weight's second owner): offered to the sampler to add into in place.
+        targets = self._addable_targets(call.layer, forward_id) if scale == 1.0 else {}
+        with accumulating_into(targets):
+            grad_samples = call_grad_samples(call, backprops, self.augmentation_multiplicity,
+                                             where="GradSampleModule", force_functorch=self.force_functorch,
+                                             suspend=self._suspend_capture())
         # Storages autograd or the caller still use: a sampler's output that lies in one of them
         # (a bias's gradient may be the backprop itself) must never be added into in place.
         borrowed = {t.untyped_storage().data_ptr() for t in [*backprops, *call.args]
                     if isinstance(t, torch.Tensor)}
         for param, grad_sample in grad_samples.items():
-            if not param.requires_grad:
-                continue
+            if not param.requires_grad or targets.get(id(param)) is grad_sample:
+                continue  # (a target given back: the sampler added its part into it)
             if scale != 1.0:
                 grad_sample = grad_sample * scale
             self._store(param, grad_sample, forward_id,
                         fresh=grad_sample.untyped_storage().data_ptr() not in borrowed)
+
+    def _addable(self, param: torch.Tensor, existing: torch.Tensor, forward_id: int) -> bool:
+        """Whether ``existing``, ``param``'s per-sample gradient, may be added into in place by another
+        call of pass ``forward_id`` (a recurrent cell, a shared layer): this wrapper made it in
+        that pass and nobody has seen it yet, and its elements do not share memory (torch.func
+        returns an expanded zero for a parameter whose gradient is zero)."""
+        key = id(param)
+        owned = self._owned.get(key)
+        return forward_id in self._sources.get(key, ()) and owned is not None and owned() is existing \
+            and torch._debug_has_internal_overlap(existing) == 0
+
+    def _addable_targets(self, layer: nn.Module, forward_id: int) -> dict[int, torch.Tensor]:
+        """The layer's parameters whose per-sample gradient of this pass :meth:`_addable` allows
+        adding into, by ``id``: what its sampler is offered (psg_core.grad_sample._utils.accumulating_into)."""
+        targets = {}
+        for param in _own_trainable(layer):
+            existing = get_grad_sample(param)
+            if existing is not None and self._addable(param, existing, forward_id):
+                targets[id(param)] = existing
+        return targets
 
     def _store(self, param: torch.Tensor, grad_sample: torch.Tensor, forward_id: int, *,
                fresh: bool = False) -> None:
@@ -482,13 +507,7 @@ class GradSampleModule(AbstractGradSampleModule):
                 f"GradSampleModule: cannot accumulate per-sample gradients of {existing.shape[0]} "
                 f"and {grad_sample.shape[0]} samples; clear p.grad_sample between batches of "
                 "different sizes")
-        owned = self._owned.get(key)
-        if forward_id in sources and owned is not None and owned() is existing \
-                and torch._debug_has_internal_overlap(existing) == 0:
-            # Another call of the same forward pass (a recurrent cell, a shared layer): this
-            # wrapper made ``existing`` and nobody has seen it yet, so add in place (unless its
-            # elements share memory: torch.func returns an expanded zero for a parameter whose
-            # gradient is zero).
+        if self._addable(param, existing, forward_id):
             existing.add_(grad_sample)
             return
         # First sum (the sampler's output may alias autograd's buffers) or a new backward pass

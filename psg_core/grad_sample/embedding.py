@@ -25,7 +25,7 @@ from torch import nn
 
 import psg_core.native as native
 from psg_core.errors import UnsupportedModuleError
-from psg_core.grad_sample._utils import wants_grad
+from psg_core.grad_sample._utils import accumulation_target, wants_grad
 from psg_core.grad_sample.ghost_norm import FactorKind, GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 from psg_core.precision import as_dtype
@@ -75,8 +75,18 @@ def embedding_grad_sample(layer: nn.Embedding, activations: list[torch.Tensor],
     sample_of_row = torch.arange(rows, device=tokens.device) // K  # (N*K,)
     sample_of_token = sample_of_row[:, None].expand_as(per_row).reshape(-1)  # (N*K*T,)
     values = backprops.reshape(-1, dim)  # (N*K*T, d)
-    grad = _per_sample_scatter(per_row.reshape(-1), sample_of_token, values, n_samples,
-                               layer.num_embeddings)  # (N, V, d)
+    flat = per_row.reshape(-1)  # (N*K*T,)
+    into = accumulation_target(layer.weight, (n_samples, layer.num_embeddings, dim), values.dtype, values.device)
+    if into is not None:
+        # A tied weight whose other owner's per-sample gradient is already made (GPT-2's LM head,
+        # whose backward runs first): the lookups add into it, no (N, V, d) buffer of their own.
+        # The padding row's own gradient is 0 (torch's rule), so its tokens add an exact 0
+        # (where, not a product: a padding position's gradient may hold inf or NaN).
+        if layer.padding_idx is not None:
+            values = torch.where((flat != layer.padding_idx)[:, None], values, values.new_zeros(()))
+        into.view(-1, dim).index_add_(0, sample_of_token * layer.num_embeddings + flat, values)
+        return {layer.weight: into}
+    grad = _per_sample_scatter(flat, sample_of_token, values, n_samples, layer.num_embeddings)  # (N, V, d)
     if layer.padding_idx is not None:
         grad[:, layer.padding_idx] = 0
     return {layer.weight: grad}
