@@ -176,3 +176,31 @@ def test_a_target_is_offered_only_when_it_fits() -> None:
     with accumulating_into({id(weight): strided}):
         assert accumulation_target(weight, (2, 5, 3), torch.float32, strided.device) is None  # not contiguous
     assert accumulation_target(weight, (2, 5, 3), torch.float32, total.device) is None
+
+
+class _SharedTable(nn.Module):
+    """One table looked up twice in a pass (T5's shared table, read by its encoder and decoder):
+    the second call's backward adds into the first's per-sample gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM, padding_idx=0)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        encoded = self.embed(ids).mean(1, keepdim=True)  # (N*K, 1, d)
+        decoded = self.embed(ids.flip(1))  # (N*K, T, d)
+        return self.head(torch.tanh(decoded + encoded))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_table_called_twice_adds_its_second_call_in_place(K: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(10)
+    model = _SharedTable()
+    ids, targets = _lm_batch(3 * K, VOCAB, STEPS)
+    expected = _oracle(model, ids, targets, K, "mean")
+    scatters = _Scatters(monkeypatch)
+    got = per_sample_gradients(model, ids, targets, loss_fn=_token_loss, augmentation_multiplicity=K)
+    assert scatters.calls == 1  # the first call to arrive scatters; the second adds into it
+    for name, value in expected.items():
+        assert_close_scaled(got[name], value, name=name)
