@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from psg_core.gemm import mm_tn
-from psg_core.grad_sample._utils import wants_grad
+from psg_core.grad_sample._utils import accumulation_target, wants_grad
 from psg_core.grad_sample.ghost_norm import GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 from psg_core.precision import as_dtype
@@ -99,7 +99,12 @@ def linear_grad_sample(layer: nn.Linear, activations: list[torch.Tensor], backpr
     x, g = _rows(activations[0], backprops, K)  # (N, K*T, d_in), (N, K*T, d_out)
     out: dict[torch.Tensor, torch.Tensor] = {}
     if wants_grad(layer.weight):
-        out[layer.weight] = torch.bmm(g.transpose(1, 2), x)  # (N, d_out, d_in): one batched product
+        g_t = g.transpose(1, 2)  # (N, d_out, K*T)
+        # A layer called again in the pass (a shared block, a cell in a loop): the product added
+        # into the per-sample gradient the earlier calls made, no (N, d_out, d_in) tensor of its own
+        into = accumulation_target(layer.weight, (g.shape[0], g.shape[2], x.shape[2]), g.dtype, g.device) \
+            if x.dtype == g.dtype else None
+        out[layer.weight] = torch.bmm(g_t, x) if into is None else into.baddbmm_(g_t, x)  # (N, d_out, d_in)
     return out | _bias(layer, g)
 
 

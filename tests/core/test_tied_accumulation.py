@@ -204,3 +204,38 @@ def test_a_table_called_twice_adds_its_second_call_in_place(K: int, monkeypatch:
     assert scatters.calls == 1  # the first call to arrive scatters; the second adds into it
     for name, value in expected.items():
         assert_close_scaled(got[name], value, name=name)
+
+
+class _SharedBlock(nn.Module):
+    """One Linear applied three times in a pass (ALBERT's shared layers, a cell in a loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = torch.tanh(self.block(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("steps", [0, STEPS])  # (N*K, d) inputs and (N*K, T, d) sequences
+def test_a_linear_called_three_times_adds_into_one_tensor(K: int, steps: int) -> None:
+    torch.manual_seed(11)
+    n = 3
+    model = _SharedBlock()
+    shape = (n * K, steps, DIM) if steps else (n * K, DIM)
+    x, y = torch.randn(*shape), torch.randn(*shape[:-1], 4)
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).flatten(1).sum(1)
+
+    expected = microbatch_oracle(model, split_samples(x, y, K), lambda out, t: loss(out, t).mean())
+    counted = _TableSized(n * DIM * DIM)
+    with counted:
+        got = per_sample_gradients(model, x, y, loss_fn=loss, augmentation_multiplicity=K)
+    assert len(counted.storages) == 1, len(counted.storages)
+    for name, value in expected.items():
+        assert_close_scaled(got[name], value, name=name)
