@@ -21,7 +21,7 @@ from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, b
 from psg_core._layout import ALWAYS_BATCH_FIRST
 from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
 from psg_core.errors import BatchLayoutError, ConfigError, GradAccumulationError, UnsupportedModuleError
-from psg_core.grad_sample._utils import accumulating_into
+from psg_core.grad_sample._utils import accumulating_into, takes_targets
 from psg_core.grad_sample.registry import GRAD_SAMPLERS
 from psg_core.layout import BatchLayout, ModelInputs
 from psg_core.losses import LossFn, loss_batch_dim, per_sample_loss
@@ -443,8 +443,11 @@ class GradSampleModule(AbstractGradSampleModule):
                 backprops = [to_compute(b, dtype) * scale if b is not None else None for b in backprops]
                 scale = 1.0
         # A parameter this pass already has a per-sample gradient of, in a tensor of this
-        # wrapper's (a tied weight's second owner): offered to the sampler to add into in place.
-        targets = self._addable_targets(call.layer, forward_id) if scale == 1.0 else {}
+        # wrapper's (a tied weight's second owner): offered to the layer's own sampler, when it is
+        # one that adds into it in place (psg_core.grad_sample._utils.adds_into_targets).
+        entry = None if self.force_functorch else call.entry
+        targets = self._addable_targets(call.layer, forward_id) \
+            if scale == 1.0 and entry is not None and takes_targets(entry.fn) else {}
         with accumulating_into(targets):
             grad_samples = call_grad_samples(call, backprops, self.augmentation_multiplicity,
                                              where="GradSampleModule", force_functorch=self.force_functorch,

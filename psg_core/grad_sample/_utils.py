@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 if TYPE_CHECKING:  # typing.TypeIs is Python 3.13+; torch depends on typing_extensions anyway
     from typing_extensions import TypeIs
 
-__all__ = ["wants_grad", "accumulating_into", "accumulation_target"]
+__all__ = ["wants_grad", "accumulating_into", "accumulation_target", "adds_into_targets", "takes_targets"]
 
 
 def wants_grad(param: torch.Tensor | None) -> TypeIs[torch.Tensor]:
@@ -26,6 +26,23 @@ class _Targets(threading.local):
 
 
 _TARGETS = _Targets()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def adds_into_targets(fn: _F) -> _F:
+    """Marks a grad sampler that consults :func:`accumulation_target` (and returns the target it
+    added into): only such a sampler, called as the layer's own, is offered targets. A sampler that
+    calls one of them for a part of its result (a custom layer's, say) is not, so the part it is
+    given back never already holds another call's gradient."""
+    fn._psg_adds_into_targets = True  # type: ignore[attr-defined]
+    return fn
+
+
+def takes_targets(fn: Callable[..., Any] | None) -> bool:
+    """Whether ``fn`` was marked by :func:`adds_into_targets`."""
+    return bool(getattr(fn, "_psg_adds_into_targets", False))
 
 
 @contextmanager

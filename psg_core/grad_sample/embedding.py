@@ -25,7 +25,7 @@ from torch import nn
 
 import psg_core.native as native
 from psg_core.errors import UnsupportedModuleError
-from psg_core.grad_sample._utils import accumulation_target, wants_grad
+from psg_core.grad_sample._utils import accumulation_target, adds_into_targets, wants_grad
 from psg_core.grad_sample.ghost_norm import FactorKind, GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 from psg_core.precision import as_dtype
@@ -52,6 +52,7 @@ def _reject_batch_mixing(layer: nn.Embedding | nn.EmbeddingBag, where: str) -> N
 
 
 @register_grad_sampler(nn.Embedding, k_aware=True)
+@adds_into_targets
 def embedding_grad_sample(layer: nn.Embedding, activations: list[torch.Tensor],
                           backprops: torch.Tensor, K: int) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradient of ``nn.Embedding.weight``: ``(N, num_embeddings, embedding_dim)``.

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from psg_core.gemm import mm_tn
-from psg_core.grad_sample._utils import accumulation_target, wants_grad
+from psg_core.grad_sample._utils import accumulation_target, adds_into_targets, wants_grad
 from psg_core.grad_sample.ghost_norm import GhostFactors, WeightLayout, register_ghost_norm
 from psg_core.grad_sample.registry import register_grad_sampler
 from psg_core.precision import as_dtype
@@ -87,6 +87,7 @@ _RNN_LINEAR = "psg_core.layers.recurrent.RNNLinear"
 
 
 @register_grad_sampler(nn.Linear, _RNN_LINEAR, k_aware=True)
+@adds_into_targets
 def linear_grad_sample(layer: nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor,
                        K: int) -> dict[torch.Tensor, torch.Tensor]:
     """``W`` gets ``sum_{k,t} g x^T`` per sample; works for any number of middle (sequence) dims.

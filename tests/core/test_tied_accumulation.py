@@ -239,3 +239,52 @@ def test_a_linear_called_three_times_adds_into_one_tensor(K: int, steps: int) ->
     assert len(counted.storages) == 1, len(counted.storages)
     for name, value in expected.items():
         assert_close_scaled(got[name], value, name=name)
+
+
+class _Doubled(nn.Module):
+    """A custom layer, ``2 * x W^T``, whose sampler builds on psg's Linear sampler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM ** 0.5)
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.nn.functional.linear(x, self.weight)
+
+
+class _DoubledTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Doubled()
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(torch.tanh(self.block(x)))))
+
+
+def test_a_custom_sampler_built_on_the_linear_one_is_offered_no_target() -> None:
+    """Only a sampler that adds into a target and gives it back is offered one: a custom layer's
+    sampler that scales what psg's Linear sampler returns would otherwise get (and scale) the
+    earlier call's gradient too."""
+    from psg_core.grad_sample.linear import linear_grad_sample
+
+    def doubled_grad_sample(layer: _Doubled, activations: list[torch.Tensor], backprops: torch.Tensor,
+                            K: int) -> dict[torch.Tensor, torch.Tensor]:
+        return {layer.weight: 2 * linear_grad_sample(layer, activations, backprops, K)[layer.weight]}  # type: ignore[arg-type]
+
+    psg_core.register_grad_sampler(_Doubled, k_aware=True)(doubled_grad_sample)
+    try:
+        torch.manual_seed(12)
+        model = _DoubledTwice()
+        x, y = torch.randn(6, DIM), torch.randn(6, 4)
+
+        def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return ((out - target) ** 2).sum(1)
+
+        expected = microbatch_oracle(model, split_samples(x, y, 2), lambda out, t: loss(out, t).mean())
+        got = per_sample_gradients(model, x, y, loss_fn=loss, augmentation_multiplicity=2)
+        for name, value in expected.items():
+            assert_close_scaled(got[name], value, name=name)
+    finally:
+        psg_core.GRAD_SAMPLERS.unregister(_Doubled)
