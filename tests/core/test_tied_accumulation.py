@@ -288,3 +288,37 @@ def test_a_custom_sampler_built_on_the_linear_one_is_offered_no_target() -> None
             assert_close_scaled(got[name], value, name=name)
     finally:
         psg_core.GRAD_SAMPLERS.unregister(_Doubled)
+
+
+@pytest.mark.parametrize("which", ["tied", "shared"])
+def test_a_recorded_step_replays_the_in_place_sums(which: str) -> None:
+    """psg_core.CapturedStep records the in-place adds (index_add_, baddbmm_) into the first call's
+    tensor, and its replays on new batches give dp_gradient's clipped sum."""
+    from psg_core.capture import CapturedStep
+
+    torch.manual_seed(13)
+    model: nn.Module
+    if which == "tied":
+        model, loss = TiedLM(VOCAB, DIM, padding_idx=0), _token_loss
+
+        def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return _lm_batch(6, VOCAB, STEPS, seed=seed)
+    else:
+        model = _SharedBlock()
+
+        def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return ((out - target) ** 2).flatten(1).sum(1)
+
+        def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+            generator = torch.Generator().manual_seed(seed)
+            return torch.randn(6, STEPS, DIM, generator=generator), torch.randn(6, STEPS, 4, generator=generator)
+
+    config = DPConfig(mode="hooks", max_grad_norm=0.1, augmentation_multiplicity=2)
+    step = CapturedStep(model, loss_fn=loss, config=config)
+    for seed in range(5):
+        inputs, targets = batch(seed)
+        got = step(inputs, targets)
+        expected = dp_gradient(model, inputs, targets, loss_fn=loss, config=config)
+        for name, value in expected.grads.items():
+            assert_close_scaled(got.grads[name], value, name=f"{name} ({step.last_path})")
+    assert step.stats["replayed"] == 2 and step.stats["refused"] == 0
