@@ -448,7 +448,7 @@ class GradSampleModule(AbstractGradSampleModule):
         entry = None if self.force_functorch else call.entry
         targets = self._addable_targets(call.layer, forward_id) \
             if scale == 1.0 and entry is not None and takes_targets(entry.fn) else {}
-        with accumulating_into(targets):
+        with accumulating_into(targets) if targets else contextlib.nullcontext():
             grad_samples = call_grad_samples(call, backprops, self.augmentation_multiplicity,
                                              where="GradSampleModule", force_functorch=self.force_functorch,
                                              suspend=self._suspend_capture())
@@ -479,6 +479,8 @@ class GradSampleModule(AbstractGradSampleModule):
         adding into, by ``id``: what its sampler is offered (psg_core.grad_sample._utils.accumulating_into)."""
         targets = {}
         for param in _own_trainable(layer):
+            if forward_id not in self._sources.get(id(param), ()):
+                continue  # (the common case: no call of this pass has stored one yet)
             existing = get_grad_sample(param)
             if existing is not None and self._addable(param, existing, forward_id):
                 targets[id(param)] = existing
