@@ -26,7 +26,7 @@ wheels=(
   ray==2.60.0
   dp-accounting==0.6.0 dm-tree==0.1.10
   opacus==1.6.0
-  grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
+  grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 )
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
