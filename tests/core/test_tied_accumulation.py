@@ -322,3 +322,20 @@ def test_a_recorded_step_replays_the_in_place_sums(which: str) -> None:
         for name, value in expected.grads.items():
             assert_close_scaled(got.grads[name], value, name=f"{name} ({step.last_path})")
     assert step.stats["replayed"] == 2 and step.stats["refused"] == 0
+
+
+def test_under_bf16_autocast_the_table_still_adds_into_the_heads_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Autocast leaves bfloat16 output gradients; the samplers run in the parameters' float32
+    (psg_core.precision), so the target fits and the result is float32, within bfloat16's rounding
+    of the float32 step's."""
+    torch.manual_seed(14)
+    model = TiedLM(VOCAB, DIM, padding_idx=0)
+    ids, targets = _lm_batch(8, VOCAB, STEPS)
+    reference = per_sample_gradients(model, ids, targets, loss_fn=_token_loss, augmentation_multiplicity=2)
+    scatters = _Scatters(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = per_sample_gradients(model, ids, targets, loss_fn=_token_loss, augmentation_multiplicity=2)
+    assert scatters.calls == 0
+    for name, value in reference.items():
+        assert got[name].dtype == torch.float32
+        assert float((got[name] - value).norm() / value.norm()) < 3e-2, name
