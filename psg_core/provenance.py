@@ -179,6 +179,7 @@ _MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm"}
 # Products where a batch-free operand may meet the batch (see BatchTracker._meet_product).
 _PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm"}
 _CAT = {"cat", "concat", "concatenate"}
+_CONVS = {"conv1d", "conv2d", "conv3d"}
 _PERMUTING = {"transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis", "mT", "T", "flip",
               "rot90", "roll", "__getitem__", "gather", "index_select", "take_along_dim", "sort", "argsort"}
 _VIEW = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "contiguous"}
@@ -1035,6 +1036,8 @@ class BatchTracker(TorchFunctionMode):
             return self._meet_layer_norm(args, kwargs, batched[0])
         elif name == "einsum" and not kwargs and len(batched) == 1:
             return self._meet_einsum(args, sources, batched[0], where), kwargs
+        elif name in _CONVS and len(batched) == 1 and args and args[0] is batched[0]:
+            return self._meet_conv(func, name, args, kwargs, sources, batched[0], where)
         elif name in _CAT:
             dim = _dim_kwarg(kwargs, args[1] if len(args) > 1 else 0)
             ref = batched[0]
@@ -1129,6 +1132,39 @@ class BatchTracker(TorchFunctionMode):
                 out = torch.add(*cast(tuple, met)[0])
             else:
                 out = out + bias
+        return _Computed(out)
+
+    def _meet_conv(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   sources: dict[int, tuple[torch.Tensor, frozenset[int]]], x: torch.Tensor, where: str
+                   ) -> _Computed:
+        """``F.conv{1,2,3}d(x, W, b, ...)`` with ``W`` (or ``b``) computed from parameters without the
+        batch: a module that convolves with its child's weight itself (Mamba-style mixers call
+        ``F.conv1d(x, self.conv1d.weight, ...)``, a short convolution on ``conv.weight``). Computed
+        as one grouped convolution in which each of the batch's ``R`` entries (axis 0) has its own
+        copy of ``W`` and ``b`` (meeting views, ``(R, *W.shape)``), so that each copy's gradient is
+        that entry's: ``groups * R`` groups over ``x`` seen as ``(1, R * C, ...)``."""
+        call = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), args), **kwargs)
+        weight, bias, groups = call.get("weight"), call.get("bias"), int(call.get("groups", 1))
+        bd, merged = self._batched[x]
+        spatial = {"conv1d": 1, "conv2d": 2, "conv3d": 3}[name]
+        if bd != 0 or x.dim() != spatial + 2 or not isinstance(weight, torch.Tensor):
+            raise self._cannot(name, where, "its input does not hold the batch on axis 0 of a batched "
+                                            f"(N, C, {'...' if spatial > 1 else 'L'}) input")
+        rows = x.shape[0]
+
+        def per_row(value: torch.Tensor) -> torch.Tensor:
+            if id(value) in sources:
+                source, origin = sources[id(value)]
+                return self._meeting_view(source, (rows, *source.shape), 0, merged, origin, where)
+            return value.expand(rows, *value.shape)
+
+        weights = per_row(weight)
+        biases = per_row(bias) if isinstance(bias, torch.Tensor) else None
+        options = {k: call[k] for k in ("stride", "padding", "dilation") if k in call}
+        out = func(x.reshape(1, rows * x.shape[1], *x.shape[2:]), weights.reshape(rows * weight.shape[0], *weight.shape[1:]),
+                   None if biases is None else biases.reshape(-1), groups=groups * rows, **options)
+        out = out.reshape(rows, weight.shape[0], *out.shape[2:])
+        self._batched[out] = (0, merged)
         return _Computed(out)
 
     def _meet_layer_norm(self, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor) -> _Computed:

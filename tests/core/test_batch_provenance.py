@@ -173,19 +173,33 @@ def test_pair_bias_from_a_square_bucket_matrix(K: int) -> None:
         wrapped.remove_hooks()
 
 
+class LookupKernel(nn.Module):
+    """A convolution kernel made of a lookup: met per batch row in ``conv1d`` (tests/core/
+    test_conv_meetings.py), refused in ``conv_transpose1d`` (psg does not split that one)."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.table = nn.Embedding(4, 3)
+        self.transposed = transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.table(torch.arange(1)).view(1, 1, 3)
+        if self.transposed:
+            return F.conv_transpose1d(x.unsqueeze(1), kernel)[..., :4].squeeze(1)
+        return F.conv1d(x.unsqueeze(1), kernel, padding="same").squeeze(1)
+
+
 def test_unsupported_meeting_names_the_module() -> None:
     """A batch-free tensor from parameters that meets the batch in an op psg cannot split."""
+    with pytest.raises(UnsupportedModuleError, match=r"'<root>'.*conv_transpose1d"):
+        per_sample_gradients(LookupKernel(transposed=True), torch.randn(4, 4), torch.randn(4, 4), loss_fn=_mse)
 
-    class Mixer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.table = nn.Embedding(4, 4)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # a convolution kernel made of a lookup
-            return F.conv1d(x.unsqueeze(1), self.table(torch.arange(1)).view(1, 1, 4), padding="same").squeeze(1)
-
-    with pytest.raises(UnsupportedModuleError, match=r"'<root>'.*conv1d"):
-        per_sample_gradients(Mixer(), torch.randn(4, 4), torch.randn(4, 4), loss_fn=_mse)
+def test_a_kernel_made_of_a_lookup_meets_the_batch_in_conv1d() -> None:
+    torch.manual_seed(3)
+    model, x, y = LookupKernel(transposed=False), torch.randn(4, 4), torch.randn(4, 4)
+    expected = _oracle(model, [((x[n:n + 1],), y[n:n + 1]) for n in range(4)], _mse, "mean")
+    _assert_grads(per_sample_gradients(model, x, y, loss_fn=_mse), expected)
 
 
 # ----------------------------------------------------------------------------- EmbeddingBag offsets

@@ -49,9 +49,17 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y, reduction="none")
 
 
+class _Transposed(_Functional):
+    """Reads ``conv``'s weight in a functional transposed convolution: no meeting splits it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, L)
+        h = F.conv_transpose1d(x, self.conv.weight * 2.0, self.conv.bias, padding=1)
+        return h * self.scale[:, None]
+
+
 def test_a_module_reading_its_submodules_weights_is_refused_with_the_remedy() -> None:
     torch.manual_seed(0)
-    model = _model(_Functional)
+    model = _model(_Transposed)
     x, y = torch.randn(N, C, L), torch.randint(0, 3, (N,))
     for mode in ("hooks", "ghost"):
         with pytest.raises(UnsupportedModuleError, match=r"psg_core\.unit_module\(cls\)"):
@@ -59,6 +67,15 @@ def test_a_module_reading_its_submodules_weights_is_refused_with_the_remedy() ->
                 dp_gradient(model, x, y, loss_fn=_loss, config=DPConfig(mode="ghost", max_grad_norm=1.0))
             else:
                 per_sample_gradients(model, x, y, loss_fn=_loss, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_functional_convolution_on_a_childs_weight_needs_no_unit(mode: str) -> None:
+    """The child's kernel meets the batch in ``conv1d`` (one copy per row): the oracle's gradients
+    without declaring the class a unit (tests/core/test_conv_meetings.py)."""
+    torch.manual_seed(0)
+    check_mode(_model(_Functional), torch.randn(N * 2, C, L), torch.randint(0, 3, (N * 2,)), K=2, mode=mode,
+               loss=_loss)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
