@@ -251,9 +251,10 @@ class _Frame:
     #: the versions of the call's positional tensor arguments when it started (an in-place change
     #: during the call shows as a newer version).
     versions: tuple[int, ...] = ()
-    #: a row-wise module's call (see :func:`rowwise_module`), run untracked: the entries per batch
-    #: row of its inputs' axis 0, which its outputs get.
-    rowwise: int | None = None
+    #: a row-wise module's call (see :func:`rowwise_module`), run untracked: the length of its
+    #: inputs' axis 0 and the entries per batch row there, which its outputs get (in proportion
+    #: for an output that flattens each row's entries onto axis 0).
+    rowwise: tuple[int, int] | None = None
     #: the layer has no grad sampler of its own (see ``meets_own`` of :class:`BatchTracker`): where
     #: its own parameters meet the batch in broadcasting pointwise ops, they are meeting points,
     #: held in ``pending`` until the call ends.
@@ -724,8 +725,9 @@ class BatchTracker(TorchFunctionMode):
             self._suspended = True
 
     def _rowwise_call(self, layer: nn.Module, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-                      ) -> int | None:
-        """The entries per batch row of a row-wise module's batched inputs, which share axis 0 (None:
+                      ) -> tuple[int, int] | None:
+        """The length of axis 0 of a row-wise module's batched inputs, which share it, and the
+        entries per batch row there (None:
         the call holds no batch, and is tracked as usual); refuses a call whose inputs hold the
         batch otherwise, or a module with trainable parameters."""
         tensors = _tensors([args, kwargs], [])
@@ -754,7 +756,7 @@ class BatchTracker(TorchFunctionMode):
                 f"parameters ({', '.join(inner[:3])}{', ...' if len(inner) > 3 else ''}), which psg cannot "
                 "follow inside its untracked call: declare its class a unit too (psg_core.unit_module), "
                 "freeze them, or use mode='functorch'")
-        return int(merged.pop())
+        return int(rows.pop()), int(merged.pop())
 
     def pop_frame(self) -> None:
         """Leaves the innermost module's forward."""
@@ -763,12 +765,21 @@ class BatchTracker(TorchFunctionMode):
 
     def _rowwise_outputs(self, layer: nn.Module, _args: Any, output: Any) -> None:
         """A row-wise call's outputs hold the batch as its inputs did (run before the backends'
-        hooks and :meth:`_pop`)."""
+        hooks and :meth:`_pop`): on axis 0, with as many entries per row, or a whole multiple of
+        them where the call flattened each row's entries onto axis 0 (Llama 4's experts block
+        returns ``(N*K*T, d)`` for ``(N*K, T, d)``); an output whose axis 0 is no such multiple
+        holds the batch nowhere psg can tell (mixed)."""
         frame = self._frames[-1] if self._frames else None
         if frame is not None and frame.module is layer and frame.rowwise is not None:
+            length, merged = frame.rowwise
             for t in _tensors(output, []):
-                if t.dim():
-                    self._batched[t] = (0, frame.rowwise)
+                if not t.dim():
+                    continue
+                if t.shape[0] % length == 0 and t.shape[0]:
+                    self._batched[t] = (0, merged * (t.shape[0] // length))
+                else:
+                    self._mark_mixed([t], f"module {frame.path}, declared row-wise, returns {t.shape[0]} entries "
+                                          f"on axis 0 for inputs of {length}")
 
     def _resolve_own(self, layer: nn.Module, _args: Any, _output: Any) -> None:
         """At the end of a call of a layer without a grad sampler: its pending meeting points go to

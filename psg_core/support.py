@@ -213,8 +213,12 @@ GLOBAL_ATTENTION_NAMES = ("transformers.models.longformer.modeling_longformer.Lo
                           "transformers.models.led.modeling_led.LEDEncoderSelfAttention")
 
 #: Hugging Face classes known to compute each batch row from the same row of their inputs alone,
-#: whose ops the batch tracker would take for mixing (see :func:`known_rowwise`).
-_ROWWISE_NAMES = frozenset(GLOBAL_ATTENTION_NAMES)
+#: whose ops the batch tracker would take for mixing (see :func:`known_rowwise`): the global
+#: attentions above, and Llama 4's experts block, which tiles every token once per expert
+#: (``repeat`` along the rows), scales each copy by its routing score and sums the copies back:
+#: each token's output is its own row's alone (a unit too: its router, experts and shared expert
+#: are computed from its whole call).
+_ROWWISE_NAMES = frozenset(GLOBAL_ATTENTION_NAMES) | {"transformers.models.llama4.modeling_llama4.Llama4TextMoe"}
 
 
 def known_rowwise(cls: type) -> bool:

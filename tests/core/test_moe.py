@@ -391,3 +391,67 @@ def test_a_row_wise_module_with_trainable_parameters(mode: str) -> None:
         assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms")
         for name, ref in reference.grads.items():
             assert_close_scaled(result.grads[name], ref, name=f"{rows.__name__} {name}")
+
+
+class TiledExperts(nn.Module):
+    """Llama 4's experts block in small: each token row tiled once per expert (``repeat`` along the
+    rows), each copy scaled by its routing score and run through its expert (a ``bmm`` on the
+    copies viewed ``(E, rows, d)``), the copies summed back; it takes ``(N*K, T, d)`` and returns
+    ``(N*K*T, d)``, each batch row's T tokens flattened onto axis 0 (``flatten``), or one entry
+    short of that (``short``: no whole multiple of the rows)."""
+
+    def __init__(self, experts: int = 3, width: int = 4, how: str = "flatten") -> None:
+        super().__init__()
+        self.how = how
+        self.router = nn.Linear(width, experts)
+        self.weights = nn.Parameter(torch.randn(experts, width, width) / width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.reshape(-1, x.shape[-1])  # (R, d), R = N*K*T
+        scores = torch.sigmoid(self.router(rows))  # (R, E)
+        tiled = rows.repeat(scores.shape[1], 1) * scores.transpose(0, 1).reshape(-1, 1)  # (E*R, d)
+        out = torch.bmm(tiled.view(scores.shape[1], -1, rows.shape[1]), self.weights)  # (E, R, d)
+        out = out.sum(0)
+        return (out[:-1] if self.how == "short" else out), scores
+
+
+class TiledBlock(nn.Module):
+    def __init__(self, how: str = "flatten") -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.moe = psg_core.unit_module(psg_core.rowwise_module(type("Tiled", (TiledExperts,), {})))(how=how)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, T, 3)
+        h = self.inp(x)
+        routed, _ = self.moe(h)
+        if self.moe.how == "short":  # (N*K*T - 1, d): whose rows are which, psg cannot tell
+            return self.out(torch.tanh(routed[:x.shape[0]]))
+        return self.out(torch.tanh(h + routed.view(h.shape)).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_row_wise_module_that_flattens_each_rows_tokens(mode: str, K: int) -> None:
+    """Its outputs' axis 0 is T times its input's: T entries per batch row (the oracle's gradients),
+    not N*K*T rows."""
+    torch.manual_seed(0)
+    model = TiledBlock()
+    x, y = torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,))
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
+    reference = psg_core.clip_and_sum({n: g.float() for n, g in expected.items()}, max_grad_norm=0.01)
+    result = dp_gradient(model, x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"),
+                         config=DPConfig(mode=mode, augmentation_multiplicity=K, max_grad_norm=0.01))
+    assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms")
+    for name, ref in reference.grads.items():
+        assert_close_scaled(result.grads[name], ref, name=name)
+
+
+def test_a_row_wise_output_that_is_no_multiple_of_the_rows_is_refused() -> None:
+    x, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4,))
+    model = TiledBlock(how="short")
+    with pytest.raises(UnsupportedModuleError, match=r"module 'out' \(Linear\) receives values that mix samples: "
+                                                     r"module 'moe' \(Tiled\), declared row-wise, returns 19 entries on axis 0 "
+                                                     r"for inputs of 4"):
+        per_sample_gradients(model, x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"))
