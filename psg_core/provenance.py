@@ -825,6 +825,11 @@ class BatchTracker(TorchFunctionMode):
             if func in _SHAPES and not self._suspended and not kwargs and len(args) == 1:
                 self._note_size(args[0], out)
             return out
+        if func is torch.Tensor.type_as and len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):
+            # ``x.type_as(other)`` reads only other's dtype (Gemma 3n casts a batch-free tensor
+            # made of parameters by a batched one's): the cast of x alone, no meeting with other.
+            return self.__torch_function__(torch.Tensor.to, types, (args[0],),
+                                           {"device": args[1].device, "dtype": args[1].dtype})
         leaves = _tensors(args, [])
         if kwargs:
             _tensors(kwargs, leaves)

@@ -655,3 +655,34 @@ def test_an_index_arange_made_is_the_identity_without_a_read() -> None:
             assert tracker.batch_dim(x[torch.arange(4).flip(0), positions]) == MIXED
             assert tracker.batch_dim(x[torch.tensor([0, 1, 2, 3]), positions]) == 0  # the identity, read
         assert reads.count == 3
+
+
+class CastScale(nn.Module):
+    """A per-feature scale made of parameters without the batch, cast to the batch's dtype with
+    ``type_as(x)`` (Gemma 3n's per-layer inputs), then multiplied with the batch; ``x.type_as(w)``
+    the other way round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Embedding(1, 3)
+        self.proj = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, T, 3)
+        scale = self.scale(torch.zeros(1, dtype=torch.long)).type_as(x)  # (1, 3): no batch
+        return self.proj(torch.tanh(x.type_as(self.proj.weight) * scale)).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_type_as_reads_only_the_other_tensors_dtype(mode: str, K: int) -> None:
+    """It was taken for a meeting of the batch-free scale with the batch, refused ('type_as')."""
+    torch.manual_seed(4)
+    model = CastScale()
+    x, y = torch.randn(3 * K, 4, 3), torch.randn(3 * K, 2)
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(3)]
+    expected = _oracle(model, samples, _mse, "mean")
+    if mode == "ghost":
+        _assert_ghost(model, x, y, _mse, expected, K=K, reduction="mean")
+    else:
+        _assert_grads(per_sample_gradients(model, x, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K),
+                      expected)
