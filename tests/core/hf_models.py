@@ -202,11 +202,24 @@ def loss_fn(outputs: object, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.logits, labels, reduction="none")  # type: ignore[attr-defined]
 
 
+def lm_loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token causal LM loss, ``(N*K, T-1)``: position t predicts token t+1; a label -100
+    (padding) counts zero."""
+    logits = outputs.logits[:, :-1]  # type: ignore[attr-defined]  # (N*K, T-1, V)
+    return F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], reduction="none", ignore_index=-100)
+
+
+def token_loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token classification (or masked LM) loss, ``(N*K, T)``; a label -100 counts zero."""
+    logits = outputs.logits  # type: ignore[attr-defined]  # (N*K, T, C)
+    return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=-100)
+
+
 def oracle(model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, K: int, *,
            reduction: str = "mean", loss: Callable[[object, torch.Tensor], torch.Tensor] | None = None,
            dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """``{name: (N, *shape)}`` in ``dtype`` (a copy of the model in it): each sample's gradient from
-    its K rows alone (``loss``: the unreduced loss of the outputs, :func:`loss_fn` by default)."""
+    """``{name: (N, *shape)}`` in ``dtype`` (a copy of the model and the floating inputs in it): each
+    sample's gradient from its K rows alone (``loss``: the unreduced loss of the outputs, :func:`loss_fn` by default)."""
     import copy
 
     unreduced = loss_fn if loss is None else loss
@@ -216,7 +229,8 @@ def oracle(model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tens
     grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
     for n in range(labels.shape[0] // K):
         rows = slice(n * K, (n + 1) * K)
-        per_row = unreduced(ref(**{k: v[rows] for k, v in inputs.items()}), labels[rows])
+        per_row = unreduced(ref(**{k: v[rows].to(dtype) if v.is_floating_point() else v[rows]
+                                   for k, v in inputs.items()}), labels[rows])
         total = per_row.mean() if reduction == "mean" else per_row.sum()
         for (name, p), g in zip(params.items(), torch.autograd.grad(total, list(params.values()), allow_unused=True)):
             grads[name].append(torch.zeros_like(p) if g is None else g)

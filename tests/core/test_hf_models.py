@@ -326,19 +326,6 @@ def test_sum_reduction_and_dp_gradient_hooks(device: torch.device) -> None:
     _check(result.grads, reference.grads, "gpt2/dp_gradient")
 
 
-def _lm_loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token causal LM loss: position t predicts token t+1; padding (-100) counts zero."""
-    logits = outputs.logits[:, :-1]  # type: ignore[attr-defined]  # (N*K, T-1, V)
-    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:], reduction="none",
-                                             ignore_index=-100)  # (N*K, T-1)
-
-
-def _mlm_loss(outputs: object, labels: torch.Tensor) -> torch.Tensor:
-    logits = outputs.logits  # type: ignore[attr-defined]
-    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none",
-                                             ignore_index=-100)  # (N*K, T)
-
-
 def _causal_lm() -> torch.nn.Module:
     """GPT-2's LM head shares its weight with the token table: both uses add up per sample."""
     cfg = hf.transformers.GPT2Config(vocab_size=hf.VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2)
@@ -366,20 +353,29 @@ def _causal(config: str, model: str, **options: object) -> Callable[[], torch.nn
 
 _DECODER = dict(num_key_value_heads=1, intermediate_size=32)
 LANGUAGE_MODELS = {
-    "causal_lm_tied_embeddings": (_causal_lm, _lm_loss),
-    "masked_lm_tied_bias": (_masked_lm, _mlm_loss),
+    "causal_lm_tied_embeddings": (_causal_lm, hf.lm_loss),
+    "masked_lm_tied_bias": (_masked_lm, hf.token_loss),
     # every parameter trained, the routed experts' too (one grouped call on per-sample copies)
     "mixtral_causal_lm": (_causal("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
-                                  **_DECODER), _lm_loss),
+                                  **_DECODER), hf.lm_loss),
     "qwen3_moe_causal_lm": (_causal("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
-                                    moe_intermediate_size=8, head_dim=8, **_DECODER), _lm_loss),
+                                    moe_intermediate_size=8, head_dim=8, **_DECODER), hf.lm_loss),
     # the LM head is the token table (tied), scaled by sqrt(d) on the way in
-    "gemma_causal_lm_tied": (_causal("GemmaConfig", "GemmaForCausalLM", head_dim=8, **_DECODER), _lm_loss),
-    "qwen3_causal_lm": (_causal("Qwen3Config", "Qwen3ForCausalLM", head_dim=8, **_DECODER), _lm_loss),
-    "phi_causal_lm": (_causal("PhiConfig", "PhiForCausalLM", **_DECODER), _lm_loss),
+    "gemma_causal_lm_tied": (_causal("GemmaConfig", "GemmaForCausalLM", head_dim=8, **_DECODER), hf.lm_loss),
+    "qwen3_causal_lm": (_causal("Qwen3Config", "Qwen3ForCausalLM", head_dim=8, **_DECODER), hf.lm_loss),
+    "phi_causal_lm": (_causal("PhiConfig", "PhiForCausalLM", **_DECODER), hf.lm_loss),
     "gpt_neox_causal_lm": (_causal("GPTNeoXConfig", "GPTNeoXForCausalLM", intermediate_size=32, rotary_pct=0.5),
-                           _lm_loss),
-    "falcon_causal_lm": (_causal("FalconConfig", "FalconForCausalLM"), _lm_loss),
+                           hf.lm_loss),
+    "falcon_causal_lm": (_causal("FalconConfig", "FalconForCausalLM"), hf.lm_loss),
+    # Llama 4's experts block tiles each token once per expert (row-wise by psg's knowledge) and
+    # returns the tokens flattened, T entries per batch row
+    "llama4_causal_lm_moe": (_causal("Llama4TextConfig", "Llama4ForCausalLM", num_local_experts=4,
+                                     num_experts_per_tok=1, intermediate_size_mlp=32, head_dim=8,
+                                     **_DECODER), hf.lm_loss),
+    # its mixer convolves with its child's conv1d.weight itself (met per batch row)
+    "falcon_mamba_causal_lm": (lambda: hf.transformers.FalconMambaForCausalLM(hf.transformers.FalconMambaConfig(
+        vocab_size=hf.VOCAB, pad_token_id=hf.PAD, hidden_size=16, num_hidden_layers=2, state_size=4, expand=2,
+        conv_kernel=3, use_cache=False)), hf.lm_loss),
 }
 
 
