@@ -163,3 +163,23 @@ def test_ew_is_right_or_refuses(how: str) -> None:
         return
     for name, ref in expected.items():
         assert_close_scaled(grads[name], ref, name=f"{how}/ew/{name}")
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_recorded_step_replays_the_met_convolution(mode: str) -> None:
+    """psg_core.CapturedStep records the grouped convolution of the met kernel; its replays on new
+    batches give dp_gradient's clipped sum."""
+    from psg_core.capture import CapturedStep
+
+    torch.manual_seed(6)
+    model = ShortConv("depthwise")
+    config = DPConfig(mode=mode, max_grad_norm=0.05, augmentation_multiplicity=2)
+    step = CapturedStep(model, loss_fn=_loss, config=config)
+    for seed in range(5):
+        generator = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(6, STEPS, WIDTH, generator=generator), torch.randint(0, 2, (6,), generator=generator)
+        got = step(x, y)
+        expected = dp_gradient(model, x, y, loss_fn=_loss, config=config)
+        for name, value in expected.grads.items():
+            assert_close_scaled(got.grads[name], value, name=f"{name} ({step.last_path})")
+    assert step.stats["replayed"] >= 2 and step.stats["refused"] == 0, step.stats
