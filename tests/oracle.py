@@ -126,6 +126,20 @@ def check_mode(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, K: int, mo
         assert_close_scaled(got[name], value.to(got[name].dtype), name=name)
 
 
+def check_ghost_clipped(model: nn.Module, inputs: Any, targets: torch.Tensor, expected: dict[str, torch.Tensor], *,
+                        K: int, loss: LossFn, bound: float = 0.05, loss_reduction: str = "mean") -> None:
+    """Ghost's per-sample norms and clipped sum (dp_gradient, clipping bound ``bound``: small enough
+    to clip every sample of a test model) equal those of the oracle's per-sample gradients
+    ``expected``; ``loss`` is unreduced."""
+    reference = psg_core.clip_and_sum({n: g.float() for n, g in expected.items()}, max_grad_norm=bound)
+    result = psg_core.dp_gradient(model, inputs, targets, loss_fn=loss, config=psg_core.DPConfig(
+        mode="ghost", augmentation_multiplicity=K, loss_reduction=loss_reduction, max_grad_norm=bound))
+    assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms")
+    assert set(result.grads) == set(reference.grads)
+    for name, ref in reference.grads.items():
+        assert_close_scaled(result.grads[name], ref, name=name)
+
+
 def check_against_oracle(model: nn.Module, inputs: Any, targets: torch.Tensor, *, K: int,
                          loss_reduction: str, batch_first: bool = True,
                          loss: Callable[[str], LossFn] = mse_loss,

@@ -18,7 +18,7 @@ from torch import nn
 
 import psg_core
 from psg_core import DPConfig, UnsupportedModuleError, dp_gradient, per_sample_gradients
-from tests.oracle import assert_close_scaled, microbatch_oracle
+from tests.oracle import assert_close_scaled, check_ghost_clipped, microbatch_oracle
 
 WIDTH, CHANNELS, STEPS, KERNEL = 3, 4, 5, 3
 
@@ -105,13 +105,7 @@ def test_per_sample_gradients_match_the_oracle(how: str, mode: str, K: int, redu
 @pytest.mark.parametrize("how", HOWS)
 def test_ghost_norms_and_clipped_sum_match_the_oracle(how: str, K: int) -> None:
     model, x, y, expected = _case(how, K, "mean")
-    bound = 0.05
-    reference = psg_core.clip_and_sum(expected, max_grad_norm=bound)
-    result = dp_gradient(model, x, y, loss_fn=_loss,
-                         config=DPConfig(mode="ghost", augmentation_multiplicity=K, max_grad_norm=bound))
-    assert_close_scaled(result.per_sample_norms, reference.per_sample_norms, name="norms")
-    for name, ref in reference.grads.items():
-        assert_close_scaled(result.grads[name], ref, name=f"{how}/ghost/{name}")
+    check_ghost_clipped(model, x, y, expected, K=K, loss=_loss)
 
 
 @pytest.mark.parametrize("how", ["depthwise", "frames"])
