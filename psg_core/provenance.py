@@ -1177,7 +1177,8 @@ class BatchTracker(TorchFunctionMode):
         weights = per_row(weight)
         biases = per_row(bias) if isinstance(bias, torch.Tensor) else None
         options = {k: call[k] for k in ("stride", "padding", "dilation") if k in call}
-        out = func(x.reshape(1, rows * x.shape[1], *x.shape[2:]), weights.reshape(rows * weight.shape[0], *weight.shape[1:]),
+        flat = x.reshape(1, rows * x.shape[1], *x.shape[2:])  # (1, R*C, ...): one sample of R*C channels
+        out = func(flat, weights.reshape(rows * weight.shape[0], *weight.shape[1:]),
                    None if biases is None else biases.reshape(-1), groups=groups * rows, **options)
         out = out.reshape(rows, weight.shape[0], *out.shape[2:])
         self._batched[out] = (0, merged)
