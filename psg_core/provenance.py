@@ -775,7 +775,9 @@ class BatchTracker(TorchFunctionMode):
             for t in _tensors(output, []):
                 if not t.dim():
                     continue
-                if t.shape[0] % length == 0 and t.shape[0]:
+                if not length or t.shape[0] == length:
+                    self._batched[t] = (0, merged)
+                elif t.shape[0] % length == 0 and t.shape[0]:
                     self._batched[t] = (0, merged * (t.shape[0] // length))
                 else:
                     self._mark_mixed([t], f"module {frame.path}, declared row-wise, returns {t.shape[0]} entries "
