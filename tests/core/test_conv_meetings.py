@@ -18,7 +18,8 @@ from torch import nn
 
 import psg_core
 from psg_core import DPConfig, UnsupportedModuleError, dp_gradient, per_sample_gradients
-from tests.oracle import assert_close_scaled, check_ghost_clipped, microbatch_oracle
+from tests.oracle import (assert_close_scaled, check_ghost_clipped, cross_entropy_rows, microbatch_oracle,
+                          split_samples)
 
 WIDTH, CHANNELS, STEPS, KERNEL = 3, 4, 5, 3
 
@@ -71,8 +72,7 @@ class ShortConv(nn.Module):
 HOWS = ["depthwise", "dense", "no_bias", "reshaped", "plain_bias", "frames", "conv2d"]
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out, y, reduction="none")
+_loss = cross_entropy_rows
 
 
 def _case(how: str, K: int, reduction: str, N: int = 3) -> tuple[nn.Module, torch.Tensor, torch.Tensor,
@@ -81,9 +81,8 @@ def _case(how: str, K: int, reduction: str, N: int = 3) -> tuple[nn.Module, torc
     model = ShortConv(how)
     shape = (N * K, 2, STEPS, WIDTH) if how == "frames" else (N * K, STEPS, WIDTH)
     x, y = torch.randn(*shape), torch.randint(0, 2, (N * K,))
-    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
     reduce = (lambda t: t.mean()) if reduction == "mean" else (lambda t: t.sum())
-    expected = microbatch_oracle(model, samples, lambda out, t: reduce(_loss(out, t)))
+    expected = microbatch_oracle(model, split_samples(x, y, K), lambda out, t: reduce(_loss(out, t)))
     return model, x, y, expected
 
 
