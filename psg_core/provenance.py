@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from psg_core._layout import STATE_BATCH_AXIS
 from psg_core._module_hooks import ModuleHooks
 from psg_core.errors import UnsupportedModuleError
-from psg_core.support import is_unit, known_rowwise, modules_of, own_parameters, trainable_parameters
+from psg_core.support import (CallState, call_state, is_unit, known_rowwise, modules_of, own_parameters,
+                              trainable_parameters)
 
 __all__ = ["rowwise", "rowwise_module", "is_rowwise", "BatchTracker", "MeetingPoint", "active_tracker", "UNKNOWN",
            "MIXED", "GROUPED", "PERMUTED"]
@@ -251,9 +252,9 @@ class _Frame:
     #: the versions of the call's positional tensor arguments when it started (an in-place change
     #: during the call shows as a newer version).
     versions: tuple[int, ...] = ()
-    #: a row-wise module's call (see :func:`rowwise_module`), run untracked: the length of its
-    #: inputs' axis 0 and the entries per batch row there, which its outputs get (in proportion
-    #: for an output that flattens each row's entries onto axis 0).
+    #: a row-wise module's call (see :func:`rowwise_module`), run untracked: the batch rows its
+    #: inputs hold on axis 0 (each input may merge another number of entries into a row) and the
+    #: first input's entries per row (its outputs get theirs from their own axis 0).
     rowwise: tuple[int, int] | None = None
     #: the layer has no grad sampler of its own (see ``meets_own`` of :class:`BatchTracker`): where
     #: its own parameters meet the batch in broadcasting pointwise ops, they are meeting points,
@@ -265,6 +266,9 @@ class _Frame:
     opaque: bool = False
     #: the call ended with its own parameters' per-sample gradients all from meeting points.
     resolved: bool = False
+    #: the state the call began with, for a backend that runs the whole call again per sample
+    #: (see ``keeps_state`` of :class:`BatchTracker`; empty: none kept).
+    state: CallState = ()
 
 
 @dataclass
@@ -423,6 +427,19 @@ def _fill_where_met(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], me
     return _Computed(filled)
 
 
+def _index_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``index_select``'s index, given by position or keyword."""
+    return kwargs.get("index", args[2] if len(args) > 2 else None)
+
+
+def _holding(tensor: torch.Tensor, state: tuple[int, int]) -> str:
+    """Where ``tensor`` holds the batch, for messages."""
+    axis, merged = state
+    where = f"axis {axis}" if axis >= 0 else {UNKNOWN: "an axis psg lost", MIXED: "no axis (rows mixed)"}.get(
+        axis, "rows a mask or sort regrouped")
+    return f"shape {tuple(tensor.shape)}: the batch on {where}, {merged} entries per row"
+
+
 def _own_params(layer: nn.Module) -> frozenset[int]:
     """ids of the layer's own trainable parameters."""
     return frozenset(id(p) for p in own_parameters(layer) if p.requires_grad)
@@ -480,6 +497,9 @@ class BatchTracker(TorchFunctionMode):
             ``gamma * x``, an RMSNorm's ``weight * x_hat``, a bias added), those ops are meeting
             points and the call needs no fallback (:meth:`met_own`); any other use keeps the
             fallback for the whole call.
+        keeps_state: which layers (with trainable parameters) the backend differentiates by
+            running their whole call again per sample: each call's state is kept as it began
+            (:meth:`state_of_call`, :func:`~psg_core.support.call_state`).
 
     >>> from psg_core.layout import ModelInputs
     >>> emb = nn.Embedding(10, 4)
@@ -493,9 +513,12 @@ class BatchTracker(TorchFunctionMode):
 
     def __init__(self, module: nn.Module, *, num_samples: int, augmentation_multiplicity: int,
                  on_meeting: Callable[[MeetingPoint, torch.Tensor], None], root_by_caller: bool = False,
-                 meets_own: Callable[[nn.Module], bool] | None = None) -> None:
+                 meets_own: Callable[[nn.Module], bool] | None = None,
+                 keeps_state: Callable[[nn.Module], bool] | None = None) -> None:
         super().__init__()
         self._meets_own = meets_own
+        self._keeps_state = keeps_state
+        self._stateful: dict[nn.Module, bool] = {}  # keeps_state's answer per layer
         #: the layers ``meets_own`` picked (hooked to resolve their calls' meetings)
         self._own_meeters: set[nn.Module] = set()
         # The root module's call is already under way (the tracker starts in its forward
@@ -544,17 +567,24 @@ class BatchTracker(TorchFunctionMode):
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> BatchTracker:
         hooks = self._hooks
+        unit: str | None = None  # the path of the unit whose subtree the walk is in
         for path, layer in modules_of(self._module):
             if layer is self._module and self._root_by_caller:
                 continue
             self._paths[layer] = path
             hooks.pre(layer, self._push_hook, with_kwargs=True)
             hooks.forward(layer, self._pop, always_call=True)
+            if unit is not None and not (unit == "" or path.startswith(unit + ".")):
+                unit = None
+            if unit is None and is_unit(layer) and layer._modules:
+                unit = path
             if is_rowwise(layer):
                 # Ahead of every hook (the backends' were registered before the tracker's): a
                 # backend capturing the call must find its outputs holding the batch.
                 hooks.forward(layer, self._rowwise_outputs, prepend=True)
-            elif self._meets_own is not None and self._layer_info(layer)[1] and self._meets_own(layer):
+            elif (self._meets_own is not None and (unit is None or unit == path) and self._layer_info(layer)[1]
+                  and self._meets_own(layer)):
+                # (not inside a unit, which computes its subtree's parameters from its whole call)
                 # Ahead of the backends' hooks too: they ask met_own() when capturing the call.
                 self._own_meeters.add(layer)
                 hooks.forward(layer, self._resolve_own, prepend=True)
@@ -718,29 +748,38 @@ class BatchTracker(TorchFunctionMode):
             row_wise = is_rowwise(layer)
         rowwise = self._rowwise_call(layer, label, args, kwargs) if row_wise and not self._suspended else None
         meet_own = covered is not None and layer in self._own_meeters
+        kept: CallState = ()
+        if own_params and self._keeps_state is not None:
+            keeps = self._stateful.get(layer)
+            if keeps is None:
+                keeps = self._stateful[layer] = self._keeps_state(layer)
+            if keeps:
+                kept = call_state(layer)
         # (the calls of layers with parameters are captured: only they need the versions)
         self._frames.append(_Frame(layer, label, covered, arg_versions(args) if own_params else (), rowwise,
-                                   meet_own=meet_own))
+                                   meet_own=meet_own, state=kept))
         if rowwise is not None:
             self._suspended = True
 
     def _rowwise_call(self, layer: nn.Module, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]
                       ) -> tuple[int, int] | None:
-        """The length of axis 0 of a row-wise module's batched inputs, which share it, and the
-        entries per batch row there (None:
-        the call holds no batch, and is tracked as usual); refuses a call whose inputs hold the
-        batch otherwise, or a module with trainable parameters."""
+        """The batch rows a row-wise module's batched inputs hold on axis 0 (the same in each: an
+        input's axis 0 over its entries per row) and the first one's entries per row (None: the
+        call holds no batch, and is tracked as usual); refuses a call whose inputs hold the batch
+        otherwise, or a module whose submodules own trainable parameters and is no unit."""
         tensors = _tensors([args, kwargs], [])
         states = [self._batched.get(t) for t in tensors]
         batched = [(t, state) for t, state in zip(tensors, states) if state is not None]
         if not batched:
             return None
-        rows = {t.shape[0] if t.dim() else -1 for t, _ in batched}
-        merged = {state[1] for _, state in batched}
-        if any(state[0] != 0 for _, state in batched) or len(rows) != 1 or len(merged) != 1:
+        # Each input's batch rows: its axis 0 over its entries per row (DBRX's experts take the
+        # states as (B, T, d) and the routing as (B*T, k): B rows either way).
+        rows = {t.shape[0] // state[1] if t.dim() and t.shape[0] % state[1] == 0 else -1 for t, state in batched}
+        if any(state[0] != 0 for _, state in batched) or len(rows) != 1 or -1 in rows:
             raise UnsupportedModuleError(
                 f"per-sample gradients: module {label} is declared row-wise (each output row computed from "
-                "the same row of its inputs), but its inputs do not all hold the batch's rows on axis 0")
+                "the same row of its inputs), but its inputs do not all hold the batch's rows on axis 0 "
+                f"({'; '.join(_holding(t, state) for t, state in batched)})")
         if any(self._origin_of(t) for t, state in zip(tensors, states) if state is None):
             raise UnsupportedModuleError(
                 f"per-sample gradients: module {label} is declared row-wise, but it is also given a tensor "
@@ -756,7 +795,7 @@ class BatchTracker(TorchFunctionMode):
                 f"parameters ({', '.join(inner[:3])}{', ...' if len(inner) > 3 else ''}), which psg cannot "
                 "follow inside its untracked call: declare its class a unit too (psg_core.unit_module), "
                 "freeze them, or use mode='functorch'")
-        return int(rows.pop()), int(merged.pop())
+        return int(rows.pop()), int(batched[0][1][1])
 
     def pop_frame(self) -> None:
         """Leaves the innermost module's forward."""
@@ -764,24 +803,24 @@ class BatchTracker(TorchFunctionMode):
             self._frames.pop()
 
     def _rowwise_outputs(self, layer: nn.Module, _args: Any, output: Any) -> None:
-        """A row-wise call's outputs hold the batch as its inputs did (run before the backends'
-        hooks and :meth:`_pop`): on axis 0, with as many entries per row, or a whole multiple of
-        them where the call flattened each row's entries onto axis 0 (Llama 4's experts block
-        returns ``(N*K*T, d)`` for ``(N*K, T, d)``); an output whose axis 0 is no such multiple
+        """A row-wise call's outputs hold the batch on axis 0 as its inputs did (run before the
+        backends' hooks and :meth:`_pop`), with as many entries per row as axis 0 holds per batch
+        row: an output may flatten each row's entries onto axis 0 (Llama 4's experts block returns
+        ``(N*K*T, d)`` for ``(N*K, T, d)``); one whose axis 0 is no whole multiple of the rows
         holds the batch nowhere psg can tell (mixed)."""
         frame = self._frames[-1] if self._frames else None
         if frame is not None and frame.module is layer and frame.rowwise is not None:
-            length, merged = frame.rowwise
+            rows, merged = frame.rowwise
             for t in _tensors(output, []):
                 if not t.dim():
                     continue
-                if not length or t.shape[0] == length:
+                if not rows:  # an empty batch: as the (first) input
                     self._batched[t] = (0, merged)
-                elif t.shape[0] % length == 0 and t.shape[0]:
-                    self._batched[t] = (0, merged * (t.shape[0] // length))
+                elif t.shape[0] % rows == 0 and t.shape[0]:
+                    self._batched[t] = (0, t.shape[0] // rows)
                 else:
                     self._mark_mixed([t], f"module {frame.path}, declared row-wise, returns {t.shape[0]} entries "
-                                          f"on axis 0 for inputs of {length}")
+                                          f"on axis 0 for {rows} batch rows")
 
     def _resolve_own(self, layer: nn.Module, _args: Any, _output: Any) -> None:
         """At the end of a call of a layer without a grad sampler: its pending meeting points go to
@@ -797,6 +836,11 @@ class BatchTracker(TorchFunctionMode):
             self.meetings.append(point)
             self._on_meeting(point, view)
         frame.resolved = True
+
+    def state_of_call(self, layer: nn.Module) -> CallState:
+        """The state the call of ``layer`` now ending began with, where ``keeps_state`` kept it."""
+        frame = self._frames[-1] if self._frames else None
+        return frame.state if frame is not None and frame.module is layer else ()
 
     def met_own(self, layer: nn.Module) -> bool:
         """Whether the call of ``layer`` now ending got its own parameters' per-sample gradients
@@ -1441,7 +1485,7 @@ class BatchTracker(TorchFunctionMode):
         and inverted (what packing does); any other use mixes samples."""
         index = None
         if name == "index_select":
-            index = kwargs.get("index", args[2] if len(args) > 2 else None)
+            index = _index_arg(args, kwargs)
         elif name == "__getitem__" and len(args) > 1 and isinstance(args[1], torch.Tensor):
             index = args[1]
         source = self._batched.get(args[0]) if isinstance(index, torch.Tensor) else None
@@ -1559,6 +1603,15 @@ class BatchTracker(TorchFunctionMode):
             along = self._along_batch(name, args, kwargs, x, bd, out, operands)
             if along is not None:
                 return along
+        if name in ("__getitem__", "index_select") and self_arg is not x and len(operands) == 1 \
+                and x.dtype not in (torch.bool, torch.uint8):
+            # A batch-free table looked up by the batch's indices (DeepSeek V4's token -> expert
+            # table, ``tid2eid[input_ids]``): each output row is its index's row's lookup.
+            if name == "__getitem__" and len(args) == 2 and args[1] is x:
+                return bd  # the index's axes lead the output's
+            dims = _along_dims(name, args, kwargs, nd_out) if name == "index_select" else None
+            if dims is not None and x.dim() == 1 and _index_arg(args, kwargs) is x:
+                return dims[0]  # the looked-up axis
         if name in _MATMUL:
             return self._matmul_axis(name, args, x, bd, out, operands)
         if name == "einsum":
@@ -1642,13 +1695,13 @@ class BatchTracker(TorchFunctionMode):
                 return None  # the batched tensor is an index or a source, not the input
             dims = _along_dims(name, args, kwargs, nd_in)
             if name == "index_select" and dims == (bd,) and self._orders.entries:
-                index = kwargs.get("index", args[2] if len(args) > 2 else None)
+                index = _index_arg(args, kwargs)
                 if isinstance(index, torch.Tensor) and index in self._orders:
                     return bd  # a PackedSequence's order, or back
             if name in ("sort", "argsort") and dims == (bd,) and nd_in == 1:
                 return PERMUTED  # a sort of per-sample values (lengths): its order may pack the batch
             if name == "index_select" and dims == (bd,):
-                index = kwargs.get("index", args[2] if len(args) > 2 else None)
+                index = _index_arg(args, kwargs)
                 if isinstance(index, torch.Tensor) and index.dim() == 1 and index.shape[0] == x.shape[bd] \
                         and self._is_range(index, x.shape[bd]):
                     return bd  # every row in its place

@@ -19,6 +19,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,8 @@ from psg_core.errors import UnsupportedModuleError
 __all__ = ["exclusive", "FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch_mixing", "reject_fused",
            "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters",
            "unit_module", "is_unit", "hooked_modules", "modules_of", "one_walk", "trainable_parameters",
-           "built_on_experts_interface", "EXPERTS_INTERFACE", "GLOBAL_ATTENTION_NAMES", "known_rowwise"]
+           "built_on_experts_interface", "EXPERTS_INTERFACE", "GLOBAL_ATTENTION_NAMES", "known_rowwise",
+           "CallState", "call_state", "state_of_call"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -217,8 +219,19 @@ GLOBAL_ATTENTION_NAMES = ("transformers.models.longformer.modeling_longformer.Lo
 #: attentions above, and Llama 4's experts block, which tiles every token once per expert
 #: (``repeat`` along the rows), scales each copy by its routing score and sums the copies back:
 #: each token's output is its own row's alone (a unit too: its router, experts and shared expert
-#: are computed from its whole call).
-_ROWWISE_NAMES = frozenset(GLOBAL_ATTENTION_NAMES) | {"transformers.models.llama4.modeling_llama4.Llama4TextMoe"}
+#: are computed from its whole call); and DBRX's experts, a loop over the experts hit that gathers
+#: each expert's tokens from ``(B*T, d)`` states, runs its child's GLU on slices of the child's
+#: weights and scatters the rows back (a unit: the weights are its child's); and LongCat-Flash's
+#: experts, the same loop with zero-compute (identity) experts beside the routed ones; and JetMoE's
+#: experts block and attention, whose router sorts the batch's tokens by expert (the attention's
+#: query and output projections are such experts, reached by its own ``map`` and ``reduce``): each
+#: row's output is its own tokens' alone (units: their routers and experts are their children).
+_ROWWISE_NAMES = frozenset(GLOBAL_ATTENTION_NAMES) | {"transformers.models.llama4.modeling_llama4.Llama4TextMoe",
+                                                       "transformers.models.dbrx.modeling_dbrx.DbrxExperts",
+                                                       "transformers.models.longcat_flash.modeling_longcat_flash."
+                                                       "LongcatFlashExperts",
+                                                       "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE",
+                                                       "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention"}
 
 
 def known_rowwise(cls: type) -> bool:
@@ -329,6 +342,66 @@ def _own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
                 seen.add(id(p))
                 own.append(p)
     return tuple(own)
+
+
+# ------------------------------------------------------------------------------ a call's state
+#: The plain tensor attributes (and None-valued ones) of the modules of one layer's call, as the call
+#: began: ``((module, {name: value}), ...)``. See :func:`call_state`.
+CallState = tuple[tuple[nn.Module, dict[str, Any]], ...]
+_ABSENT = object()
+
+
+def call_state(layer: nn.Module) -> CallState:
+    """The state a call of ``layer`` begins with, for a per-sample run of the call later (the
+    torch.func fallback, a unit's whole call): the attributes of ``layer`` (of each module of a
+    unit's subtree) that hold a plain tensor or None, not parameters or buffers.
+
+    A module may keep state there that its call reads and replaces: RecurrentGemma's RG-LRU reads
+    ``self.recurrent_states`` (None, set by its block) and stores the batch's last state there. Run
+    again per sample after the batch's call, it would read the batch's state, not what the call
+    read: another shape (an error), or the same shape (a wrong gradient, silently).
+
+    >>> cell = nn.Linear(2, 2)
+    >>> cell.memory = None
+    >>> [(type(m).__name__, sorted(state)) for m, state in call_state(cell)]
+    [('Linear', ['memory'])]
+    """
+    modules = layer.modules() if is_unit(layer) else (layer,)
+    # (every module's entry, an empty one too: an attribute the call adds is taken away for a run)
+    return tuple((module, {name: value for name, value in vars(module).items()
+                           if _is_state(name, value)}) for module in modules)
+
+
+#: What every module's ``__dict__`` holds (its hooks, flags and dicts), never state of the model's.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _is_state(name: str, value: Any) -> bool:
+    return (value is None or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter))) \
+        and name not in _MODULE_INTERNALS
+
+
+@contextlib.contextmanager
+def state_of_call(state: CallState) -> Iterator[None]:
+    """Runs the block with each module's state as :func:`call_state` found it (an attribute of that
+    kind the call added removed), then puts back what the modules held before the block (what the
+    block stored there is dropped: a per-sample run's tensors, which may be torch.func's)."""
+    saved = []
+    for module, values in state:
+        attributes = vars(module)
+        before = dict(attributes)
+        saved.append((module, before))
+        for name, value in before.items():
+            if name not in values and _is_state(name, value):
+                del attributes[name]
+        attributes.update(values)
+    try:
+        yield
+    finally:
+        for module, before in saved:
+            attributes = vars(module)
+            attributes.clear()
+            attributes.update(before)
 
 
 def parametrized(layer: nn.Module) -> bool:

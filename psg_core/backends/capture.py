@@ -28,7 +28,7 @@ from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import (GROUPED, MIXED, PERMUTED, UNKNOWN, active_tracker, arg_versions, is_rowwise,
                                  whole_view)
-from psg_core.support import is_unit, parametrized
+from psg_core.support import CallState, is_unit, parametrized
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call", "runs_in_fallback", "separate_outputs"]
 
@@ -77,6 +77,9 @@ class LayerCall:
     #: per hooked output: the shape of an output whose gradient is taken at its base (see
     #: :func:`_grad_target`), else None; empty: every gradient is taken at the output itself.
     output_shapes: tuple[torch.Size | None, ...] = ()
+    #: for the torch.func fallback: the state the call began with (see
+    #: :func:`~psg_core.support.call_state`), which each sample's run of the call is given.
+    state: CallState = ()
     #: the layer's ``weight`` or ``bias`` is computed from its parameters at each call (see
     #: :func:`_computed_weight`): no sampler or ghost norm of the layer's type applies (they would
     #: give the computed tensor's gradient, which no parameter receives).
@@ -205,6 +208,7 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
                      num_outputs=len(index), merged=merged, row_factor=row_factor,
                      versions=versions, computed_weight=computed,
+                     state=tracker.state_of_call(layer) if entry is None and tracker is not None else (),
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
                                                                            batch_dim),
                      input_dims=() if entry is not None else _input_dims(tracker, args, kwargs, rows))
@@ -215,6 +219,17 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if any(target is not t for target, t in zip(targets, outputs)):
         call.output_shapes = tuple(None if target is t else t.shape for target, t in zip(targets, outputs))
     return call, targets
+
+
+def runs_whole(layer: nn.Module) -> bool:
+    """Whether the hooks and ghost backends may differentiate ``layer``'s whole call again per
+    sample (no grad sampler, a unit, a row-wise module, a weight computed from other parameters):
+    the batch tracker's ``keeps_state``, which keeps the state each such call begins with.
+
+    >>> runs_whole(nn.Linear(2, 2)), runs_whole(nn.Module())
+    (False, True)
+    """
+    return GRAD_SAMPLERS.lookup(layer) is None or is_unit(layer) or is_rowwise(layer) or _computed_weight(layer)
 
 
 def runs_in_fallback(layer: nn.Module) -> bool:
@@ -399,7 +414,7 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
         try:
             return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
                                                call.batch_dim, call.rows, call.output_dims or None,
-                                               call.input_dims or None)
+                                               call.input_dims or None, state=call.state)
         except (RuntimeError, ValueError) as err:
             if isinstance(err, PsgError):
                 raise

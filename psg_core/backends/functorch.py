@@ -23,7 +23,7 @@ from torch.func import grad_and_value, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.stateless import _reparametrize_module
 
-from psg_core.grad_sample.functorch_fallback import is_vmap_limit
+from psg_core.grad_sample.functorch_fallback import is_transform_limit, is_vmap_limit
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core._module_hooks import ModuleHooks
@@ -173,8 +173,10 @@ def functorch_per_sample(module: nn.Module, inputs: ModelInputs, targets: Any, l
     except PsgError:
         raise
     except Exception as err:  # noqa: BLE001  (whatever torch.func raises, named by module)
+        remedy = (" (mode='hooks' and mode='ghost' compute such a module's per-sample gradients with autograd, "
+                  "one sample at a time)" if isinstance(err, RuntimeError) and is_transform_limit(err) else "")
         raise UnsupportedModuleError(f"{_WHERE}: module {where.failed or '<root>'} failed under torch.func: "
-                                     f"{err}") from err
+                                     f"{err}{remedy}") from err
     return PerSampleOutput(grads=dict(per_sample_grads), per_sample_losses=losses.detach(),
                            num_samples=layout.num_samples)
 

@@ -67,7 +67,8 @@ from psg_core._host import host_float, host_int
 from psg_core._module_hooks import ModuleHooks
 from psg_core.backends.base import (AbstractGradSampleModule, backward_to_edges, on_output_grads,
                                     trainable_parameters)
-from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
+from psg_core.backends.capture import (LayerCall, call_grad_samples, capture_call, runs_in_fallback, runs_whole,
+                                      separate_outputs)
 from psg_core.clipping import clip_factors, count_dropped, dropped_samples, kept_sum, weighted_sum, zero_dropped
 from psg_core.config import DPConfig, DPGradient
 from psg_core.errors import BatchLayoutError, ConfigError, UnsupportedModuleError
@@ -721,7 +722,8 @@ def _ghost_dp_gradient(module: nn.Module, inputs: Any, targets: Any, *, loss_fn:
     bookkeeping = _GhostBookkeeping(module, layout)
     try:
         with BatchTracker(module, num_samples=num_samples, augmentation_multiplicity=layout.augmentation_multiplicity,
-                          on_meeting=bookkeeping.on_meeting, meets_own=runs_in_fallback) as tracker:
+                          on_meeting=bookkeeping.on_meeting, meets_own=runs_in_fallback,
+                          keeps_state=runs_whole) as tracker:
             for tensor, dim in model_inputs.batch_tensors(layout):
                 tracker.mark(tensor, dim)
             tracker.mark_targets(targets, layout)

@@ -19,7 +19,8 @@ from psg_core.backends.base import (AbstractGradSampleModule, PerSampleOutput, b
                                     earliest_edges, get_grad_sample, on_output_grads, set_grad_sample,
                                     trainable_parameters)
 from psg_core._layout import ALWAYS_BATCH_FIRST
-from psg_core.backends.capture import LayerCall, call_grad_samples, capture_call, runs_in_fallback, separate_outputs
+from psg_core.backends.capture import (LayerCall, call_grad_samples, capture_call, runs_in_fallback, runs_whole,
+                                      separate_outputs)
 from psg_core.errors import BatchLayoutError, ConfigError, GradAccumulationError, UnsupportedModuleError
 from psg_core.grad_sample._utils import accumulating_into, takes_targets
 from psg_core.grad_sample.registry import GRAD_SAMPLERS
@@ -33,6 +34,10 @@ from psg_core.support import FUSED, SAMPLE_MIXING, frequency_scaled, hooked_modu
 __all__ = ["GradSampleModule", "ALWAYS_BATCH_FIRST", "hooks_per_sample"]
 
 logger = logging.getLogger(__name__)
+
+
+def _always(_layer: nn.Module) -> bool:
+    return True  # under force_functorch every layer's call runs again per sample
 
 
 def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -199,7 +204,8 @@ class GradSampleModule(AbstractGradSampleModule):
         return BatchTracker(self._module, num_samples=layout.num_samples,
                             augmentation_multiplicity=layout.augmentation_multiplicity,
                             on_meeting=lambda point, view: self._on_meeting(point, view, layout, forward_id),
-                            root_by_caller=implicit, meets_own=None if self.force_functorch else runs_in_fallback)
+                            root_by_caller=implicit, meets_own=None if self.force_functorch else runs_in_fallback,
+                            keeps_state=_always if self.force_functorch else runs_whole)
 
     def _new_pass(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         me = threading.get_ident()

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core.errors import PsgError
 from psg_core.layout import fold_rows
-from psg_core.support import GLOBAL_ATTENTION_NAMES, is_unit, parametrized
+from psg_core.support import GLOBAL_ATTENTION_NAMES, CallState, is_unit, parametrized, state_of_call
 
 __all__ = ["functorch_layer_grad_sample"]
 
@@ -50,8 +50,8 @@ _INPUT_GRAD_HOOKS = frozenset({"make_inputs_require_grads", "make_inputs_require
 def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 backprops: list[torch.Tensor | None], augmentation_multiplicity: int,
                                 batch_dim: int, rows: int, output_dims: Sequence[tuple[int, int]] | None = None,
-                                input_dims: Sequence[tuple[int, int] | None] | None = None
-                                ) -> dict[torch.Tensor, torch.Tensor]:
+                                input_dims: Sequence[tuple[int, int] | None] | None = None,
+                                state: CallState = ()) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``layer``'s own trainable parameters (not its submodules').
 
     Args:
@@ -68,6 +68,8 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
         input_dims: ``(batch axis, entries per row)`` of each tensor among the flattened
             ``(args, kwargs)`` as the forward pass followed it, None for a batch-free one, the axis
             UNKNOWN where it was not followed; default: judged by size.
+        state: the state the layer's call began with (see :func:`~psg_core.support.call_state`):
+            each sample's run begins with it too, and the layer gets back what it held after.
 
     Returns:
         ``{parameter: (N, *parameter.shape)}``, gradients of each sample's summed row losses.
@@ -127,21 +129,42 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                    for n in range(_num_samples(batched_inputs, in_dims, batched_bps))]
         return {name: torch.stack([r[name] for r in results]) for name in params}
 
+    def by_autograd() -> dict[str, torch.Tensor]:
+        # The same function, one sample at a time, differentiated by autograd (no torch.func
+        # transform): for a layer that runs an autograd.Function torch.func cannot transform.
+        results = []
+        with torch.enable_grad():
+            for n in range(_num_samples(batched_inputs, in_dims, batched_bps)):
+                leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+                total = sample_loss(leaves, [v if d is None else v[n] for v, d in zip(batched_inputs, in_dims)],
+                                    [None if b is None else b[n] for b in batched_bps])
+                found = torch.autograd.grad(total, list(leaves.values()), allow_unused=True) \
+                    if total.requires_grad else (None,) * len(leaves)
+                results.append({name: torch.zeros_like(leaf) if g is None else g
+                                for (name, leaf), g in zip(leaves.items(), found)})
+        return {name: torch.stack([r[name] for r in results]) for name in params}
+
     for key in input_grad_hooks:
         del layer._forward_hooks[key]
     try:
-        if own_call is not None:  # it reads one sample's values: never batchable
-            per_sample = one_at_a_time()
-        else:
+        with state_of_call(state):
             try:
-                per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
-                                  randomness="different")(params, batched_inputs, batched_bps)
+                if own_call is not None:  # it reads one sample's values: never batchable
+                    per_sample = one_at_a_time()
+                else:
+                    try:
+                        per_sample = vmap(grad(sample_loss), in_dims=(None, in_dims, bp_dims),
+                                          randomness="different")(params, batched_inputs, batched_bps)
+                    except RuntimeError as err:
+                        if not is_vmap_limit(err):
+                            raise
+                        # vmap cannot batch the layer (an in-place write into a tensor it creates, a
+                        # data-dependent shape): the same function, one sample at a time.
+                        per_sample = one_at_a_time()
             except RuntimeError as err:
-                if not is_vmap_limit(err):
+                if not is_transform_limit(err):
                     raise
-                # vmap cannot batch the layer (an in-place write into a tensor it creates, a
-                # data-dependent shape): the same function, one sample at a time.
-                per_sample = one_at_a_time()
+                per_sample = by_autograd()
     finally:
         if input_grad_hooks:  # (in their places among the others)
             layer._forward_hooks.clear()
@@ -168,9 +191,11 @@ def _signature(forward: Any) -> inspect.Signature:
 #: the batch's arguments include a flag computed from every row.
 _SAMPLE_CALLS = dict.fromkeys(GLOBAL_ATTENTION_NAMES, _own_global_attention)
 
-#: Messages of the errors vmap raises for a function it cannot batch (torch.func's own, or an op
-#: without a batching rule), which a loop over samples computes.
-VMAP_LIMITS = ("data-dependent control flow", ".item()", "vmap:", "vmap ", "Batching rule not implemented")
+#: Messages of the errors vmap raises for a function it cannot batch (torch.func's own, an op
+#: without a batching rule, or a read of a batched tensor's values: JetMoE's router takes its
+#: experts' token counts with ``.tolist()``), which a loop over samples computes.
+VMAP_LIMITS = ("data-dependent control flow", ".item()", "vmap:", "vmap ", "Batching rule not implemented",
+               "Cannot access data pointer of Tensor that doesn't have storage")
 
 
 def is_vmap_limit(err: RuntimeError) -> bool:
@@ -178,6 +203,18 @@ def is_vmap_limit(err: RuntimeError) -> bool:
     not psg's own refusal raised inside vmap (a :class:`~psg_core.errors.PsgError`, which must reach
     the caller as it is) or another error."""
     return not isinstance(err, PsgError) and any(sign in str(err) for sign in VMAP_LIMITS)
+
+
+#: The message of torch.func's refusal to transform an ``autograd.Function`` written without
+#: ``setup_context`` (Hugging Face's RecurrentGemma and SEW-D run such functions).
+_NO_SETUP_CONTEXT = "must override the setup_context staticmethod"
+
+
+def is_transform_limit(err: RuntimeError) -> bool:
+    """Whether ``err`` is torch.func's refusal to transform the layer at all (an
+    ``autograd.Function`` without ``setup_context``), which a loop over samples differentiated by
+    autograd computes."""
+    return not isinstance(err, PsgError) and _NO_SETUP_CONTEXT in str(err)
 
 
 def _num_samples(inputs: list[Any], in_dims: Sequence[int | None], bps: list[torch.Tensor | None]) -> int:

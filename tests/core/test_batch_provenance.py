@@ -686,3 +686,65 @@ def test_type_as_reads_only_the_other_tensors_dtype(mode: str, K: int) -> None:
     else:
         _assert_grads(per_sample_gradients(model, x, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K),
                       expected)
+
+
+class HashRouted(nn.Module):
+    """DeepSeek V4's hash routing in small: which experts a token uses is a lookup of its id in a
+    fixed table (a buffer, ``tid2eid[ids]``); the learned gate's scores at those experts weight
+    each expert's output. ``how``: the lookup by ``__getitem__`` or ``index_select``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.embed = nn.Embedding(7, 4)
+        self.gate = nn.Linear(4, 3, bias=False)
+        self.experts = nn.Linear(4, 3 * 4)
+        self.register_buffer("tid2eid", torch.randint(0, 3, (7, 2)))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (N*K, T)
+        h = self.embed(ids)  # (N*K, T, 4)
+        flat_ids = ids.reshape(-1)
+        index = self.tid2eid[flat_ids] if self.how == "getitem" else self.tid2eid.index_select(0, flat_ids)
+        weights = torch.softmax(self.gate(h), -1).reshape(-1, 3).gather(1, index)  # (N*K*T, 2)
+        outs = self.experts(h).reshape(-1, 3, 4)  # (N*K*T, E, 4)
+        picked = outs.gather(1, index[:, :, None].expand(-1, -1, 4))  # (N*K*T, 2, 4)
+        routed = (picked * weights[:, :, None]).sum(1).view(h.shape)
+        return self.head(torch.tanh(routed).mean(1))
+
+
+@pytest.mark.parametrize("how", ["getitem", "index_select"])
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_batch_free_table_looked_up_by_the_batch_s_ids(how: str, mode: str, K: int) -> None:
+    """``table[ids]`` (or ``index_select``) of a buffer holds the batch where the ids do; it was an
+    axis psg lost, which the experts' gather then could not follow."""
+    torch.manual_seed(5)
+    model = HashRouted(how)
+    x, y = torch.randint(0, 7, (3 * K, 4)), torch.randn(3 * K, 2)
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(3)]
+    expected = _oracle(model, samples, _mse, "mean")
+    if mode == "ghost":
+        _assert_ghost(model, x, y, _mse, expected, K=K, reduction="mean")
+    else:
+        _assert_grads(per_sample_gradients(model, x, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K),
+                      expected)
+
+
+def test_which_lookups_of_a_batch_free_table_hold_the_batch() -> None:
+    from psg_core.provenance import BatchTracker
+
+    layer = nn.Linear(2, 2)
+    table = torch.arange(14).view(7, 2)
+    ids = torch.randint(0, 7, (4, 3))
+    mask = torch.rand(4, 3) > 0.5
+    with BatchTracker(layer, num_samples=4, augmentation_multiplicity=1, on_meeting=lambda *_: None) as tracker:
+        tracker.mark(ids, 0)
+        tracker.mark(mask, 0)
+        flat = ids.reshape(-1)
+        assert tracker.state(table[ids]) == (0, 1)  # (4, 3, 2): the ids' axes lead
+        assert tracker.state(table[flat]) == (0, 3)  # three entries per row, as the ids
+        assert tracker.state(table.index_select(0, flat)) == (0, 3)
+        assert tracker.state(table.t().index_select(1, flat)) == (1, 3)
+        # a mask picks entries of the table, not rows of the batch
+        assert tracker.batch_dim(torch.zeros(4, 3)[mask]) != 0

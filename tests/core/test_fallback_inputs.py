@@ -210,3 +210,28 @@ def test_a_head_bias_tied_to_its_decoder_is_counted_once(mode: str, K: int) -> N
     torch.manual_seed(0)
     x, y = torch.randn(N * K, D), torch.randint(0, 3, (N * K,))
     _check(TiedBiasNet(), x, y, K, mode)
+
+
+class Counted(nn.Module):
+    """No grad sampler: reads its input's values with ``.tolist()`` (JetMoE's router takes its
+    experts' token counts so), which vmap cannot run on a batched tensor: here which features are
+    finite in every row (all are), as a guard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        finite = torch.isfinite(x).all(0).tolist()
+        return (x @ self.weight) * torch.tensor(finite, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_layer_that_reads_its_rows_values_runs_one_sample_at_a_time(mode: str, K: int) -> None:
+    """vmap raises 'Cannot access data pointer' at the ``.tolist()``: the fallback (and the functorch
+    backend) run each sample alone instead of refusing the layer."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(D, D), Counted(), nn.Linear(D, 3))
+    x, y = torch.randn(N * K, D), torch.randint(0, 3, (N * K,))
+    _check(model, x, y, K, mode)

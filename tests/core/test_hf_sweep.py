@@ -33,6 +33,20 @@ def test_other_tasks_match_the_oracle(task: str, model_type: str) -> None:
     assert line["oracle"] == "float64"
 
 
+@pytest.mark.parametrize("task, model_type, oracle", [
+    ("causal-lm", "dbrx", "float64"),  # experts given (B, T, d) states beside (B*T, k) routing
+    ("causal-lm", "longcat_flash", "float64"),  # a loop over the experts hit, zero-compute experts
+    ("causal-lm", "deepseek_v4", "float32"),  # hash routing: a buffer looked up by the input ids
+    ("causal-lm", "recurrent_gemma", "float64"),  # module state; an autograd.Function without setup_context
+    ("causal-lm", "jetmoe", "float64"),  # routers that sort the tokens, in the attention and the MLP
+    ("audio", "sew-d", "float64"),  # autograd.Functions without setup_context
+])
+def test_types_once_refused_match_the_oracle(task: str, model_type: str, oracle: str) -> None:
+    line = hf_sweep.sweep_type(model_type, K=2, task=task)
+    assert (line["hooks"], line["ghost"]) == ("ok", "ok"), line
+    assert line["oracle"].startswith(oracle), line
+
+
 def test_a_model_ill_conditioned_in_float32_is_checked_in_float64() -> None:
     """BiT's weight standardisation (eps 1e-8) puts float32 runs 3% from the float64 oracle, psg's and
     the oracle's own alike: hooks is then run on a float64 copy and equals the oracle to 1e-9."""

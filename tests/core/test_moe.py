@@ -454,5 +454,101 @@ def test_a_row_wise_output_that_is_no_multiple_of_the_rows_is_refused() -> None:
     model = TiledBlock(how="short")
     with pytest.raises(UnsupportedModuleError, match=r"module 'out' \(Linear\) receives values that mix samples: "
                                                      r"module 'moe' \(Tiled\), declared row-wise, returns 19 entries on axis 0 "
-                                                     r"for inputs of 4"):
+                                                     r"for 4 batch rows"):
         per_sample_gradients(model, x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"))
+
+
+class LoopedGLU(nn.Module):
+    """DBRX's expert GLU in small: every expert's weights stacked in three parameters, called with
+    one expert's slices of them."""
+
+    def __init__(self, experts: int, width: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.w1 = nn.Parameter(torch.randn(experts * hidden, width) / width)
+        self.v1 = nn.Parameter(torch.randn(experts * hidden, width) / width)
+        self.w2 = nn.Parameter(torch.randn(experts * hidden, width) / hidden)
+
+    def forward(self, x: torch.Tensor, w1: torch.Tensor, v1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ w1.T) * (x @ v1.T)) @ w2
+
+
+class LoopedExperts(nn.Module):
+    """DBRX's experts in small: the states come as ``(B, T, d)``, the routing as ``(B*T, k)``
+    indices and weights (each input merges another number of entries into a batch row); a loop
+    over the experts hit gathers each one's tokens, runs the child on its slices of the child's
+    weights and scatters the rows back."""
+
+    def __init__(self, experts: int = 3, width: int = 4, hidden: int = 5) -> None:
+        super().__init__()
+        self.experts, self.width, self.hidden = experts, width, hidden
+        self.mlp = LoopedGLU(experts, width, hidden)
+
+    def forward(self, states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        batch = states.shape[0]
+        states = states.reshape(-1, self.width)
+        out = torch.zeros_like(states)
+        with torch.no_grad():
+            mask = F.one_hot(index, num_classes=self.experts).permute(2, 1, 0)  # (E, k, B*T)
+            hit = (mask.sum(dim=(-1, -2)) > 0).nonzero()
+        shape = (-1, self.hidden, self.width)
+        for expert in hit:
+            expert = expert[0]
+            with torch.no_grad():
+                slot, token = torch.where(mask[expert])
+            rows = self.mlp(states[token], self.mlp.w1.view(shape)[expert], self.mlp.v1.view(shape)[expert],
+                            self.mlp.w2.view(shape)[expert])
+            out.index_add_(0, token, rows * weights[token, slot, None])
+        return out.view(batch, -1, self.width)
+
+
+Looped = psg_core.unit_module(psg_core.rowwise_module(type("Looped", (LoopedExperts,), {})))
+
+
+class LoopedBlock(nn.Module):
+    def __init__(self, routing: str = "tokens") -> None:
+        super().__init__()
+        self.routing = routing
+        self.inp = nn.Linear(3, 4)
+        self.router = nn.Linear(4, 3, bias=False)
+        self.moe = Looped()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N*K, T, 3)
+        h = self.inp(x)
+        logits = self.router(h.reshape(-1, 4))  # (N*K*T, E)
+        weights, index = torch.softmax(logits, dim=1).topk(2, dim=-1)
+        if self.routing == "short":  # the routing of one token fewer: no whole batch row per entry
+            weights, index = weights[1:], index[1:]
+            h = h.reshape(-1, 4)[1:]
+        return self.out(torch.tanh(h + self.moe(h, index, weights).view(h.shape)).reshape(x.shape[0], -1, 4).mean(1)
+                        if self.routing == "tokens" else self.moe(h, index, weights).sum(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_row_wise_module_whose_inputs_merge_different_entries_per_row(mode: str, K: int) -> None:
+    """DBRX's experts take ``(N*K, T, d)`` states beside ``(N*K*T, k)`` routing: both hold the
+    batch's N*K rows on axis 0 (one entry per row in the one, T in the other), which the row-wise
+    call accepts; each sample's run of the unit (the fallback) gets its rows of each."""
+    torch.manual_seed(0)
+    model = LoopedBlock()
+    x, y = torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,))
+    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
+    expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
+    if mode == "ghost":
+        check_ghost_clipped(model, x, y, expected, K=K, loss=nn.CrossEntropyLoss(reduction="none"), bound=0.01)
+    else:
+        grads = per_sample_gradients(model, x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"), mode=mode,
+                                     augmentation_multiplicity=K)
+        for name, ref in expected.items():
+            assert_close_scaled(grads[name], ref, name=name)
+
+
+def test_a_row_wise_module_whose_inputs_hold_different_rows_is_refused() -> None:
+    """Routing for one token fewer than the states hold: no input's axis 0 is a whole number of
+    batch rows that the others share, and the message says what each holds."""
+    x, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4,))
+    with pytest.raises(UnsupportedModuleError, match=r"module 'moe' \(Looped\) is declared row-wise.*do not all hold the "
+                                                     r"batch's rows on axis 0 \(shape \(19, 4\): .*entries per row"):
+        per_sample_gradients(LoopedBlock(routing="short"), x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"))

@@ -297,3 +297,37 @@ def test_wavlm_full_fine_tuning(mode: str, K: int) -> None:
     scale = max(value.abs().max() for value in expected.values())
     for name, value in expected.items():
         torch.testing.assert_close(got[name] / scale, value / scale, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+class _Scale(nn.Module):
+    """No grad sampler; its parameter meets the batch in a pointwise op only (an RMSNorm's weight):
+    outside a unit, such a call's per-sample gradients come from meeting points."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, C))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, L)
+        return x * self.weight[:, None]
+
+
+@psg_core.unit_module
+class _UnitOverScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(C, C, 3, padding=1)
+        self.norm = _Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(F.conv1d(x, self.conv.weight * 2.0, self.conv.bias, padding=1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_child_of_a_unit_meeting_the_batch_pointwise_is_counted_once(mode: str, K: int) -> None:
+    """The unit's whole call gives its child's per-sample gradients: the child's pointwise meeting
+    is not a meeting point as well (which counted its parameter twice: 2x the oracle, silently)."""
+    torch.manual_seed(3)
+    model = _model(_UnitOverScale)
+    x, y = torch.randn(N * K, C, L), torch.randint(0, 3, (N * K,))
+    check_mode(model, x, y, K=K, mode=mode, loss=_loss)
