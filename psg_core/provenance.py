@@ -972,6 +972,13 @@ class BatchTracker(TorchFunctionMode):
                     self._origin[t] = origin
             if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
                 self._note_tiles(getattr(func, "__name__", ""), args, out)
+        elif isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+            # A constant tiled once per batch row too (CPM-Ant's positions, ``arange(T).repeat(B, 1)``
+            # from the batch's size): the per-layer fallback gives each sample its rows' tiles, as
+            # it gives each sample its rows of a constant expanded over the batch.
+            op = getattr(func, "__name__", "")
+            if op == "repeat" or (self._tiles.entries and args[0] in self._tiles):
+                self._note_tiles(op, args, out)
         if self._sizes and isinstance(out, torch.Tensor) and getattr(func, "__name__", "") in _FACTORIES:
             self._follow_size(func, args, kwargs, out)  # (a parameter's new_zeros too: origin above)
         if self._orders.entries and isinstance(out, torch.Tensor) and leaves and leaves[0] in self._orders \
@@ -1308,9 +1315,12 @@ class BatchTracker(TorchFunctionMode):
             sizes = args[1:]
             if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
                 sizes = tuple(sizes[0])
-            if len(sizes) == src.dim() >= 1 and all(type(n) is int for n in sizes) and sizes[0] > 1 \
+            if len(sizes) >= src.dim() >= 1 and all(type(n) is int for n in sizes) and sizes[0] > 1 \
                     and all(n == 1 for n in sizes[1:]):
-                self._tiles[out] = (src, sizes[0], src._version, out._version)
+                # (more sizes than axes: the block gets leading axes of one, as repeat reads it:
+                # CPM-Ant's positions, ``arange(T).repeat(B, 1)``)
+                block = src if len(sizes) == src.dim() else src.view((1,) * (len(sizes) - src.dim()) + src.shape)
+                self._tiles[out] = (block, sizes[0], src._version, out._version)
             return
         tiled = self._tiled(src)
         if tiled is None:

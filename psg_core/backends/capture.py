@@ -77,6 +77,9 @@ class LayerCall:
     #: per hooked output: the shape of an output whose gradient is taken at its base (see
     #: :func:`_grad_target`), else None; empty: every gradient is taken at the output itself.
     output_shapes: tuple[torch.Size | None, ...] = ()
+    #: for the torch.func fallback: the positions of the hooked outputs among the call's flattened
+    #: output (an integer index or a batch-free tensor returned beside them is not hooked).
+    output_index: tuple[int, ...] = ()
     #: for the torch.func fallback: the state the call began with (see
     #: :func:`~psg_core.support.call_state`), which each sample's run of the call is given.
     state: CallState = ()
@@ -209,6 +212,7 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      num_outputs=len(index), merged=merged, row_factor=row_factor,
                      versions=versions, computed_weight=computed,
                      state=tracker.state_of_call(layer) if entry is None and tracker is not None else (),
+                     output_index=tuple(index) if entry is None else (),
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
                                                                            batch_dim),
                      input_dims=() if entry is not None else _input_dims(tracker, args, kwargs, rows))
@@ -414,7 +418,8 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
         try:
             return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
                                                call.batch_dim, call.rows, call.output_dims or None,
-                                               call.input_dims or None, state=call.state)
+                                               call.input_dims or None, state=call.state,
+                                               output_index=call.output_index or None)
         except (RuntimeError, ValueError) as err:
             if isinstance(err, PsgError):
                 raise

@@ -51,7 +51,8 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                                 backprops: list[torch.Tensor | None], augmentation_multiplicity: int,
                                 batch_dim: int, rows: int, output_dims: Sequence[tuple[int, int]] | None = None,
                                 input_dims: Sequence[tuple[int, int] | None] | None = None,
-                                state: CallState = ()) -> dict[torch.Tensor, torch.Tensor]:
+                                state: CallState = (), output_index: Sequence[int] | None = None
+                                ) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``layer``'s own trainable parameters (not its submodules').
 
     Args:
@@ -70,6 +71,10 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
             UNKNOWN where it was not followed; default: judged by size.
         state: the state the layer's call began with (see :func:`~psg_core.support.call_state`):
             each sample's run begins with it too, and the layer gets back what it held after.
+        output_index: the positions, among the layer's flattened output, of the outputs
+            ``backprops`` belong to (the backend hooks only outputs that require grad and hold
+            the batch: an integer routing index returned before them is none of them); default:
+            the tensors of the output, in order.
 
     Returns:
         ``{parameter: (N, *parameter.shape)}``, gradients of each sample's summed row losses.
@@ -107,9 +112,9 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
             call_kwargs = own_call(layer, call_args, call_kwargs)
         # Only the layer's own tensors are swapped: a submodule's parameter tied to one of them
         # (an MLM head's bias, which its decoder Linear also holds) is that submodule's to account.
-        outputs = [o for o in tree_flatten(functional_call(layer, sample_params, call_args, call_kwargs,
-                                                           tie_weights=False))[0]
-                   if isinstance(o, torch.Tensor)]
+        flat = tree_flatten(functional_call(layer, sample_params, call_args, call_kwargs, tie_weights=False))[0]
+        outputs = ([flat[i] for i in output_index] if output_index is not None
+                   else [o for o in flat if isinstance(o, torch.Tensor)])
         total = torch.zeros((), dtype=torch.float32, device=next(iter(sample_params.values())).device)
         for out, bp, (dim, _) in zip(outputs, bps, out_dims):
             if bp is not None:

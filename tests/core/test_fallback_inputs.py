@@ -171,11 +171,44 @@ def test_a_batch_free_tensor_broadcast_to_the_batch_is_each_sample_s_copy(mode: 
     _check(Broadcast(copies=False), x, y, K, mode)
 
 
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_batch_free_tensor_tiled_once_per_row_is_each_sample_s_copy(mode: str, K: int) -> None:
+    """Materialised row by row (``pe.repeat(B, 1)``): once passed whole to each sample's run, whose
+    output then outgrew the sample's rows (refused); now split like the broadcast view, one tile
+    per row, as the sample's own forward builds it."""
+    torch.manual_seed(0)
+    x, y = torch.randn(N * K, D), torch.randint(0, 3, (N * K,))
+    _check(Broadcast(copies=True), x, y, K, mode)
+
+
+class Rows(nn.Module):
+    """No grad sampler: adds a table of N*K rows (by coincidence) to its input's rows; one sample's
+    run, which gets the whole table, returns more rows than the sample has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w) + table  # (rows, D) + (N*K, D)
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_a_layer_whose_output_outgrows_one_sample_s_rows_is_refused(mode: str) -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows = Rows()
+            self.register_buffer("table", torch.randn(N, D))
+            self.head = nn.Linear(D, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rows(x, self.table))
+
     x, y = torch.randn(N, D), torch.randint(0, 3, (N,))
-    with pytest.raises(UnsupportedModuleError, match="per sample"):
-        dp_gradient(Broadcast(copies=True), x, y, loss_fn=_loss, config=DPConfig(mode=mode, max_grad_norm=1.0))
+    with pytest.raises(UnsupportedModuleError, match="returns shape .* per sample"):
+        dp_gradient(Net(), x, y, loss_fn=_loss, config=DPConfig(mode=mode, max_grad_norm=1.0))
 
 
 class TiedBiasHead(nn.Module):
@@ -235,3 +268,82 @@ def test_a_layer_that_reads_its_rows_values_runs_one_sample_at_a_time(mode: str,
     model = nn.Sequential(nn.Linear(D, D), Counted(), nn.Linear(D, 3))
     x, y = torch.randn(N * K, D), torch.randint(0, 3, (N * K,))
     _check(model, x, y, K, mode)
+
+
+class PositionBias(nn.Module):
+    """No grad sampler: CPM-Ant's position embedding in small. It takes positions tiled once per
+    batch row from the batch's size (``arange(T).repeat(B, 1)``) beside per-row segments, and views
+    both with the batch size it reads from the positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2 * 3 + 4, 2) * 0.5)
+
+    def forward(self, positions: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        batch, length = positions.shape
+        relative = (positions.view(batch, length, 1) - positions.view(batch, 1, length)).clamp(-2, 1) + 2
+        bucket = torch.where(segments.view(batch, length, 1) == segments.view(batch, 1, length), relative,
+                             4 + segments.view(batch, length, 1) * 3 + segments.view(batch, 1, length))
+        return F.embedding(bucket, self.table)  # (B, T, T, 2)
+
+
+class Positioned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.bias = PositionBias()
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D)
+        batch, length = x.shape[0], x.shape[1]
+        positions = torch.arange(length).repeat(batch, 1)  # a constant, one tile per batch row
+        segments = (x[..., 0] > 0).long()  # per row
+        h = torch.tanh(self.inp(x))
+        scores = self.bias(positions, segments).sum(-1)  # (B, T, T)
+        return self.head(torch.softmax(scores, -1) @ h).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_constant_tiled_once_per_batch_row_is_split_per_sample(mode: str, K: int) -> None:
+    """The positions were passed whole to each sample's run, whose view with their batch size then
+    failed (refused); one tile per row of the sample's own is what its forward alone builds."""
+    torch.manual_seed(7)
+    x, y = torch.randn(N * K, 3, D), torch.randint(0, 3, (N * K,))
+    _check(Positioned(), x, y, K, mode)
+
+
+class TopK(nn.Module):
+    """No grad sampler: a router returning ``(indices, weights)``, the integer indices first, both
+    ``(rows, 2)`` (Inkling's router returns its top-k indices between its weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, D) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, indices = torch.softmax(x @ self.weight.t(), -1).topk(2, dim=-1)
+        return indices, weights
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.router = TopK()
+        self.head = nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        indices, weights = self.router(torch.tanh(self.inp(x)))
+        return self.head(weights * (1 + indices.to(weights.dtype)))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_an_output_without_gradient_before_the_hooked_one_is_skipped(mode: str, K: int) -> None:
+    """The per-sample run paired the outputs with their gradients by position among its tensors:
+    the weights' gradient went to the indices, of the same shape, and the router's per-sample
+    gradients came out zero, silently. It now takes the outputs the backend hooked."""
+    torch.manual_seed(8)
+    x, y = torch.randn(N * K, D), torch.randint(0, 3, (N * K,))
+    _check(Routed(), x, y, K, mode)
