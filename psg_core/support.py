@@ -225,13 +225,17 @@ GLOBAL_ATTENTION_NAMES = ("transformers.models.longformer.modeling_longformer.Lo
 #: experts, the same loop with zero-compute (identity) experts beside the routed ones; and JetMoE's
 #: experts block and attention, whose router sorts the batch's tokens by expert (the attention's
 #: query and output projections are such experts, reached by its own ``map`` and ``reduce``): each
-#: row's output is its own tokens' alone (units: their routers and experts are their children).
+#: row's output is its own tokens' alone (units: their routers and experts are their children);
+#: and Qwen4's sparse-attention indexer, a loop over the batch's rows that picks each row's token
+#: indices from its own keys (integers: its parameters get no gradient).
 _ROWWISE_NAMES = frozenset(GLOBAL_ATTENTION_NAMES) | {"transformers.models.llama4.modeling_llama4.Llama4TextMoe",
                                                        "transformers.models.dbrx.modeling_dbrx.DbrxExperts",
                                                        "transformers.models.longcat_flash.modeling_longcat_flash."
                                                        "LongcatFlashExperts",
                                                        "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE",
-                                                       "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention"}
+                                                       "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention",
+                                                       "transformers.models.qwen4_exp.modeling_qwen4_exp."
+                                                       "Qwen4ExpTextQSAIndexer"}
 
 
 def known_rowwise(cls: type) -> bool:

@@ -41,6 +41,7 @@ def test_other_tasks_match_the_oracle(task: str, model_type: str) -> None:
     ("causal-lm", "jetmoe", "float64"),  # routers that sort the tokens, in the attention and the MLP
     ("causal-lm", "cpmant", "float64"),  # positions tiled once per batch row, viewed with their batch size
     ("causal-lm", "inkling_text", "float32"),  # a router returning its integer top-k between its weights
+    ("causal-lm", "qwen4_exp", "float32"),  # a sparse-attention indexer looping over the batch's rows
     ("audio", "sew-d", "float64"),  # autograd.Functions without setup_context
 ])
 def test_types_once_refused_match_the_oracle(task: str, model_type: str, oracle: str) -> None:
