@@ -53,6 +53,18 @@ def _assert_ghost(model: nn.Module, inputs: Any, targets: torch.Tensor, loss: An
     _assert_grads(result.grads, reference.grads)
 
 
+def _check_mode(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Any, mode: str, K: int, *,
+                samples: int) -> None:
+    """``mode`` on ``samples`` samples of K rows equals the oracle (mean reduction; ghost: its
+    norms and clipped sum)."""
+    expected = _oracle(model, [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(samples)], loss, "mean")
+    if mode == "ghost":
+        _assert_ghost(model, x, y, loss, expected, K=K, reduction="mean")
+    else:
+        _assert_grads(per_sample_gradients(model, x, y, loss_fn=loss, mode=mode, augmentation_multiplicity=K),
+                      expected)
+
+
 def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, y, reduction="none")
 
@@ -386,14 +398,7 @@ def test_frames_merged_into_the_rows_of_a_layer_that_fixes_its_axes(kind: str, m
     layer, channels = _frame_layer(kind)
     model = Frames(layer)
     x, y = torch.randn(N * K, 2, channels, 3, 3), torch.randint(0, 2, (N * K,))
-    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
-    loss = nn.CrossEntropyLoss(reduction="none")
-    expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
-    if mode == "ghost":
-        _assert_ghost(model, x, y, loss, expected, K=K, reduction="mean")
-    else:
-        _assert_grads(per_sample_gradients(model, x, y, loss_fn=loss, mode=mode, augmentation_multiplicity=K),
-                      expected)
+    _check_mode(model, x, y, nn.CrossEntropyLoss(reduction="none"), mode, K, samples=N)
 
 
 # ----------------------------------------------------------------------------- keyword inputs, errors
@@ -679,13 +684,7 @@ def test_type_as_reads_only_the_other_tensors_dtype(mode: str, K: int) -> None:
     torch.manual_seed(4)
     model = CastScale()
     x, y = torch.randn(3 * K, 4, 3), torch.randn(3 * K, 2)
-    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(3)]
-    expected = _oracle(model, samples, _mse, "mean")
-    if mode == "ghost":
-        _assert_ghost(model, x, y, _mse, expected, K=K, reduction="mean")
-    else:
-        _assert_grads(per_sample_gradients(model, x, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K),
-                      expected)
+    _check_mode(model, x, y, _mse, mode, K, samples=3)
 
 
 class HashRouted(nn.Module):
@@ -722,13 +721,7 @@ def test_a_batch_free_table_looked_up_by_the_batch_s_ids(how: str, mode: str, K:
     torch.manual_seed(5)
     model = HashRouted(how)
     x, y = torch.randint(0, 7, (3 * K, 4)), torch.randn(3 * K, 2)
-    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(3)]
-    expected = _oracle(model, samples, _mse, "mean")
-    if mode == "ghost":
-        _assert_ghost(model, x, y, _mse, expected, K=K, reduction="mean")
-    else:
-        _assert_grads(per_sample_gradients(model, x, y, loss_fn=_mse, mode=mode, augmentation_multiplicity=K),
-                      expected)
+    _check_mode(model, x, y, _mse, mode, K, samples=3)
 
 
 def test_which_lookups_of_a_batch_free_table_hold_the_batch() -> None:

@@ -436,7 +436,11 @@ def test_a_row_wise_module_that_flattens_each_rows_tokens(mode: str, K: int) -> 
     """Its outputs' axis 0 is T times its input's: T entries per batch row (the oracle's gradients),
     not N*K*T rows."""
     torch.manual_seed(0)
-    model = TiledBlock()
+    _check_sequence_block(TiledBlock(), mode, K)
+
+
+def _check_sequence_block(model: nn.Module, mode: str, K: int) -> None:
+    """``mode`` on a batch of (N*K, 5, 3) sequences equals the oracle (ghost: norms and clipped sum)."""
     x, y = torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,))
     samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
     expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
@@ -532,17 +536,7 @@ def test_a_row_wise_module_whose_inputs_merge_different_entries_per_row(mode: st
     batch's N*K rows on axis 0 (one entry per row in the one, T in the other), which the row-wise
     call accepts; each sample's run of the unit (the fallback) gets its rows of each."""
     torch.manual_seed(0)
-    model = LoopedBlock()
-    x, y = torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,))
-    samples = [((x[n * K:(n + 1) * K],), y[n * K:(n + 1) * K]) for n in range(N)]
-    expected = microbatch_oracle(model, samples, lambda out, t: F.cross_entropy(out, t))
-    if mode == "ghost":
-        check_ghost_clipped(model, x, y, expected, K=K, loss=nn.CrossEntropyLoss(reduction="none"), bound=0.01)
-    else:
-        grads = per_sample_gradients(model, x, y, loss_fn=nn.CrossEntropyLoss(reduction="none"), mode=mode,
-                                     augmentation_multiplicity=K)
-        for name, ref in expected.items():
-            assert_close_scaled(grads[name], ref, name=name)
+    _check_sequence_block(LoopedBlock(), mode, K)
 
 
 def test_a_row_wise_module_whose_inputs_hold_different_rows_is_refused() -> None:
