@@ -268,7 +268,7 @@ class _Frame:
     resolved: bool = False
     #: the state the call began with, for a backend that runs the whole call again per sample
     #: (see ``keeps_state`` of :class:`BatchTracker`; empty: none kept).
-    state: CallState = ()
+    state: CallState = CallState()
 
 
 @dataclass
@@ -425,6 +425,9 @@ def _fill_where_met(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], me
     if name == "masked_fill_":
         filled = call["input"].copy_(filled)
     return _Computed(filled)
+
+
+_NO_STATE = CallState()
 
 
 def _index_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -748,13 +751,13 @@ class BatchTracker(TorchFunctionMode):
             row_wise = is_rowwise(layer)
         rowwise = self._rowwise_call(layer, label, args, kwargs) if row_wise and not self._suspended else None
         meet_own = covered is not None and layer in self._own_meeters
-        kept: CallState = ()
+        kept = _NO_STATE
         if own_params and self._keeps_state is not None:
             keeps = self._stateful.get(layer)
             if keeps is None:
                 keeps = self._stateful[layer] = self._keeps_state(layer)
             if keeps:
-                kept = call_state(layer)
+                kept = call_state(layer, args, kwargs)
         # (the calls of layers with parameters are captured: only they need the versions)
         self._frames.append(_Frame(layer, label, covered, arg_versions(args) if own_params else (), rowwise,
                                    meet_own=meet_own, state=kept))
@@ -840,7 +843,7 @@ class BatchTracker(TorchFunctionMode):
     def state_of_call(self, layer: nn.Module) -> CallState:
         """The state the call of ``layer`` now ending began with, where ``keeps_state`` kept it."""
         frame = self._frames[-1] if self._frames else None
-        return frame.state if frame is not None and frame.module is layer else ()
+        return frame.state if frame is not None and frame.module is layer else _NO_STATE
 
     def met_own(self, layer: nn.Module) -> bool:
         """Whether the call of ``layer`` now ending got its own parameters' per-sample gradients

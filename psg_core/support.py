@@ -19,10 +19,11 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from psg_core.errors import UnsupportedModuleError
 
@@ -30,7 +31,7 @@ __all__ = ["exclusive", "FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch
            "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters",
            "unit_module", "is_unit", "hooked_modules", "modules_of", "one_walk", "trainable_parameters",
            "built_on_experts_interface", "EXPERTS_INTERFACE", "GLOBAL_ATTENTION_NAMES", "known_rowwise",
-           "CallState", "call_state", "state_of_call"]
+           "CallState", "call_state", "state_of_call", "is_cache", "without_fresh_caches"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -349,31 +350,67 @@ def _own_parameters(layer: nn.Module) -> tuple[nn.Parameter, ...]:
 
 
 # ------------------------------------------------------------------------------ a call's state
-#: The plain tensor attributes (and None-valued ones) of the modules of one layer's call, as the call
-#: began: ``((module, {name: value}), ...)``. See :func:`call_state`.
-CallState = tuple[tuple[nn.Module, dict[str, Any]], ...]
-_ABSENT = object()
+class CallState(NamedTuple):
+    """What a layer's call began with, for a per-sample run of the call later (see
+    :func:`call_state`)."""
+
+    #: the plain tensor attributes (and None-valued ones) of the call's modules: ``((module,
+    #: {name: value}), ...)``.
+    attributes: tuple[tuple[nn.Module, dict[str, Any]], ...] = ()
+    #: the ids of the caches among the call's arguments that held nothing for the layer yet.
+    fresh_caches: frozenset[int] = frozenset()
 
 
-def call_state(layer: nn.Module) -> CallState:
-    """The state a call of ``layer`` begins with, for a per-sample run of the call later (the
-    torch.func fallback, a unit's whole call): the attributes of ``layer`` (of each module of a
-    unit's subtree) that hold a plain tensor or None, not parameters or buffers.
+def call_state(layer: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> CallState:
+    """The state a call of ``layer`` with ``args`` and ``kwargs`` begins with, for a per-sample run
+    of the call later (the torch.func fallback, a unit's whole call).
 
-    A module may keep state there that its call reads and replaces: RecurrentGemma's RG-LRU reads
-    ``self.recurrent_states`` (None, set by its block) and stores the batch's last state there. Run
-    again per sample after the batch's call, it would read the batch's state, not what the call
-    read: another shape (an error), or the same shape (a wrong gradient, silently).
+    * The attributes of ``layer`` (of each module of a unit's subtree) that hold a plain tensor or
+      None, not parameters or buffers. A module may keep state there that its call reads and
+      replaces: RecurrentGemma's RG-LRU reads ``self.recurrent_states`` (None, set by its block) and
+      stores the batch's last state there. Run again per sample after the batch's call, it would
+      read the batch's state, not what the call read: another shape (an error), or the same shape
+      (a wrong gradient, silently).
+    * Which of transformers' caches among the arguments held nothing yet for the layer's
+      ``layer_idx`` (a training forward with ``use_cache=True`` makes an empty one): the call
+      only stores the batch's keys and values there, so a sample's run computes the same without
+      it (:func:`without_fresh_caches`), where the filled cache would hold every sample's.
 
     >>> cell = nn.Linear(2, 2)
     >>> cell.memory = None
-    >>> [(type(m).__name__, sorted(state)) for m, state in call_state(cell)]
+    >>> [(type(m).__name__, sorted(state)) for m, state in call_state(cell).attributes]
     [('Linear', ['memory'])]
     """
     modules = layer.modules() if is_unit(layer) else (layer,)
     # (every module's entry, an empty one too: an attribute the call adds is taken away for a run)
-    return tuple((module, {name: value for name, value in vars(module).items()
-                           if _is_state(name, value)}) for module in modules)
+    attributes = tuple((module, {name: value for name, value in vars(module).items() if _is_state(name, value)})
+                       for module in modules)
+    index = getattr(layer, "layer_idx", None)
+    if type(index) is not int or not (args or kwargs):
+        return CallState(attributes)
+    fresh = set()
+    for value in (*args, *(kwargs or {}).values()):
+        if is_cache(value):
+            try:
+                if value.get_seq_length(index) == 0:
+                    fresh.add(id(value))
+            except Exception:  # noqa: BLE001  (a cache class without it: held as a filled one)
+                pass
+    return CallState(attributes, frozenset(fresh))
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is one of transformers' caches (a class of the ``...Cache`` family, known by
+    name: transformers is never imported here)."""
+    return not isinstance(value, torch.Tensor) and any(c.__name__.endswith("Cache") for c in type(value).__mro__)
+
+
+def without_fresh_caches(value: Any, state: CallState) -> Any:
+    """``value`` (a call's arguments) with the caches that were empty when the call began
+    (:attr:`CallState.fresh_caches`) replaced by None."""
+    if not state.fresh_caches:
+        return value
+    return tree_map(lambda v: None if id(v) in state.fresh_caches and is_cache(v) else v, value)
 
 
 #: What every module's ``__dict__`` holds (its hooks, flags and dicts), never state of the model's.
@@ -387,11 +424,12 @@ def _is_state(name: str, value: Any) -> bool:
 
 @contextlib.contextmanager
 def state_of_call(state: CallState) -> Iterator[None]:
-    """Runs the block with each module's state as :func:`call_state` found it (an attribute of that
-    kind the call added removed), then puts back what the modules held before the block (what the
-    block stored there is dropped: a per-sample run's tensors, which may be torch.func's)."""
+    """Runs the block with each module's attributes as :func:`call_state` found them (an attribute
+    of that kind the call added removed), then puts back what the modules held before the block
+    (what the block stored there is dropped: a per-sample run's tensors, which may be
+    torch.func's)."""
     saved = []
-    for module, values in state:
+    for module, values in state.attributes:
         attributes = vars(module)
         before = dict(attributes)
         saved.append((module, before))

@@ -28,7 +28,7 @@ from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import (GROUPED, MIXED, PERMUTED, UNKNOWN, active_tracker, arg_versions, is_rowwise,
                                  whole_view)
-from psg_core.support import CallState, is_unit, parametrized
+from psg_core.support import CallState, is_cache, is_unit, parametrized, without_fresh_caches
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call", "runs_in_fallback", "separate_outputs"]
 
@@ -82,7 +82,7 @@ class LayerCall:
     output_index: tuple[int, ...] = ()
     #: for the torch.func fallback: the state the call began with (see
     #: :func:`~psg_core.support.call_state`), which each sample's run of the call is given.
-    state: CallState = ()
+    state: CallState = CallState()
     #: the layer's ``weight`` or ``bias`` is computed from its parameters at each call (see
     #: :func:`_computed_weight`): no sampler or ghost norm of the layer's type applies (they would
     #: give the computed tensor's gradient, which no parameter receives).
@@ -211,7 +211,7 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
                      num_outputs=len(index), merged=merged, row_factor=row_factor,
                      versions=versions, computed_weight=computed,
-                     state=tracker.state_of_call(layer) if entry is None and tracker is not None else (),
+                     state=tracker.state_of_call(layer) if entry is None and tracker is not None else CallState(),
                      output_index=tuple(index) if entry is None else (),
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
                                                                            batch_dim),
@@ -350,9 +350,11 @@ def _output_dims(tracker: Any, outputs: list[torch.Tensor], batch_dim: int) -> t
 
 def _batch_state_object(call: LayerCall) -> str | None:
     """The class name of a cache among the call's inputs (transformers' ``Cache`` family: it holds
-    every sample's state, so running the layer on one sample's rows with it fails or mixes them)."""
+    every sample's state, so running the layer on one sample's rows with it fails or mixes them),
+    but for one that held nothing for the layer when the call began (a training forward's, which
+    a sample's run leaves out: see :func:`~psg_core.support.call_state`)."""
     for value in tree_flatten((call.args, call.kwargs))[0]:
-        if not isinstance(value, torch.Tensor) and any(c.__name__.endswith("Cache") for c in type(value).__mro__):
+        if is_cache(value) and id(value) not in call.state.fresh_caches:
             return type(value).__name__
     return None
 
@@ -416,7 +418,8 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
             if routed is not None:
                 return routed
         try:
-            return functorch_layer_grad_sample(call.layer, call.args, call.kwargs, grads, K,
+            args, kwargs = without_fresh_caches((call.args, call.kwargs), call.state)
+            return functorch_layer_grad_sample(call.layer, args, kwargs, grads, K,
                                                call.batch_dim, call.rows, call.output_dims or None,
                                                call.input_dims or None, state=call.state,
                                                output_index=call.output_index or None)

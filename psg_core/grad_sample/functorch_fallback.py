@@ -51,7 +51,7 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                                 backprops: list[torch.Tensor | None], augmentation_multiplicity: int,
                                 batch_dim: int, rows: int, output_dims: Sequence[tuple[int, int]] | None = None,
                                 input_dims: Sequence[tuple[int, int] | None] | None = None,
-                                state: CallState = (), output_index: Sequence[int] | None = None
+                                state: CallState | None = None, output_index: Sequence[int] | None = None
                                 ) -> dict[torch.Tensor, torch.Tensor]:
     """Per-sample gradients of ``layer``'s own trainable parameters (not its submodules').
 
@@ -152,7 +152,7 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
     for key in input_grad_hooks:
         del layer._forward_hooks[key]
     try:
-        with state_of_call(state):
+        with state_of_call(state or CallState()):
             try:
                 if own_call is not None:  # it reads one sample's values: never batchable
                     per_sample = one_at_a_time()

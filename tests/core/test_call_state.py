@@ -192,3 +192,81 @@ def test_a_run_sees_the_state_as_the_call_began_and_the_module_keeps_what_the_ca
         module.memory = torch.full((WIDTH,), 7.0)  # what a per-sample run stores: dropped after
     assert module.memory is left and torch.equal(module.extra, torch.zeros(1))
     assert isinstance(module.weight, nn.Parameter) and "weight" in module._parameters
+
+
+class ToyCache:
+    """A key cache in the shape of transformers' (a class named ``...Cache``, ``update`` and
+    ``get_seq_length(layer_idx)``), holding one tensor per layer."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.keys[layer_idx].shape[1]) if layer_idx in self.keys else 0
+
+    def update(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        if layer_idx in self.keys:
+            keys = torch.cat([self.keys[layer_idx], keys], 1)
+        self.keys[layer_idx] = keys
+        return keys
+
+
+class CachedAttention(nn.Module):
+    """No grad sampler (its weight meets the batch in a product): attends over the cache's keys
+    and its own, as a decoder layer's attention does with ``use_cache=True``."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.5)
+
+    def forward(self, x: torch.Tensor, cache: ToyCache | None = None) -> torch.Tensor:  # (B, T, WIDTH)
+        keys = x @ self.weight
+        if cache is not None:
+            keys = cache.update(keys, self.layer_idx)
+        return torch.softmax(x @ keys.transpose(1, 2), -1) @ keys
+
+
+class CachedNet(nn.Module):
+    def __init__(self, prefix: bool) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList([CachedAttention(0), CachedAttention(1)])
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = ToyCache()  # made by the forward, as transformers' models do with use_cache=True
+        if self.prefix:  # keys of earlier steps: the batch's, every sample's
+            cache.keys[1] = torch.ones(x.shape[0], 1, WIDTH)
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = layer(h, cache)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_cache_empty_when_the_call_began_is_left_out_of_each_sample_s_run(mode: str, K: int) -> None:
+    """A training forward with the cache on fills an empty cache: each sample's run of a layer
+    computes the same without it (it was refused, with the use_cache=False remedy)."""
+    torch.manual_seed(4)
+    model = CachedNet(prefix=False)
+    x, y = _batch(K)
+    expected = _oracle(model, x, y, K, "mean")
+    if mode == "ghost":
+        check_ghost_clipped(model, x, y, expected, K=K, loss=cross_entropy_rows)
+    else:
+        got = per_sample_gradients(model, x, y, loss_fn=cross_entropy_rows, augmentation_multiplicity=K)
+        for name, value in expected.items():
+            assert_close_scaled(got[name], value, name=name)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_cache_that_held_the_batch_s_keys_is_refused(mode: str) -> None:
+    """Layer 1's cache held keys when its call began: a sample's run cannot use the batch's."""
+    x, y = _batch(1)
+    with pytest.raises(psg_core.UnsupportedModuleError, match=r"CachedAttention runs per sample under torch.func, "
+                                                              r"but its call was given a ToyCache object.*use_cache=False"):
+        dp_gradient(CachedNet(prefix=True), x, y, loss_fn=cross_entropy_rows,
+                    config=DPConfig(mode=mode, max_grad_norm=1.0))

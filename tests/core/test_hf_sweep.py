@@ -43,6 +43,7 @@ def test_other_tasks_match_the_oracle(task: str, model_type: str) -> None:
     ("causal-lm", "inkling_text", "float32"),  # a router returning its integer top-k between its weights
     ("causal-lm", "qwen4_exp", "float32"),  # a sparse-attention indexer looping over the batch's rows
     ("audio", "sew-d", "float64"),  # autograd.Functions without setup_context
+    ("sequence", "gpt_oss", "float32"),  # the cache on (the default): an empty cache left out of the per-sample runs
 ])
 def test_types_once_refused_match_the_oracle(task: str, model_type: str, oracle: str) -> None:
     line = hf_sweep.sweep_type(model_type, K=2, task=task)
