@@ -175,7 +175,7 @@ _POINTWISE = {
 }
 #: Where a layer without a grad sampler may meet the batch with its own parameters as meeting
 #: points (see ``meets_own`` of :class:`BatchTracker`): elementwise, broadcasting.
-_OWN_MEETS = (_POINTWISE - {"__matmul__"}) | {"layer_norm"}
+_OWN_MEETS = (_POINTWISE - {"__matmul__"}) | {"layer_norm", "__setitem__"}
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm"}
 # Products where a batch-free operand may meet the batch (see BatchTracker._meet_product).
 _PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm"}
@@ -428,6 +428,12 @@ def _fill_where_met(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], me
 
 
 _NO_STATE = CallState()
+
+
+def _mask_rows(index: Any, target: torch.Tensor) -> bool:
+    """Whether ``index`` is a boolean mask over ``target``'s leading axes (``x[mask] = value``)."""
+    return isinstance(index, torch.Tensor) and index.dtype == torch.bool and 0 < index.dim() <= target.dim() \
+        and tuple(index.shape) == tuple(target.shape[:index.dim()])
 
 
 def _index_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1078,6 +1084,16 @@ class BatchTracker(TorchFunctionMode):
                 return args, kwargs
             if out_bd is None:
                 raise self._cannot(name, where, "the batch axis of its batched operand is unknown")
+        elif name == "__setitem__" and len(args) == 3 and not kwargs and args[0] is batched[0] \
+                and _mask_rows(args[1], args[0]) and id(args[2]) in sources:
+            # ``x[mask] = value`` with a boolean mask over x's leading axes (batched, or a constant:
+            # wav2vec2's and WavLM's SpecAugment draws it with numpy) and a value made of parameters
+            # (the masked time steps set to ``masked_spec_embed``): computed as
+            # ``x.copy_(where(mask, value, x))``, each row's copy of the value met there.
+            shape = tuple(args[0].shape)
+            out_bd, merged = self._batched[args[0]]
+            if out_bd < 0:
+                raise self._cannot(name, where, "the batch axis of the tensor it writes is unknown")
         elif name == "expand_as" and len(args) == 2 and not kwargs and id(args[0]) in sources \
                 and len(batched) == 1 and args[1] is batched[0]:
             # ``table(positions).expand_as(embeddings)`` (XLM, Flaubert): the batch-free operand
@@ -1131,6 +1147,11 @@ class BatchTracker(TorchFunctionMode):
         met_args, met_kwargs = tree_map(expand, args), tree_map(expand, kwargs)
         if name in ("masked_fill", "masked_fill_"):
             return _fill_where_met(name, args, kwargs, met_args, met_kwargs)
+        if name == "__setitem__":
+            target, mask, value = met_args
+            mask = mask.view(*mask.shape, *[1] * (target.dim() - mask.dim()))
+            # (the statement discards what the op returns; the computed value only marks it done)
+            return _Computed(target.copy_(torch.where(mask, value.to(target.dtype), target)))
         return met_args, met_kwargs
 
     def _meet_product(self, name: str, args: tuple[Any, ...], sources: dict[int, tuple[torch.Tensor, frozenset[int]]],

@@ -31,7 +31,8 @@ __all__ = ["exclusive", "FUSED", "NOT_VMAPPABLE", "SAMPLE_MIXING", "reject_batch
            "frequency_scaled", "reject_frequency_scaling", "reject_per_layer_unsupported", "own_parameters",
            "unit_module", "is_unit", "hooked_modules", "modules_of", "one_walk", "trainable_parameters",
            "built_on_experts_interface", "EXPERTS_INTERFACE", "GLOBAL_ATTENTION_NAMES", "known_rowwise",
-           "CallState", "call_state", "state_of_call", "is_cache", "without_fresh_caches"]
+           "CallState", "call_state", "state_of_call", "is_cache", "without_fresh_caches", "rng_snapshot",
+           "rng_changed", "rng_replayed"]
 
 #: Layers that mix the samples of a batch (in training mode).
 SAMPLE_MIXING: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
@@ -359,6 +360,9 @@ class CallState(NamedTuple):
     attributes: tuple[tuple[nn.Module, dict[str, Any]], ...] = ()
     #: the ids of the caches among the call's arguments that held nothing for the layer yet.
     fresh_caches: frozenset[int] = frozenset()
+    #: the random number generators' states when the call began (:func:`rng_snapshot`); kept on a
+    #: captured call only where the call drew random numbers (dropout in training mode).
+    rng: Any = None
 
 
 def call_state(layer: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> CallState:
@@ -385,9 +389,10 @@ def call_state(layer: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, A
     # (every module's entry, an empty one too: an attribute the call adds is taken away for a run)
     attributes = tuple((module, {name: value for name, value in vars(module).items() if _is_state(name, value)})
                        for module in modules)
+    rng = rng_snapshot()
     index = getattr(layer, "layer_idx", None)
     if type(index) is not int or not (args or kwargs):
-        return CallState(attributes)
+        return CallState(attributes, rng=rng)
     fresh = set()
     for value in (*args, *(kwargs or {}).values()):
         if is_cache(value):
@@ -396,7 +401,40 @@ def call_state(layer: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, A
                     fresh.add(id(value))
             except Exception:  # noqa: BLE001  (a cache class without it: held as a filled one)
                 pass
-    return CallState(attributes, frozenset(fresh))
+    return CallState(attributes, frozenset(fresh), rng)
+
+
+def rng_snapshot() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The states of torch's default random number generators: the CPU's, and each CUDA device's
+    where CUDA is initialised (a copy: about a microsecond on the CPU)."""
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
+    return torch.get_rng_state(), cuda
+
+
+def rng_changed(snapshot: tuple[torch.Tensor, tuple[torch.Tensor, ...]]) -> bool:
+    """Whether a random number was drawn since ``snapshot`` (:func:`rng_snapshot`)."""
+    cpu, cuda = snapshot
+    if not torch.equal(torch.get_rng_state(), cpu):
+        return True
+    now = tuple(torch.cuda.get_rng_state_all()) if cuda else ()
+    return any(not torch.equal(a, b) for a, b in zip(now, cuda))
+
+
+@contextlib.contextmanager
+def rng_replayed(snapshot: tuple[torch.Tensor, tuple[torch.Tensor, ...]]) -> Iterator[None]:
+    """Runs the block with the generators as ``snapshot`` held them (the block draws the same random
+    numbers as the code that ran from there), then puts back their current states."""
+    cpu, cuda = snapshot
+    saved = torch.get_rng_state(), (tuple(torch.cuda.get_rng_state_all()) if cuda else ())
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(list(cuda))
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        if cuda:
+            torch.cuda.set_rng_state_all(list(saved[1]))
 
 
 def is_cache(value: Any) -> bool:

@@ -28,7 +28,7 @@ from psg_core.grad_sample.registry import GRAD_SAMPLERS, GradSamplerEntry
 from psg_core.precision import layer_dtype, no_autocast, to_compute
 from psg_core.provenance import (GROUPED, MIXED, PERMUTED, UNKNOWN, active_tracker, arg_versions, is_rowwise,
                                  whole_view)
-from psg_core.support import CallState, is_cache, is_unit, parametrized, without_fresh_caches
+from psg_core.support import CallState, is_cache, is_unit, parametrized, rng_changed, without_fresh_caches
 
 __all__ = ["LayerCall", "call_grad_samples", "capture_call", "runs_in_fallback", "separate_outputs"]
 
@@ -211,7 +211,7 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      batch_dim=batch_dim, rows=rows, custom_rows=custom is not None,
                      num_outputs=len(index), merged=merged, row_factor=row_factor,
                      versions=versions, computed_weight=computed,
-                     state=tracker.state_of_call(layer) if entry is None and tracker is not None else CallState(),
+                     state=_call_state(tracker, layer) if entry is None and tracker is not None else CallState(),
                      output_index=tuple(index) if entry is None else (),
                      output_dims=() if entry is not None else _output_dims(tracker, [flat[i] for i in index],
                                                                            batch_dim),
@@ -223,6 +223,15 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if any(target is not t for target, t in zip(targets, outputs)):
         call.output_shapes = tuple(None if target is t else t.shape for target, t in zip(targets, outputs))
     return call, targets
+
+
+def _call_state(tracker: Any, layer: nn.Module) -> CallState:
+    """The state the call of ``layer`` began with, its generators' states kept only where the call
+    drew random numbers (dropout in training mode: its per-sample gradients replay the draws)."""
+    state: CallState = tracker.state_of_call(layer)
+    if state.rng is not None and not rng_changed(state.rng):
+        state = state._replace(rng=None)
+    return state
 
 
 def runs_whole(layer: nn.Module) -> bool:

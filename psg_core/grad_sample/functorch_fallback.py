@@ -13,12 +13,14 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from psg_core.errors import PsgError
 from psg_core.layout import fold_rows
-from psg_core.support import GLOBAL_ATTENTION_NAMES, CallState, is_unit, parametrized, state_of_call
+from psg_core._host import capturing
+from psg_core.support import (GLOBAL_ATTENTION_NAMES, CallState, is_unit, parametrized, rng_replayed,
+                              state_of_call)
 
 __all__ = ["functorch_layer_grad_sample"]
 
@@ -149,12 +151,55 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
                                 for (name, leaf), g in zip(leaves.items(), found)})
         return {name: torch.stack([r[name] for r in results]) for name in params}
 
+    def replayed() -> dict[str, torch.Tensor]:
+        # The call drew random numbers (dropout in training mode), which a sample's run alone would
+        # draw otherwise: the whole batch's call is run again with the generators as the call found
+        # them (the same draws), and each sample's gradient is the vector-Jacobian product with
+        # its own rows' output gradients (the others' zero).
+        if capturing():
+            raise RuntimeError("its call draws random numbers, which psg replays by resetting the generators: "
+                               "a recorded graph cannot")
+        rng = cast(CallState, state).rng
+
+        def whole(sample_params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            with rng_replayed(rng):
+                flat = tree_flatten(functional_call(layer, sample_params, args, kwargs, tie_weights=False))[0]
+            return tuple(flat[i] for i in output_index) if output_index is not None else \
+                tuple(o for o in flat if isinstance(o, torch.Tensor))
+
+        pulled = vjp(whole, params)
+        outputs, pullback = pulled[0], pulled[1]
+        samples = rows // K
+        eye = None
+        cotangents = []
+        for out, bp, (dim, merged) in zip(outputs, backprops, out_dims):
+            if bp is None:
+                cotangents.append(torch.zeros((samples, *out.shape), dtype=out.dtype, device=out.device))
+                continue
+            if bp.shape != out.shape:
+                raise ValueError(f"run again on the batch it returns shape {tuple(out.shape)} where the forward "
+                                 f"pass's output holds {tuple(bp.shape)}")
+            if eye is None:
+                eye = torch.eye(samples, dtype=bp.dtype, device=bp.device)
+            per = fold_rows(bp.movedim(dim, 0), K * merged)  # (N, K*m, ...)
+            own = eye.view(samples, samples, *[1] * (per.dim() - 1)) * per  # (N, N, K*m, ...): sample n's rows
+            cotangents.append(own.flatten(1, 2).movedim(1, dim + 1))
+        try:
+            return cast(dict[str, torch.Tensor], vmap(lambda c: pullback(tuple(c))[0])(cotangents))
+        except RuntimeError as err:
+            if not is_vmap_limit(err):
+                raise
+            results = [pullback(tuple(c[n] for c in cotangents))[0] for n in range(samples)]
+            return {name: torch.stack([r[name] for r in results]) for name in params}
+
     for key in input_grad_hooks:
         del layer._forward_hooks[key]
     try:
         with state_of_call(state or CallState()):
             try:
-                if own_call is not None:  # it reads one sample's values: never batchable
+                if state is not None and state.rng is not None:
+                    per_sample = replayed()
+                elif own_call is not None:  # it reads one sample's values: never batchable
                     per_sample = one_at_a_time()
                 else:
                     try:

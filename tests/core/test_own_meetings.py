@@ -271,3 +271,52 @@ def test_a_parameter_as_masked_fill_s_value(form: str, borrowed: bool, mode: str
     torch.manual_seed(0)
     model = Filled(form, borrowed)
     _matches_the_oracle(model, torch.randn(N * K, 5), torch.randint(0, 2, (N * K,)), mode, K)
+
+
+class SpecMasked(nn.Module):
+    """wav2vec2's and WavLM's SpecAugment in small: masked time steps of the hidden states set to
+    a learned vector, ``h[mask] = self.embed``. ``mask``: computed from the batch (``batched``), or
+    drawn outside torch as the models do with numpy (``constant``: here from each row's values, so
+    a sample's own forward draws its rows' mask), the model's own parameter or a child's
+    (``borrowed``)."""
+
+    def __init__(self, mask: str, borrowed: bool) -> None:
+        super().__init__()
+        self.mask, self.borrowed = mask, borrowed
+        self.inp, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        if borrowed:
+            self.holder = nn.Module()
+            self.holder.embed = nn.Parameter(torch.randn(4))
+        else:
+            self.embed = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 3)
+        h = self.inp(x)
+        mask = x[..., 0] > 0
+        if self.mask == "constant":
+            mask = torch.tensor(mask.numpy())  # batch-free for psg, as numpy's draws are
+        h[mask] = self.holder.embed if self.borrowed else self.embed
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("borrowed", [False, True])
+@pytest.mark.parametrize("mask", ["batched", "constant"])
+def test_a_parameter_written_into_masked_rows(mask: str, borrowed: bool, mode: str, K: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``h[mask] = parameter`` was no meeting: the model's own parameter sent its whole call to the
+    per-layer fallback (in wav2vec2 and WavLM in training mode, the whole backbone per sample, with
+    SpecAugment's numpy masks drawn again: wrong, silently), another module's was refused. It is
+    now computed as ``h.copy_(where(mask, value, h))`` with the value met per row."""
+    calls: list[str] = []
+    original = functorch_fallback.functorch_layer_grad_sample
+
+    def counting(layer: nn.Module, *args: object, **kwargs: object) -> object:
+        calls.append(type(layer).__name__)
+        return original(layer, *args, **kwargs)
+
+    monkeypatch.setattr("psg_core.backends.capture.functorch_layer_grad_sample", counting)
+    torch.manual_seed(0)
+    _matches_the_oracle(SpecMasked(mask, borrowed), torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,)), mode, K)
+    assert calls == [], calls
