@@ -18,6 +18,11 @@ out-of-memory ends that type's line only; ``--memory-gib`` caps each process's a
 * ``skipped``: the type did not build or run from this configuration, or its oracle could not be
   computed (nothing of psg's ran), or the comparison could not (psg returned; its values unchecked).
 
+``--train`` runs the models in training mode with their dropouts at :data:`TRAIN_DROPOUT`: the
+oracle is then each sample's gradient through the batch's forward, every forward (the oracle's and
+psg's) seeded alike so that they draw the same masks (:func:`_train_oracle`), in float32, and each
+tensor is compared on its own scale.
+
 A process that dies once psg runs (a crash, a signal) is an ``ERROR``.
 
 The oracle is :func:`tests.core.hf_models.oracle` (float64, each sample's K=1 rows alone); for a
@@ -63,6 +68,14 @@ SAMPLES = 4  # N; the batch holds N*K rows, each sample's K copies together
 #: model (float32 against float64 through two blocks)
 TOLERANCE = 1e-3
 BOUND = 0.05  # ghost's clipping bound (clips every sample of these models)
+
+
+#: ``--train``: the models in training mode with every dropout TINY turns off at this rate
+#: instead (the sweep's options by name; a config ignores those it does not know).
+TRAIN_DROPOUT = 0.1
+_DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout", "resid_pdrop",
+             "embd_pdrop", "attn_pdrop", "classifier_dropout", "dropout_rate")
+SEED = 7  # train mode: the generators' seed before every forward (the oracle's and psg's: the same draws)
 
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -268,9 +281,11 @@ TASKS: dict[str, Task] = {
 }
 
 
-def compare(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float | None:
-    """The largest ``|grads - expected|`` over the largest ``|expected|`` entry of all tensors;
-    None when a value on either side is not finite."""
+def compare(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, per_tensor: bool = False
+            ) -> float | None:
+    """The largest ``|grads - expected|`` over the largest ``|expected|`` entry of all tensors
+    (``per_tensor``: of the tensor's own, or 1e-3 of all tensors' where that is larger: a tensor
+    whose gradients are small must be right too); None when a value on either side is not finite."""
     scale = max((float(ref.abs().max()) for ref in expected.values() if ref.numel()), default=0.0)
     worst = 0.0
     for name, ref in expected.items():
@@ -278,7 +293,8 @@ def compare(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
         if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(got).all())):
             return None
         if ref.numel():
-            worst = max(worst, float((got - ref).abs().max()) / max(scale, 1e-30))
+            own = max(float(ref.abs().max()), 1e-3 * scale) if per_tensor else scale
+            worst = max(worst, float((got - ref).abs().max()) / max(own, 1e-30))
     return worst
 
 
@@ -295,9 +311,39 @@ def _oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: tor
     return {name: g.to(torch.float64) for name, g in float32.items()}, f"float32 ({why})"
 
 
+def _seeded() -> None:
+    """Every generator a forward may draw from (torch's, numpy's: SpecAugment, Python's) at
+    :data:`SEED`."""
+    import random
+
+    import numpy
+
+    torch.manual_seed(SEED)
+    numpy.random.seed(SEED)
+    random.seed(SEED)
+
+
+def _train_oracle(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, K: int,
+                  loss: Loss) -> dict[str, torch.Tensor]:
+    """Train mode: each sample's gradient of its rows' mean loss through the batch's forward, every
+    forward seeded alike (the same dropout masks as psg's forward, seeded so too); rows do not mix,
+    so that is the sample's own gradient. In the model's dtype (float32: another dtype may draw
+    other masks)."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name in params}
+    for n in range(labels.shape[0] // K):
+        _seeded()
+        total = loss(model(**inputs), labels)[n * K:(n + 1) * K].mean()
+        for (name, p), g in zip(params.items(), torch.autograd.grad(total, list(params.values()), allow_unused=True)):
+            grads[name].append(torch.zeros_like(p) if g is None else g)
+    return {name: torch.stack(gs).to(torch.float64) for name, gs in grads.items()}
+
+
 def _run_mode(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
               oracle: dict[str, torch.Tensor], mode: str, K: int, loss: Loss = hf.loss_fn,
-              tolerance: float = TOLERANCE) -> str:
+              tolerance: float = TOLERANCE, seeded: bool = False) -> str:
+    if seeded:
+        _seeded()
     try:
         if mode == "ghost":
             reference = psg_core.clip_and_sum({n: g.float() for n, g in oracle.items()}, max_grad_norm=BOUND)
@@ -314,12 +360,13 @@ def _run_mode(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: t
     except Exception as err:  # noqa: BLE001 (anything else psg raised is a defect: reported)
         return f"ERROR {type(err).__name__}: {err}"
     try:
-        error = compare(grads, expected)
+        error = compare(grads, expected, per_tensor=seeded)  # (train mode: a float32 oracle of the same dtype)
     except RuntimeError as err:  # the check's float64 copies of a huge table: the harness's limit
         return f"skipped: psg returned, the comparison could not run ({str(err)[:120]})"
     if error is None:
         return "WRONG: values that are not finite"
-    return "ok" if error < tolerance else f"WRONG: off by {error:.2e} of the largest entry"
+    return "ok" if error < tolerance else \
+        f"WRONG: off by {error:.2e} of the largest entry{' (of its tensor, train mode)' if seeded else ''}"
 
 
 def _config(transformers: Any, model_type: str, model_class: Any, options: dict[str, Any]) -> Any:
@@ -334,11 +381,14 @@ def _config(transformers: Any, model_type: str, model_class: Any, options: dict[
     return transformers.AutoConfig.for_model(model_type, **options)
 
 
-def _built(transformers: Any, model_type: str, spec: Task, K: int
+def _built(transformers: Any, model_type: str, spec: Task, K: int, train: bool = False
            ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]:
-    """The model (eval mode) and a batch it runs on, from the first of the task's configurations
-    that builds and runs; the last one's error when none does."""
+    """The model (eval mode; ``train``: training mode, its dropouts at :data:`TRAIN_DROPOUT`) and a
+    batch it runs on, from the first of the task's configurations that builds and runs; the last
+    one's error when none does."""
     tries = spec.configs(model_type)
+    if train:
+        tries = [{**options, **{key: TRAIN_DROPOUT for key in _DROPOUTS if key in options}} for options in tries]
     for i, options in enumerate(tries):
         torch.manual_seed(0)
         try:
@@ -346,7 +396,7 @@ def _built(transformers: Any, model_type: str, spec: Task, K: int
                 warnings.simplefilter("ignore")
                 model_class = spec.model_class(model_type)
                 config = _config(transformers, model_type, model_class, options)
-                model = model_class(config).eval()
+                model = model_class(config).train(train)
                 inputs, labels = spec.inputs(SAMPLES * K, config)
                 with torch.no_grad():
                     model(**inputs)
@@ -358,25 +408,28 @@ def _built(transformers: Any, model_type: str, spec: Task, K: int
 
 
 def sweep_type(model_type: str, modes: Sequence[str] = ("hooks", "ghost"), *, K: int = 1, task: str = "sequence",
-               on_psg: Callable[[], None] | None = None) -> dict[str, str]:
+               on_psg: Callable[[], None] | None = None, train: bool = False) -> dict[str, str]:
     """One type's line: ``{"type", "oracle"}`` and a result per mode, or ``{"type", "skipped"}``, for
     a batch of :data:`SAMPLES` samples of ``K`` copies each (augmentation multiplicity K) of the
     :data:`TASKS` entry ``task``; ``on_psg`` is called once the model and its oracle are ready,
-    before psg runs."""
+    before psg runs. ``train``: the model in training mode with dropout (:func:`_train_oracle`)."""
     import transformers
 
     line = {"type": model_type}
     spec = TASKS[task]
     torch.manual_seed(0)
     try:
-        model, inputs, labels = _built(transformers, model_type, spec, K)
-        oracle, line["oracle"] = _oracle(model, inputs, labels, K, spec.loss)
+        model, inputs, labels = _built(transformers, model_type, spec, K, train)
+        if train:
+            oracle, line["oracle"] = _train_oracle(model, inputs, labels, K, spec.loss), "float32, training mode"
+        else:
+            oracle, line["oracle"] = _oracle(model, inputs, labels, K, spec.loss)
     except Exception as err:  # noqa: BLE001 (a type this configuration does not fit: not psg's)
         return {**line, "skipped": f"{type(err).__name__}: {str(err)[:160]}"}
     if on_psg is not None:
         on_psg()
     for mode in modes:
-        line[mode] = _run_mode(model, inputs, labels, oracle, mode, K, spec.loss)
+        line[mode] = _run_mode(model, inputs, labels, oracle, mode, K, spec.loss, seeded=train)
         if line[mode].startswith("WRONG: off") and line["oracle"] == "float64":
             line[mode] = _in_float64(model, inputs, labels, oracle, mode, K, spec.loss, line[mode]) or line[mode]
     return line
@@ -401,10 +454,10 @@ def _in_float64(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels:
         if verdict == "ok" else None
 
 
-def _in_its_own_process(model_type: str, timeout: float, memory_gib: float, K: int = 1, task: str = "sequence"
-                        ) -> dict[str, str]:
+def _in_its_own_process(model_type: str, timeout: float, memory_gib: float, K: int = 1, task: str = "sequence",
+                        train: bool = False) -> dict[str, str]:
     command = [sys.executable, "-m", "tests.core.hf_sweep", "--one", model_type, "--memory-gib", str(memory_gib),
-               "-K", str(K), "--task", task]
+               "-K", str(K), "--task", task] + (["--train"] if train else [])
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -431,6 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
     parser.add_argument("--memory-gib", type=float, default=12.0, help="address space per type's process")
     parser.add_argument("-K", type=int, default=1, help="augmentation multiplicity: each sample's copies in the batch")
+    parser.add_argument("--train", action="store_true",
+                        help="the models in training mode, with dropout: each sample's gradient through the "
+                             "batch's forward, seeded as psg's")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     if options.one:
@@ -445,7 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         transformers.logging.set_verbosity_error()
         stage = json.dumps({"type": options.one, "stage": "psg"})
-        print(json.dumps(sweep_type(options.one, K=options.K, task=options.task, on_psg=lambda: print(stage, flush=True))), flush=True)
+        print(json.dumps(sweep_type(options.one, K=options.K, task=options.task, train=options.train,
+                                    on_psg=lambda: print(stage, flush=True))), flush=True)
         return 0
     from transformers.models.auto import modeling_auto
 
@@ -453,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tally: dict[str, int] = {}
     bad = 0
     for model_type in types:
-        line = _in_its_own_process(model_type, options.timeout, options.memory_gib, options.K, options.task)
+        line = _in_its_own_process(model_type, options.timeout, options.memory_gib, options.K, options.task,
+                                   options.train)
         outcomes = ["skipped"] if "skipped" in line else [line[m].split(" ")[0].rstrip(":") for m in ("hooks", "ghost")]
         for outcome in outcomes:
             tally[outcome] = tally.get(outcome, 0) + 1

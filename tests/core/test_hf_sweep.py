@@ -51,6 +51,27 @@ def test_types_once_refused_match_the_oracle(task: str, model_type: str, oracle:
     assert line["oracle"].startswith(oracle), line
 
 
+@pytest.mark.parametrize("task, model_type", [
+    ("sequence", "longformer"),  # a row-wise unit whose attention drops its probabilities: replayed
+    ("audio", "wavlm"),  # a unit (F.multi_head_attention_forward) with dropout, and SpecAugment
+    ("sequence", "bert"),  # dropout in layers with grad samplers only
+])
+def test_training_mode_with_dropout_matches_the_seeded_oracle(task: str, model_type: str) -> None:
+    line = hf_sweep.sweep_type(model_type, K=2, task=task, train=True)
+    assert (line["hooks"], line["ghost"]) == ("ok", "ok"), line
+    assert line["oracle"] == "float32, training mode"
+
+
+def test_training_mode_catches_per_sample_runs_that_draw_other_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the replay of the call's random draws switched off (each sample's run draws its own
+    masks, as before), the training-mode check reports the per-sample gradients WRONG."""
+    import psg_core.backends.capture as capture
+
+    monkeypatch.setattr(capture, "rng_changed", lambda snapshot: False)
+    line = hf_sweep.sweep_type("longformer", K=2, train=True)
+    assert line["hooks"].startswith("WRONG: off") and "(of its tensor, train mode)" in line["hooks"], line
+
+
 def test_a_model_ill_conditioned_in_float32_is_checked_in_float64() -> None:
     """BiT's weight standardisation (eps 1e-8) puts float32 runs 3% from the float64 oracle, psg's and
     the oracle's own alike: hooks is then run on a float64 copy and equals the oracle to 1e-9."""
@@ -83,7 +104,8 @@ def test_the_sweep_reports_a_wrong_result_and_exits_1(monkeypatch: pytest.Monkey
     monkeypatch.setattr(hf_sweep, "_oracle", shifted)
     line = hf_sweep.sweep_type("bert")
     assert line["hooks"].startswith("WRONG") and line["ghost"].startswith("WRONG"), line
-    monkeypatch.setattr(hf_sweep, "_in_its_own_process", lambda model_type, timeout, memory_gib, K, task: hf_sweep.sweep_type(model_type, K=K, task=task))
+    monkeypatch.setattr(hf_sweep, "_in_its_own_process", lambda model_type, timeout, memory_gib, K, task, train:
+                        hf_sweep.sweep_type(model_type, K=K, task=task, train=train))
     assert hf_sweep.main(["bert"]) == 1
     assert "WRONG 2" in capsys.readouterr().out
 
