@@ -175,7 +175,7 @@ _POINTWISE = {
 }
 #: Where a layer without a grad sampler may meet the batch with its own parameters as meeting
 #: points (see ``meets_own`` of :class:`BatchTracker`): elementwise, broadcasting.
-_OWN_MEETS = (_POINTWISE - {"__matmul__"}) | {"layer_norm", "__setitem__"}
+_OWN_MEETS = (_POINTWISE - {"__matmul__"}) | {"layer_norm"}  # and a write into masked rows
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm"}
 # Products where a batch-free operand may meet the batch (see BatchTracker._meet_product).
 _PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm"}
@@ -1024,7 +1024,8 @@ class BatchTracker(TorchFunctionMode):
         frame = self._frames[-1] if self._frames else None
         # The layer's own parameters as met points (a layer without a sampler, in pointwise ops)
         meet_own = frame is not None and frame.meet_own and not frame.opaque
-        if meet_own and name not in _OWN_MEETS:
+        if meet_own and name not in _OWN_MEETS and not (name == "__setitem__" and len(args) == 3
+                                                        and _mask_rows(args[1], args[0])):
             meet_own = False
         if frame is not None and frame.own is not None and all(id(t) in frame.own for t in free):
             if not meet_own:

@@ -421,7 +421,8 @@ def _call_grad_samples(call: LayerCall, grads: list[torch.Tensor | None], K: int
             f"a {cache} object, which holds state for the whole batch that one sample's run cannot use; "
             "train with the cache off (use_cache=False)")
     with suspend if suspend is not None else contextlib.nullcontext():
-        if is_rowwise(call.layer) and call.input_dims:
+        if is_rowwise(call.layer) and call.input_dims and call.state.rng is None:
+            # (experts that drew random numbers are replayed on the whole batch instead)
             routed = routed_experts_grad_sample(call.layer, call.args, call.kwargs, grads, K, call.rows,
                                                 call.input_dims)
             if routed is not None:

@@ -320,3 +320,24 @@ def test_a_parameter_written_into_masked_rows(mask: str, borrowed: bool, mode: s
     torch.manual_seed(0)
     _matches_the_oracle(SpecMasked(mask, borrowed), torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,)), mode, K)
     assert calls == [], calls
+
+
+class SlotWrite(nn.Module):
+    """Its own parameter written into one slot of every row (``h[:, 0] = cls``): no mask, so no
+    meeting; the whole call runs per sample, as before masked writes became meetings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(4))
+        self.inp, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 3)
+        h = self.inp(x).clone()
+        h[:, 0] = self.cls
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_parameter_written_into_a_slot_runs_the_call_per_sample(mode: str) -> None:
+    torch.manual_seed(0)
+    _matches_the_oracle(SlotWrite(), torch.randn(N * 2, 5, 3), torch.randint(0, 2, (N * 2,)), mode, 2)
