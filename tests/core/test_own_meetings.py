@@ -93,6 +93,19 @@ class Model(nn.Module):
         return self.out(self.block(torch.tanh(self.inp(x))).mean(1))
 
 
+def _fallback_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The class names of the layers the per-layer fallback runs, appended as it runs them."""
+    calls: list[str] = []
+    original = functorch_fallback.functorch_layer_grad_sample
+
+    def counting(layer: nn.Module, *args: object, **kwargs: object) -> object:
+        calls.append(type(layer).__name__)
+        return original(layer, *args, **kwargs)
+
+    monkeypatch.setattr("psg_core.backends.capture.functorch_layer_grad_sample", counting)
+    return calls
+
+
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y, reduction="none")
 
@@ -102,14 +115,7 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("block, fallback", [(LayerScale, False), (Opaque, True), (PassedDown, True), (Viewed, False)])
 def test_own_parameters_in_pointwise_ops_need_no_fallback(block: type[nn.Module], fallback: bool, mode: str, K: int,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    original = functorch_fallback.functorch_layer_grad_sample
-
-    def counting(layer: nn.Module, *args: object, **kwargs: object) -> object:
-        calls.append(type(layer).__name__)
-        return original(layer, *args, **kwargs)
-
-    monkeypatch.setattr("psg_core.backends.capture.functorch_layer_grad_sample", counting)
+    calls = _fallback_calls(monkeypatch)
     torch.manual_seed(0)
     model = Model(block())
     x, y = torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,))
@@ -309,14 +315,7 @@ def test_a_parameter_written_into_masked_rows(mask: str, borrowed: bool, mode: s
     per-layer fallback (in wav2vec2 and WavLM in training mode, the whole backbone per sample, with
     SpecAugment's numpy masks drawn again: wrong, silently), another module's was refused. It is
     now computed as ``h.copy_(where(mask, value, h))`` with the value met per row."""
-    calls: list[str] = []
-    original = functorch_fallback.functorch_layer_grad_sample
-
-    def counting(layer: nn.Module, *args: object, **kwargs: object) -> object:
-        calls.append(type(layer).__name__)
-        return original(layer, *args, **kwargs)
-
-    monkeypatch.setattr("psg_core.backends.capture.functorch_layer_grad_sample", counting)
+    calls = _fallback_calls(monkeypatch)
     torch.manual_seed(0)
     _matches_the_oracle(SpecMasked(mask, borrowed), torch.randn(N * K, 5, 3), torch.randint(0, 2, (N * K,)), mode, K)
     assert calls == [], calls
