@@ -363,6 +363,8 @@ class CallState(NamedTuple):
     #: the random number generators' states when the call began (:func:`rng_snapshot`); kept on a
     #: captured call only where the call drew random numbers (dropout in training mode).
     rng: Any = None
+    #: such a call's hooked outputs as it returned them (its replay must return the same).
+    returned: tuple[torch.Tensor, ...] = ()
 
 
 def call_state(layer: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> CallState:

@@ -217,6 +217,8 @@ def capture_call(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                                                                            batch_dim),
                      input_dims=() if entry is not None else _input_dims(tracker, args, kwargs, rows))
     outputs = [flat[i] for i in index]
+    if call.state.rng is not None:  # a random call: its replay is checked against what it returned
+        call.state = call.state._replace(returned=tuple(t.detach().clone() for t in outputs))  # (before any in-place op)
     if all(t._base is None for t in outputs):
         return call, outputs
     targets = [_grad_target(t, tracker) for t in outputs]

@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import functional_call, grad, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from psg_core.errors import PsgError
+from psg_core.errors import PsgError, UnsupportedModuleError
 from psg_core.layout import fold_rows
 from psg_core._host import capturing
 from psg_core.support import (GLOBAL_ATTENTION_NAMES, CallState, is_unit, parametrized, rng_replayed,
@@ -169,6 +169,13 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
 
         pulled = vjp(whole, params)
         outputs, pullback = pulled[0], pulled[1]
+        if not all(_replays(out, kept) for out, kept in zip(outputs, cast(CallState, state).returned)):
+            raise UnsupportedModuleError(
+                f"{type(layer).__qualname__} draws random numbers in its call (dropout in training mode), and "
+                "run again from the generators' states at its start it returned other values than in the "
+                "forward pass (another dtype, as under autocast, may draw other masks), so psg cannot "
+                "compute its per-sample gradients; switch its dropout off (model.eval(), or a rate of 0), "
+                "or use mode='functorch'")
         samples = rows // K
         eye = None
         cotangents = []
@@ -265,6 +272,17 @@ def is_transform_limit(err: RuntimeError) -> bool:
     ``autograd.Function`` without ``setup_context``), which a loop over samples differentiated by
     autograd computes."""
     return not isinstance(err, PsgError) and _NO_SETUP_CONTEXT in str(err)
+
+
+def _replays(out: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Whether a replayed output equals the one the forward pass returned (to the rounding of the
+    coarser dtype: the replay may run in the parameters' precision)."""
+    if out.shape != kept.shape:
+        return False
+    coarse = min(torch.finfo(out.dtype).eps, 1.0) if out.is_floating_point() else 0.0
+    coarse = max(coarse, torch.finfo(kept.dtype).eps if kept.is_floating_point() else 0.0)
+    a, b = out.detach().double(), kept.double()
+    return bool(((a - b).abs() <= 8 * coarse * (b.abs().max() + 1e-30) + 8 * coarse * b.abs()).all())
 
 
 def _num_samples(inputs: list[Any], in_dims: Sequence[int | None], bps: list[torch.Tensor | None]) -> int:

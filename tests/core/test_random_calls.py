@@ -197,3 +197,26 @@ def test_wavlm_trains_with_its_attention_dropout(mode: str) -> None:
     scale = max(float(value.abs().max()) for value in expected.values())
     for name, value in expected.items():
         torch.testing.assert_close(got[name] / scale, value / scale, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+class Drifting(nn.Module):
+    """Draws dropout at a rate that changes with a Python counter of its calls (not state psg keeps):
+    run again, it draws other masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.5)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return F.dropout(x @ self.weight, p=0.5 if self.calls % 2 else 0.1, training=self.training)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_call_whose_replay_returns_other_values_is_refused(mode: str) -> None:
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Drifting(), nn.Flatten(), nn.Linear(STEPS * WIDTH, 3)).train()
+    x, y = _batch(1)
+    with pytest.raises(psg_core.UnsupportedModuleError, match=r"Drifting draws random numbers in its call .*returned "
+                                                              r"other values.*mode='functorch'"):
+        dp_gradient(model, x, y, loss_fn=cross_entropy_rows, config=DPConfig(mode=mode, max_grad_norm=1.0))
