@@ -164,40 +164,45 @@ def functorch_layer_grad_sample(layer: nn.Module, args: tuple[Any, ...], kwargs:
         def whole(sample_params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
             with rng_replayed(rng):
                 flat = tree_flatten(functional_call(layer, sample_params, args, kwargs, tie_weights=False))[0]
-            return tuple(flat[i] for i in output_index) if output_index is not None else \
+            outputs = tuple(flat[i] for i in output_index) if output_index is not None else \
                 tuple(o for o in flat if isinstance(o, torch.Tensor))
+            if not all(_replays(out, kept) for out, kept in zip(outputs, cast(CallState, state).returned)):
+                raise UnsupportedModuleError(
+                    f"{type(layer).__qualname__} draws random numbers in its call (dropout in training mode), and "
+                    "run again from the generators' states at its start it returned other values than in the "
+                    "forward pass (another dtype, as under autocast, may draw other masks), so psg cannot "
+                    "compute its per-sample gradients; switch its dropout off (model.eval(), or a rate of 0), "
+                    "or use mode='functorch'")
+            return outputs
 
-        pulled = vjp(whole, params)
-        outputs, pullback = pulled[0], pulled[1]
-        if not all(_replays(out, kept) for out, kept in zip(outputs, cast(CallState, state).returned)):
-            raise UnsupportedModuleError(
-                f"{type(layer).__qualname__} draws random numbers in its call (dropout in training mode), and "
-                "run again from the generators' states at its start it returned other values than in the "
-                "forward pass (another dtype, as under autocast, may draw other masks), so psg cannot "
-                "compute its per-sample gradients; switch its dropout off (model.eval(), or a rate of 0), "
-                "or use mode='functorch'")
         samples = rows // K
-        eye = None
-        cotangents = []
-        for out, bp, (dim, merged) in zip(outputs, backprops, out_dims):
-            if bp is None:
-                cotangents.append(torch.zeros((samples, *out.shape), dtype=out.dtype, device=out.device))
-                continue
-            if bp.shape != out.shape:
-                raise ValueError(f"run again on the batch it returns shape {tuple(out.shape)} where the forward "
-                                 f"pass's output holds {tuple(bp.shape)}")
-            if eye is None:
-                eye = torch.eye(samples, dtype=bp.dtype, device=bp.device)
-            per = fold_rows(bp.movedim(dim, 0), K * merged)  # (N, K*m, ...)
-            own = eye.view(samples, samples, *[1] * (per.dim() - 1)) * per  # (N, N, K*m, ...): sample n's rows
-            cotangents.append(own.flatten(1, 2).movedim(1, dim + 1))
+        try:
+            pulled = vjp(whole, params)
+        except RuntimeError as err:
+            if not is_transform_limit(err):
+                raise
+            # (an autograd.Function torch.func cannot transform: PhiMoE's router's multiplier) one
+            # forward and one backward per sample, by autograd
+            with torch.enable_grad():
+                leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+                outputs = whole(leaves)
+                cotangents = _own_rows(outputs, backprops, out_dims, samples, K)
+                results = []
+                for n in range(samples):
+                    found = torch.autograd.grad(outputs, list(leaves.values()), [c[n] for c in cotangents],
+                                                retain_graph=n < samples - 1, allow_unused=True)
+                    results.append({name: torch.zeros_like(leaf) if g is None else g
+                                    for (name, leaf), g in zip(leaves.items(), found)})
+            return {name: torch.stack([r[name] for r in results]) for name in params}
+        outputs, pullback = pulled[0], pulled[1]
+        cotangents = _own_rows(outputs, backprops, out_dims, samples, K)
         try:
             return cast(dict[str, torch.Tensor], vmap(lambda c: pullback(tuple(c))[0])(cotangents))
         except RuntimeError as err:
             if not is_vmap_limit(err):
                 raise
-            results = [pullback(tuple(c[n] for c in cotangents))[0] for n in range(samples)]
-            return {name: torch.stack([r[name] for r in results]) for name in params}
+            looped = [pullback(tuple(c[n] for c in cotangents))[0] for n in range(samples)]
+            return {name: torch.stack([r[name] for r in looped]) for name in params}
 
     for key in input_grad_hooks:
         del layer._forward_hooks[key]
@@ -272,6 +277,27 @@ def is_transform_limit(err: RuntimeError) -> bool:
     ``autograd.Function`` without ``setup_context``), which a loop over samples differentiated by
     autograd computes."""
     return not isinstance(err, PsgError) and _NO_SETUP_CONTEXT in str(err)
+
+
+def _own_rows(outputs: Sequence[torch.Tensor], backprops: Sequence[torch.Tensor | None],
+              out_dims: Sequence[tuple[int, int]], samples: int, K: int) -> list[torch.Tensor]:
+    """Per output, ``(N, *output.shape)``: sample n's slice holds the gradient of sample n's rows
+    and zeros elsewhere (its cotangent for a vector-Jacobian product of the whole batch's call)."""
+    eye = None
+    cotangents = []
+    for out, bp, (dim, merged) in zip(outputs, backprops, out_dims):
+        if bp is None:
+            cotangents.append(torch.zeros((samples, *out.shape), dtype=out.dtype, device=out.device))
+            continue
+        if bp.shape != out.shape:
+            raise ValueError(f"run again on the batch it returns shape {tuple(out.shape)} where the forward "
+                             f"pass's output holds {tuple(bp.shape)}")
+        if eye is None:
+            eye = torch.eye(samples, dtype=bp.dtype, device=bp.device)
+        per = fold_rows(bp.movedim(dim, 0), K * merged)  # (N, K*m, ...)
+        own = eye.view(samples, samples, *[1] * (per.dim() - 1)) * per  # (N, N, K*m, ...): sample n's rows
+        cotangents.append(own.flatten(1, 2).movedim(1, dim + 1))
+    return cotangents
 
 
 def _replays(out: torch.Tensor, kept: torch.Tensor) -> bool:

@@ -55,6 +55,7 @@ def test_types_once_refused_match_the_oracle(task: str, model_type: str, oracle:
     ("sequence", "longformer"),  # a row-wise unit whose attention drops its probabilities: replayed
     ("audio", "wavlm"),  # a unit (F.multi_head_attention_forward) with dropout, and SpecAugment
     ("sequence", "bert"),  # dropout in layers with grad samplers only
+    ("sequence", "phimoe"),  # a router drawing Gumbel noise through an autograd.Function without setup_context
 ])
 def test_training_mode_with_dropout_matches_the_seeded_oracle(task: str, model_type: str) -> None:
     line = hf_sweep.sweep_type(model_type, K=2, task=task, train=True)

@@ -220,3 +220,61 @@ def test_a_call_whose_replay_returns_other_values_is_refused(mode: str) -> None:
     with pytest.raises(psg_core.UnsupportedModuleError, match=r"Drifting draws random numbers in its call .*returned "
                                                               r"other values.*mode='functorch'"):
         dp_gradient(model, x, y, loss_fn=cross_entropy_rows, config=DPConfig(mode=mode, max_grad_norm=1.0))
+
+
+class Halved(torch.autograd.Function):
+    """``x**2`` whose backward is half its derivative, written without ``setup_context`` (which
+    torch.func cannot transform): PhiMoE's router multiplier is such a function."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)  # type: ignore[attr-defined]
+        return x.square()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad * x
+
+
+class NoisyRouter(nn.Linear):
+    """A Linear with two outputs (so the per-layer fallback computes it): logits and weights drawn
+    with Gumbel noise in training mode through such a function (PhiMoE's sparse mixer in small)."""
+
+    def __init__(self) -> None:
+        super().__init__(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        logits = super().forward(x)
+        noisy = logits - torch.empty_like(logits).exponential_().log() if self.training else logits
+        return logits, Halved.apply(torch.softmax(noisy, -1))
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.router, self.head = nn.Linear(WIDTH, WIDTH), NoisyRouter(), nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, weights = self.router(torch.tanh(self.inp(x)))
+        return self.head((weights + 0.1 * logits).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_random_call_through_a_function_torch_func_cannot_transform(mode: str) -> None:
+    """vjp refuses the function: the replay's backward runs by autograd, once per sample."""
+    torch.manual_seed(5)
+    model = Routed().train()
+    x, y = _batch(2)
+    expected = _reference(model, x, y, 2)
+    torch.manual_seed(SEED)
+    if mode == "hooks":
+        got = per_sample_gradients(model, x, y, loss_fn=cross_entropy_rows, augmentation_multiplicity=2)
+        for name, value in expected.items():
+            assert_close_scaled(got[name], value, name=name)
+    else:
+        reference = psg_core.clip_and_sum(expected, max_grad_norm=0.05)
+        result = dp_gradient(model, x, y, loss_fn=cross_entropy_rows,
+                             config=DPConfig(mode="ghost", augmentation_multiplicity=2, max_grad_norm=0.05))
+        for name, value in reference.grads.items():
+            assert_close_scaled(result.grads[name], value, name=name)
