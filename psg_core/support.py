@@ -379,8 +379,9 @@ def call_state(layer: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, A
       (a wrong gradient, silently).
     * Which of transformers' caches among the arguments held nothing yet for the layer's
       ``layer_idx`` (a training forward with ``use_cache=True`` makes an empty one): the call
-      only stores the batch's keys and values there, so a sample's run computes the same without
-      it (:func:`without_fresh_caches`), where the filled cache would hold every sample's.
+      only stores the batch's keys and values (or Mamba's states) there, so a sample's run
+      computes the same without it (:func:`without_fresh_caches`), where the filled cache would
+      hold every sample's.
 
     >>> cell = nn.Linear(2, 2)
     >>> cell.memory = None
@@ -395,15 +396,23 @@ def call_state(layer: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, A
     index = getattr(layer, "layer_idx", None)
     if type(index) is not int or not (args or kwargs):
         return CallState(attributes, rng=rng)
-    fresh = set()
-    for value in (*args, *(kwargs or {}).values()):
-        if is_cache(value):
-            try:
-                if value.get_seq_length(index) == 0:
-                    fresh.add(id(value))
-            except Exception:  # noqa: BLE001  (a cache class without it: held as a filled one)
-                pass
-    return CallState(attributes, frozenset(fresh), rng)
+    fresh = frozenset(id(value) for value in (*args, *(kwargs or {}).values())
+                      if is_cache(value) and _holds_nothing(value, index))
+    return CallState(attributes, fresh, rng)
+
+
+def _holds_nothing(cache: Any, index: int) -> bool:
+    """Whether ``cache`` holds nothing yet for layer ``index``: no keys (an attention layer's), or
+    neither a convolution state nor a recurrent one (Mamba's and the linear-attention layers', which
+    track no length). Anything else, or a cache that answers neither, is taken as filled."""
+    try:
+        return bool(cache.get_seq_length(index) == 0)
+    except Exception:  # noqa: BLE001  (a layer that tracks no length, or another cache class)
+        pass
+    try:
+        return cache.get_conv_state(index, state_idx=0) is None and cache.get_recurrent_state(index, state_idx=0) is None
+    except Exception:  # noqa: BLE001  (a cache class without them: held as a filled one)
+        return False
 
 
 def rng_snapshot() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
