@@ -527,6 +527,8 @@ class BatchTracker(TorchFunctionMode):
         super().__init__()
         self._meets_own = meets_own
         self._keeps_state = keeps_state
+        #: an op inside an activation checkpoint is being met (see _meet_checkpointed)
+        self._in_checkpoint = False
         self._stateful: dict[nn.Module, bool] = {}  # keeps_state's answer per layer
         #: the layers ``meets_own`` picked (hooked to resolve their calls' meetings)
         self._own_meeters: set[nn.Module] = set()
@@ -952,10 +954,14 @@ class BatchTracker(TorchFunctionMode):
         too, under the checkpoint, and dropped: the checkpoint's record of what this op saves is
         the recomputation's, and the dropped tensors are not looked for again."""
         with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
-            met = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
+            self._in_checkpoint = True
+            try:
+                met = self._meet(func, name, args, kwargs, free, [b for b, _ in batched])
+            finally:
+                self._in_checkpoint = False
             if not isinstance(met, _Computed) and met[0] is args and met[1] is kwargs:
                 return batched, frozenset(), name, args, kwargs, None  # not rewritten: the op as it is
-            if name.endswith("_") and not name.endswith("__"):
+            if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__":
                 # (the op as written, run again in place, would write the tensor a second time)
                 raise self._cannot(name, self.current_module(), "it writes in place inside an activation checkpoint, "
                                    "whose recomputation the rewritten op would not match; write it out of place "
@@ -1025,7 +1031,7 @@ class BatchTracker(TorchFunctionMode):
         # The layer's own parameters as met points (a layer without a sampler, in pointwise ops)
         meet_own = frame is not None and frame.meet_own and not frame.opaque
         if meet_own and name not in _OWN_MEETS and not (name == "__setitem__" and len(args) == 3
-                                                        and _mask_rows(args[1], args[0])):
+                                                        and _mask_rows(args[1], args[0]) and not self._in_checkpoint):
             meet_own = False
         if frame is not None and frame.own is not None and all(id(t) in frame.own for t in free):
             if not meet_own:
@@ -1086,11 +1092,13 @@ class BatchTracker(TorchFunctionMode):
             if out_bd is None:
                 raise self._cannot(name, where, "the batch axis of its batched operand is unknown")
         elif name == "__setitem__" and len(args) == 3 and not kwargs and args[0] is batched[0] \
-                and _mask_rows(args[1], args[0]) and id(args[2]) in sources:
+                and _mask_rows(args[1], args[0]) and id(args[2]) in sources and not self._in_checkpoint:
             # ``x[mask] = value`` with a boolean mask over x's leading axes (batched, or a constant:
             # wav2vec2's and WavLM's SpecAugment draws it with numpy) and a value made of parameters
             # (the masked time steps set to ``masked_spec_embed``): computed as
-            # ``x.copy_(where(mask, value, x))``, each row's copy of the value met there.
+            # ``x.copy_(where(mask, value, x))``, each row's copy of the value met there (not inside
+            # an activation checkpoint, whose recomputation would write the value a second time: a
+            # layer's own value sends its call to the fallback there, as before).
             shape = tuple(args[0].shape)
             out_bd, merged = self._batched[args[0]]
             if out_bd < 0:

@@ -340,3 +340,28 @@ class SlotWrite(nn.Module):
 def test_a_parameter_written_into_a_slot_runs_the_call_per_sample(mode: str) -> None:
     torch.manual_seed(0)
     _matches_the_oracle(SlotWrite(), torch.randn(N * 2, 5, 3), torch.randint(0, 2, (N * 2,)), mode, 2)
+
+
+class CheckpointedSpec(nn.Module):
+    """SpecMasked's own-parameter write inside a non-reentrant activation checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = SpecMasked("batched", borrowed=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_masked_write_inside_an_activation_checkpoint_runs_the_call_per_sample(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint's recomputation would write the value a second time over the met one (the
+    parameter's per-sample gradients came out wrong, silently): there the write is no meeting, and
+    the layer's call runs per sample, as before masked writes became meetings."""
+    calls = _fallback_calls(monkeypatch)
+    torch.manual_seed(0)
+    _matches_the_oracle(CheckpointedSpec(), torch.randn(N * 2, 5, 3), torch.randint(0, 2, (N * 2,)), mode, 2)
+    assert calls == ["SpecMasked"], calls
